@@ -1,0 +1,55 @@
+"""tierckpt: tiered checkpoint storage for PyTorch distributed training.
+
+`TieredStorageWriter` / `TieredStorageReader` plug into `torch.distributed.checkpoint`
+(`dcp.save`, `dcp.async_save`, `dcp.load`) and keep checkpoints in the node daemon's
+shared-memory tier. They are imported lazily so the CLI starts without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tierckpt.errors import (
+    CheckpointExists,
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    DaemonTimeout,
+    DaemonUnavailable,
+    InvalidName,
+    MemoryBudgetExceeded,
+    TierckptError,
+)
+
+if TYPE_CHECKING:
+    from tierckpt.storage_reader import TieredStorageReader
+    from tierckpt.storage_writer import TieredStorageWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointExists",
+    "CheckpointIncomplete",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "DaemonTimeout",
+    "DaemonUnavailable",
+    "InvalidName",
+    "MemoryBudgetExceeded",
+    "TierckptError",
+    "TieredStorageReader",
+    "TieredStorageWriter",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TieredStorageWriter":
+        from tierckpt.storage_writer import TieredStorageWriter
+
+        return TieredStorageWriter
+    if name == "TieredStorageReader":
+        from tierckpt.storage_reader import TieredStorageReader
+
+        return TieredStorageReader
+    raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")

@@ -1,0 +1,87 @@
+"""Errors of tierckpt and the one table that maps them to and from gRPC status codes.
+
+Every error derives from a builtin so callers can catch it generically
+(`FileNotFoundError`, `MemoryError`, ...), and pickles with its message, because DCP
+gathers per-rank exceptions across processes.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "CheckpointExists",
+    "CheckpointIncomplete",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "DaemonTimeout",
+    "DaemonUnavailable",
+    "InvalidName",
+    "MemoryBudgetExceeded",
+    "TierckptError",
+    "error_from_status",
+    "status_of",
+]
+
+
+class TierckptError(Exception):
+    """Base class of every tierckpt error; `code` is the gRPC status it travels as."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidName(TierckptError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class CheckpointExists(TierckptError, FileExistsError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class CheckpointNotFound(TierckptError, FileNotFoundError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class MemoryBudgetExceeded(TierckptError, MemoryError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class CheckpointIncomplete(TierckptError, RuntimeError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ChecksumMismatch(TierckptError, OSError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class DaemonUnavailable(TierckptError, ConnectionError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DaemonTimeout(TierckptError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[TierckptError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidName,
+        CheckpointExists,
+        CheckpointNotFound,
+        MemoryBudgetExceeded,
+        CheckpointIncomplete,
+        ChecksumMismatch,
+        DaemonUnavailable,
+        DaemonTimeout,
+    )
+}
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status a server aborts with for `error`."""
+    return error.code if isinstance(error, TierckptError) else grpc.StatusCode.INTERNAL
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
+    """The client-side exception for a failed RPC; unknown codes become TierckptError."""
+    return _BY_CODE.get(code, TierckptError)(message)

@@ -1,0 +1,46 @@
+"""Grammar of namespaces, checkpoint ids and DCP file names.
+
+Names become path components in the memory tier and keys under an fsspec URL, so the
+charset is narrow and `.`/`..` are refused: a name can never escape its directory.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tierckpt.errors import InvalidName
+
+__all__ = ["METADATA_FILE", "check_checkpoint_id", "check_file_name", "check_namespace", "step_of"]
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_STEP = re.compile(r"(\d+)$")
+METADATA_FILE = ".metadata"
+
+
+def _check(kind: str, value: object) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or value in (".", ".."):
+        raise InvalidName(
+            f"invalid {kind} {value!r}: use 1-128 characters from [A-Za-z0-9._-], not '.' or '..'"
+        )
+    return value
+
+
+def check_namespace(value: object) -> str:
+    """Return `value` if it is a valid namespace (one training job), else raise InvalidName."""
+    return _check("namespace", value)
+
+
+def check_checkpoint_id(value: object) -> str:
+    """Return `value` if it is a valid checkpoint id (e.g. ``step-000100``), else raise InvalidName."""
+    return _check("checkpoint id", value)
+
+
+def check_file_name(value: object) -> str:
+    """Return `value` if it is a valid DCP file name of a checkpoint, else raise InvalidName."""
+    return _check("file name", value)
+
+
+def step_of(checkpoint_id: str) -> int | None:
+    """The step of a checkpoint id: its trailing integer (``step-000100`` -> 100), if any."""
+    match = _STEP.search(checkpoint_id)
+    return int(match.group(1)) if match else None
