@@ -34,9 +34,13 @@ class BlockChecksums:
 
     def __post_init__(self) -> None:
         if self.algorithm != ALGORITHM:
-            raise ValueError(f"unsupported checksum algorithm {self.algorithm!r}; expected {ALGORITHM!r}")
+            raise ValueError(
+                f"unsupported checksum algorithm {self.algorithm!r}; expected {ALGORITHM!r}"
+            )
         if self.block_size <= 0 or len(self.digests) % DIGEST_SIZE:
-            raise ValueError(f"malformed block checksums ({self.block_size=}, {len(self.digests)} digest bytes)")
+            raise ValueError(
+                f"malformed block checksums ({self.block_size=}, {len(self.digests)} digest bytes)"
+            )
 
     @property
     def block_count(self) -> int:

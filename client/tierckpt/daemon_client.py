@@ -1,0 +1,273 @@
+"""Typed client of the local daemon's DaemonService.
+
+The only client module that touches generated wire types: callers get domain
+dataclasses and tierckpt exceptions (mapped from the gRPC status by errors.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+
+from tierckpt.checksum import BlockChecksums
+from tierckpt.endpoint import open_channel, resolve_daemon_address
+from tierckpt.errors import DaemonTimeout, DaemonUnavailable, TierckptError, error_from_status
+from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+
+__all__ = ["CheckpointInfo", "DaemonClient", "FileEntry", "NodeStatus", "OpenedFile"]
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str
+    size: int
+    checksums: BlockChecksums
+    rank: int
+    owner_node: str
+    replica_nodes: tuple[str, ...]
+    local_path: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    namespace: str
+    checkpoint_id: str
+    state: str
+    size_bytes: int
+    file_count: int
+    created_unix: float
+    committed_unix: float
+    sequence: int
+    tiers: tuple[str, ...]
+    pinned: bool
+    files: tuple[FileEntry, ...] = field(default=())
+
+    def file(self, name: str) -> FileEntry:
+        for entry in self.files:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"{self.namespace}/{self.checkpoint_id} has no file {name!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The `tierckpt ls --json` row: stable keys for scripts."""
+        return {
+            "namespace": self.namespace,
+            "id": self.checkpoint_id,
+            "state": self.state,
+            "bytes": self.size_bytes,
+            "files": self.file_count,
+            "created": self.created_unix,
+            "committed": self.committed_unix or None,
+            "sequence": self.sequence,
+            "tiers": list(self.tiers),
+            "pinned": self.pinned,
+        }
+
+
+@dataclass(frozen=True)
+class OpenedFile:
+    path: str
+    preallocated_bytes: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node_id: str
+    failure_domain: str
+    memory_dir: str
+    budget_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    pool_bytes: int
+    checkpoints: int
+    namespaces: tuple[str, ...]
+    version: str
+
+
+def _ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
+    return common_pb2.CheckpointRef(namespace=namespace, checkpoint_id=checkpoint_id)
+
+
+def _checksums_to_wire(c: BlockChecksums) -> common_pb2.BlockChecksums:
+    return common_pb2.BlockChecksums(
+        algorithm=c.algorithm, block_size=c.block_size, block_digests=c.digests
+    )
+
+
+def _file_from_wire(f: common_pb2.FileEntry) -> FileEntry:
+    return FileEntry(
+        name=f.name,
+        size=f.size,
+        checksums=BlockChecksums(
+            f.checksums.block_size, f.checksums.block_digests, f.checksums.algorithm
+        ),
+        rank=f.rank,
+        owner_node=f.owner_node,
+        replica_nodes=tuple(f.replica_nodes),
+        local_path=f.local_path,
+    )
+
+
+def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
+    return CheckpointInfo(
+        namespace=info.ref.namespace,
+        checkpoint_id=info.ref.checkpoint_id,
+        state=common_pb2.CheckpointState.Name(info.state),
+        size_bytes=info.size_bytes,
+        file_count=info.file_count,
+        created_unix=info.created_unix,
+        committed_unix=info.committed_unix,
+        sequence=info.sequence,
+        tiers=tuple(info.tiers),
+        pinned=info.pinned,
+        files=tuple(_file_from_wire(f) for f in info.files),
+    )
+
+
+class DaemonClient:
+    """Calls to one daemon. Picklable: the channel is opened lazily in each process."""
+
+    def __init__(self, daemon: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = resolve_daemon_address(daemon)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: daemon_pb2_grpc.DaemonServiceStub | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], timeout_s=state["timeout_s"])  # type: ignore[misc]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    def _service(self) -> daemon_pb2_grpc.DaemonServiceStub:
+        with self._lock:
+            if self._stub is None:
+                self._channel = open_channel(self.address)
+                self._stub = daemon_pb2_grpc.DaemonServiceStub(self._channel)
+            return self._stub
+
+    def _call(self, method: Callable[..., T], request: Any) -> T:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise self._translate(e) from None
+
+    def _translate(self, e: grpc.RpcError) -> TierckptError:
+        code: grpc.StatusCode = e.code()
+        details: str = e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return DaemonUnavailable(
+                f"tierckptd is not reachable at {self.address} ({details}): start it "
+                "(`tierckptd --config PATH` or `systemctl start tierckptd`) or point "
+                "TIERCKPT_DAEMON / daemon= at the running one"
+            )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DaemonTimeout(
+                f"tierckptd at {self.address} did not answer within {self.timeout_s:.0f} s"
+            )
+        return error_from_status(code, details)
+
+    # --- save path -------------------------------------------------------------------
+    def begin_checkpoint(self, namespace: str, checkpoint_id: str, rank: int) -> None:
+        req = daemon_pb2.BeginCheckpointRequest(ref=_ref(namespace, checkpoint_id), rank=rank)
+        self._call(self._service().BeginCheckpoint, req)
+
+    def reserve_space(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
+        req = daemon_pb2.ReserveSpaceRequest(
+            ref=_ref(namespace, checkpoint_id), rank=rank, bytes=nbytes
+        )
+        return int(self._call(self._service().ReserveSpace, req).reserved_bytes)
+
+    def open_file(
+        self, namespace: str, checkpoint_id: str, file_name: str, rank: int
+    ) -> OpenedFile:
+        req = daemon_pb2.OpenFileRequest(
+            ref=_ref(namespace, checkpoint_id), file_name=file_name, rank=rank
+        )
+        resp = self._call(self._service().OpenFile, req)
+        return OpenedFile(resp.path, resp.preallocated_bytes)
+
+    def commit_file(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        file_name: str,
+        rank: int,
+        size: int,
+        checksums: BlockChecksums,
+    ) -> None:
+        req = daemon_pb2.CommitFileRequest(
+            ref=_ref(namespace, checkpoint_id),
+            file_name=file_name,
+            rank=rank,
+            size=size,
+            checksums=_checksums_to_wire(checksums),
+        )
+        self._call(self._service().CommitFile, req)
+
+    def commit_checkpoint(
+        self, namespace: str, checkpoint_id: str, required_files: Iterable[str]
+    ) -> CheckpointInfo:
+        req = daemon_pb2.CommitCheckpointRequest(
+            ref=_ref(namespace, checkpoint_id), required_files=sorted(required_files)
+        )
+        return _info_from_wire(self._call(self._service().CommitCheckpoint, req))
+
+    def abort_checkpoint(self, namespace: str, checkpoint_id: str) -> None:
+        self._call(self._service().AbortCheckpoint, _ref(namespace, checkpoint_id))
+
+    # --- restore path and administration --------------------------------------------
+    def get_checkpoint(self, namespace: str, checkpoint_id: str | None = None) -> CheckpointInfo:
+        """A committed checkpoint with its files; `None` asks for the newest."""
+        return _info_from_wire(
+            self._call(self._service().GetCheckpoint, _ref(namespace, checkpoint_id or ""))
+        )
+
+    def list_checkpoints(
+        self, namespace: str, *, include_uncommitted: bool = False
+    ) -> list[CheckpointInfo]:
+        req = daemon_pb2.ListCheckpointsRequest(
+            namespace=namespace, include_uncommitted=include_uncommitted
+        )
+        return [
+            _info_from_wire(c) for c in self._call(self._service().ListCheckpoints, req).checkpoints
+        ]
+
+    def delete_checkpoint(self, namespace: str, checkpoint_id: str) -> int:
+        return int(
+            self._call(self._service().DeleteCheckpoint, _ref(namespace, checkpoint_id)).freed_bytes
+        )
+
+    def verify_checkpoint(self, namespace: str, checkpoint_id: str) -> tuple[bool, int, list[str]]:
+        resp = self._call(self._service().VerifyCheckpoint, _ref(namespace, checkpoint_id))
+        return resp.ok, int(resp.verified_bytes), list(resp.corrupt_files)
+
+    def status(self) -> NodeStatus:
+        s = self._call(self._service().GetStatus, daemon_pb2.GetStatusRequest())
+        return NodeStatus(
+            node_id=s.node_id,
+            failure_domain=s.failure_domain,
+            memory_dir=s.memory_dir,
+            budget_bytes=s.budget_bytes,
+            used_bytes=s.used_bytes,
+            reserved_bytes=s.reserved_bytes,
+            pool_bytes=s.pool_bytes,
+            checkpoints=s.checkpoints,
+            namespaces=tuple(s.namespaces),
+            version=s.version,
+        )

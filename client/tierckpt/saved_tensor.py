@@ -1,0 +1,103 @@
+"""Where a tensor's bytes lie inside one DCP item (a complete ``torch.save`` archive).
+
+Reading the zip directory and the pickle (a few KiB) tells us the dtype, shape,
+strides and the offset of the raw storage record, so the reader can copy exactly the
+bytes it needs from shared memory into the destination tensor, with no intermediate
+``torch.load`` buffer.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+from typing import IO, cast
+
+import torch
+
+__all__ = ["SavedTensorLayout", "parse_saved_tensor"]
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of bytes [base, base+length) of a file descriptor."""
+
+    def __init__(self, fd: int, base: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._base, self._length, self._pos = fd, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, origin + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        want = min(len(buffer), self._length - self._pos)
+        if want <= 0:
+            return 0
+        got = os.preadv(self._fd, [memoryview(buffer)[:want]], self._base + self._pos)
+        self._pos += got
+        return got
+
+
+@dataclass(frozen=True)
+class SavedTensorLayout:
+    """A saved tensor: its meta twin (dtype/shape/strides) and its storage record offset."""
+
+    meta: torch.Tensor
+    storage_offset_bytes: int  # of the storage record, from the start of the item
+
+    @property
+    def storage_nbytes(self) -> int:
+        return int(self.meta.untyped_storage().nbytes())
+
+    def contiguous_range(
+        self, offsets: tuple[int, ...], lengths: tuple[int, ...]
+    ) -> tuple[int, int] | None:
+        """(start, nbytes) within the item of the sub-block at `offsets` of size `lengths`,
+        when those elements are one contiguous run in row-major order; else None."""
+        t = self.meta
+        if not t.is_contiguous() or len(offsets) != t.dim():
+            return None
+        sizes = tuple(t.shape)
+        # Row-major: after the first narrowed dim, every later dim must be whole,
+        # and every earlier dim must have length 1.
+        narrowed = [i for i in range(t.dim()) if lengths[i] != sizes[i]]
+        if narrowed:
+            k = narrowed[0]
+            if any(lengths[i] != sizes[i] for i in range(k + 1, t.dim())):
+                return None
+            if any(lengths[i] != 1 for i in range(k)):
+                return None
+        first = t.storage_offset() + sum(o * s for o, s in zip(offsets, t.stride(), strict=True))
+        item = t.element_size()
+        return self.storage_offset_bytes + int(first) * item, math.prod(lengths) * item
+
+
+def parse_saved_tensor(fd: int, base: int, length: int) -> SavedTensorLayout:
+    """Parse the torch.save archive at [base, base+length) of `fd` without reading its data."""
+    meta = torch.load(
+        cast(IO[bytes], _RangeFile(fd, base, length)), map_location="meta", weights_only=True
+    )
+    if not isinstance(meta, torch.Tensor):
+        raise ValueError(f"expected a saved tensor, found {type(meta).__name__}")
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _RangeFile(fd, base, length)))
+    records = [
+        r for r in reader.get_all_records() if "/data/" in f"/{r}" and not r.endswith(".pkl")
+    ]
+    storage_records = [r for r in records if r.rsplit("/", 2)[-2] == "data"]
+    if len(storage_records) != 1:
+        raise ValueError(
+            f"expected one storage record in a DCP tensor item, found {storage_records}"
+        )
+    offset = reader.get_record_offset(storage_records[0])  # type: ignore[attr-defined]
+    return SavedTensorLayout(meta, int(offset))
