@@ -1,0 +1,201 @@
+"""`tierckpt`: inspect and manage the checkpoints held by the local tierckptd.
+
+Every command takes ``--json`` for scripts. Exit status: 0 ok, 1 a tierckpt error
+(message on stderr), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tierckpt import __version__
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient
+from tierckpt.errors import TierckptError
+from tierckpt.memory_files import VerifiedFile
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+
+__all__ = ["main"]
+
+_COPY_CHUNK = 16 << 20
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+    print(json.dumps(payload, indent=2) if args.json else text)
+
+
+def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
+    rows = client.list_checkpoints(check_namespace(args.namespace), include_uncommitted=args.all)
+    lines = [f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5}  {'CREATED':<19}  TIERS"]
+    lines += [
+        f"{c.checkpoint_id:<24} {c.state:<10} {_human(c.size_bytes):>12} {c.file_count:>5}  "
+        f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
+        for c in rows
+    ]
+    _emit(args, [c.to_json() for c in rows], "\n".join(lines))
+    return 0
+
+
+def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
+    s = client.status()
+    payload = {
+        "node": s.node_id,
+        "failure_domain": s.failure_domain,
+        "memory_dir": s.memory_dir,
+        "budget_bytes": s.budget_bytes,
+        "used_bytes": s.used_bytes,
+        "reserved_bytes": s.reserved_bytes,
+        "pool_bytes": s.pool_bytes,
+        "checkpoints": s.checkpoints,
+        "namespaces": list(s.namespaces),
+        "version": s.version,
+        "address": client.address,
+    }
+    text = (
+        f"node {s.node_id} (failure domain {s.failure_domain}) at {client.address}, tierckptd {s.version}\n"
+        f"memory {s.memory_dir}: {_human(s.used_bytes)} used + {_human(s.reserved_bytes)} reserved "
+        f"+ {_human(s.pool_bytes)} warm pool of {_human(s.budget_bytes)} budget\n"
+        f"{s.checkpoints} committed checkpoints in {len(s.namespaces)} namespaces: {', '.join(s.namespaces) or '-'}"
+    )
+    _emit(args, payload, text)
+    return 0
+
+
+def _pull(info: CheckpointInfo, dest: str) -> int:
+    """Copy every file, verified block by block, then `.metadata` last (the commit marker)."""
+    os.makedirs(dest, exist_ok=True)
+    if os.path.exists(os.path.join(dest, METADATA_FILE)):
+        raise FileExistsError(
+            f"{dest} already holds a checkpoint (.metadata exists); pull into an empty directory"
+        )
+    total = 0
+    ordered = sorted(info.files, key=lambda f: f.name == METADATA_FILE)
+    for entry in ordered:
+        target = os.path.join(dest, entry.name)
+        tmp = f"{target}.tmp"
+        what = f"{info.namespace}/{info.checkpoint_id}/{entry.name}"
+        with (
+            VerifiedFile(entry.local_path, entry.size, entry.checksums, what=what) as src,
+            open(tmp, "wb") as out,
+        ):
+            for start in range(0, entry.size, _COPY_CHUNK):
+                out.write(src.read(start, min(_COPY_CHUNK, entry.size - start)))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+        total += entry.size
+    return total
+
+
+def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
+    info = client.get_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
+    started = time.perf_counter()
+    total = _pull(info, args.dest)
+    elapsed = time.perf_counter() - started
+    payload = {
+        "id": info.checkpoint_id,
+        "dest": args.dest,
+        "bytes": total,
+        "files": len(info.files),
+        "seconds": elapsed,
+    }
+    text = (
+        f"pulled {info.namespace}/{info.checkpoint_id} into {args.dest}: {len(info.files)} files, "
+        f"{_human(total)} in {elapsed:.2f} s; load it with FileSystemReader({args.dest!r})"
+    )
+    _emit(args, payload, text)
+    return 0
+
+
+def _cmd_rm(client: DaemonClient, args: argparse.Namespace) -> int:
+    freed = client.delete_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
+    _emit(
+        args,
+        {"id": args.id, "freed_bytes": freed},
+        f"removed {args.namespace}/{args.id} ({_human(freed)})",
+    )
+    return 0
+
+
+def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
+    ok, verified, corrupt = client.verify_checkpoint(
+        check_namespace(args.namespace), check_checkpoint_id(args.id)
+    )
+    payload = {"id": args.id, "ok": ok, "verified_bytes": verified, "corrupt_files": corrupt}
+    text = (
+        f"{args.namespace}/{args.id}: ok, {_human(verified)} verified"
+        if ok
+        else f"{args.namespace}/{args.id}: CORRUPT files {', '.join(corrupt)}"
+    )
+    _emit(args, payload, text)
+    return 0 if ok else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierckpt", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    parser.add_argument(
+        "--daemon", help="daemon address (default: $TIERCKPT_DAEMON, else the default socket)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    ls = add("ls", "list a namespace's checkpoints (committed only, unless --all)")
+    ls.add_argument("namespace")
+    ls.add_argument("--all", action="store_true", help="also show WRITING and ABORTED saves")
+    add("status", "the daemon's node, memory budget and namespaces")
+    pull = add("pull", "copy a checkpoint into a directory stock dcp.load / FileSystemReader reads")
+    pull.add_argument("namespace")
+    pull.add_argument("id")
+    pull.add_argument("dest")
+    rm = add("rm", "delete a checkpoint from the daemon")
+    rm.add_argument("namespace")
+    rm.add_argument("id")
+    verify = add("verify", "re-read a checkpoint and check every block checksum")
+    verify.add_argument("namespace")
+    verify.add_argument("id")
+    return parser
+
+
+_COMMANDS = {
+    "ls": _cmd_ls,
+    "status": _cmd_status,
+    "pull": _cmd_pull,
+    "rm": _cmd_rm,
+    "verify": _cmd_verify,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    client = DaemonClient(args.daemon)
+    try:
+        return _COMMANDS[args.command](client, args)
+    except (TierckptError, OSError) as e:
+        print(f"tierckpt {args.command}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
