@@ -1,0 +1,42 @@
+# One entry point for people and CI. `make demo` and `make test` work on a fresh machine:
+# they create .venv, install the CPU build of torch first (so the `torch>=2.6` requirement
+# is already met and never pulls CUDA wheels), then this project with its dev extra.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test lint typecheck stubs stubs-check bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH_PIN)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+stubs: setup
+	$(BIN)/python proto/gen_stubs.py
+
+stubs-check: setup
+	$(BIN)/python proto/gen_stubs.py --check
+
+bench: setup
+	$(BIN)/python bench/bench_memory_tier.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info client/*.egg-info server/*.egg-info .pytest_cache .mypy_cache .ruff_cache
