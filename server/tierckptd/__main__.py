@@ -1,0 +1,7 @@
+"""python -m tierckptd"""
+
+import sys
+
+from tierckptd.main import main
+
+sys.exit(main())

@@ -1,0 +1,684 @@
+"""The catalog: every checkpoint of this node's memory tier, its lifecycle and its budget.
+
+Budget invariant (DESIGN.md invariant 7), checked under one lock::
+
+    C (committed file bytes) + R (outstanding reservations) + P (warm pool) <= budget
+
+Reservations are taken before a rank writes a byte, so a save that cannot fit is refused
+up front with a message naming the budget. Pool bytes are reclaimable: they are dropped
+(largest first) whenever a reservation needs room. Long I/O (hashing, preallocation)
+never runs under the lock; renames and small manifest writes do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
+from tierckpt.errors import (
+    CheckpointExists,
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    InvalidName,
+    MemoryBudgetExceeded,
+)
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+
+from tierckptd import __version__, metrics
+from tierckptd.config import format_size
+from tierckptd.manifest import ManifestError, read_manifest, write_manifest
+from tierckptd.memory_tier import MemoryTier, Segment, hash_rate
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, NodeStatusView, State
+from tierckptd.retention import Candidate, memory_evictions
+
+__all__ = ["Catalog", "Sweeper", "VerifyResult"]
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+PREWARM_SEGMENT = 1 << 30
+
+
+class VerifyResult:
+    """Outcome of re-hashing a checkpoint's files."""
+
+    def __init__(self, ok: bool, verified_bytes: int, corrupt_files: list[str]) -> None:
+        self.ok = ok
+        self.verified_bytes = verified_bytes
+        self.corrupt_files = corrupt_files
+
+
+class Catalog:
+    """Lifecycle and budget of the checkpoints in one memory tier (thread-safe)."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        *,
+        node_id: str,
+        failure_domain: str,
+        budget: int,
+        recycle: bool = True,
+        memory_keep_last: int = 2,
+        abandon_after: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tier = tier
+        self.node_id = node_id
+        self.failure_domain = failure_domain
+        self.budget = budget
+        self.recycle = recycle
+        self.memory_keep_last = memory_keep_last
+        self.abandon_after = abandon_after
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.RLock()
+        self._records: dict[Key, CheckpointRecord] = {}
+        self._next_sequence = 1
+        self._prewarm_pending = 0
+        self._quarantined_bytes = 0
+
+    # ---- accounting (call under the lock) ---------------------------------------------
+    def _used(self) -> int:
+        return self._quarantined_bytes + sum(r.committed_bytes for r in self._records.values())
+
+    def _reserved(self) -> int:
+        return sum(sum(r.reservations.values()) for r in self._records.values())
+
+    def _pool(self) -> int:
+        return self.tier.pool_bytes + self._prewarm_pending
+
+    def _trim_pool(self, extra: int = 0) -> None:
+        """Drop pool segments, largest first, until C + R + P + extra fits the budget."""
+        while self._used() + self._reserved() + self._pool() + extra > self.budget:
+            if not self.tier.drop_largest():
+                return
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used()
+
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved()
+
+    def pool_bytes(self) -> int:
+        with self._lock:
+            return self._pool()
+
+    def committed_count(self) -> int:
+        with self._lock:
+            return sum(r.state is State.COMMITTED for r in self._records.values())
+
+    # ---- helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _ref(namespace: str, checkpoint_id: str) -> Key:
+        return check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+
+    def _newest(self, namespace: str) -> CheckpointRecord | None:
+        committed = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace and r.state is State.COMMITTED
+        ]
+        return max(committed, key=lambda r: r.sequence, default=None)
+
+    def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
+        newest = self._newest(namespace)
+        tail = (
+            f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
+            if newest
+            else f"{namespace} has no committed checkpoints"
+        )
+        what = f"{namespace}/{checkpoint_id}" if checkpoint_id else f"a checkpoint of {namespace}"
+        return CheckpointNotFound(f"checkpoint {what} not found on node {self.node_id}; {tail}")
+
+    def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.WRITING:
+            state = rec.state.value if rec else "unknown"
+            raise CheckpointIncomplete(
+                f"checkpoint {namespace}/{checkpoint_id} is {state} on node {self.node_id}, not "
+                "WRITING: call BeginCheckpoint first (an idle save is aborted after "
+                "[memory] abandon_after seconds)"
+            )
+        rec.last_activity = self._clock()
+        return rec
+
+    def _view(self, rec: CheckpointRecord) -> CheckpointView:
+        files = tuple(sorted(rec.files.values(), key=lambda f: f.name))
+        paths = {
+            f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
+            for f in files
+        }
+        return CheckpointView(
+            namespace=rec.namespace,
+            checkpoint_id=rec.checkpoint_id,
+            state=rec.state,
+            size_bytes=rec.committed_bytes,
+            created_unix=rec.created_unix,
+            committed_unix=rec.committed_unix,
+            sequence=rec.sequence,
+            pinned=rec.pinned,
+            files=files,
+            local_paths=paths,
+        )
+
+    def _collect(self, rec: CheckpointRecord) -> int:
+        """Remove a checkpoint's files (into the pool when recycling); returns bytes freed."""
+        freed = 0
+        for f in rec.files.values():
+            path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+            try:
+                freed += path.stat().st_size
+            except FileNotFoundError:
+                continue
+            if self.recycle:
+                self.tier.to_pool(path, f.name)
+            else:
+                path.unlink(missing_ok=True)
+        self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
+        self._records.pop(rec.key, None)
+        self._trim_pool()
+        return freed
+
+    def _abort(self, rec: CheckpointRecord, why: str) -> None:
+        rec.state = State.ABORTED
+        rec.reservations.clear()
+        freed = self._collect(rec)
+        metrics.ABORTS.inc()
+        logger.warning(
+            "aborted %s/%s (%s); collected %d files, %s",
+            rec.namespace,
+            rec.checkpoint_id,
+            why,
+            len(rec.files),
+            format_size(freed),
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def begin(self, namespace: str, checkpoint_id: str, rank: int) -> None:
+        """Open a save; idempotent for every rank. Committed ids are immutable."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.COMMITTED:
+                raise CheckpointExists(
+                    f"checkpoint {namespace}/{checkpoint_id} is already committed on node "
+                    f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
+                )
+            if rec is None:
+                rec = CheckpointRecord(
+                    namespace=namespace,
+                    checkpoint_id=checkpoint_id,
+                    state=State.WRITING,
+                    created_unix=self._wall(),
+                    node_id=self.node_id,
+                )
+                self._records[key] = rec
+                logger.info("begin %s/%s (rank %d)", namespace, checkpoint_id, rank)
+            rec.last_activity = self._clock()
+
+    def reserve(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
+        """Reserve `nbytes` more for (checkpoint, rank); returns the rank's reservation."""
+        with self._lock:
+            rec = self._writing(namespace, checkpoint_id)
+            used, reserved = self._used(), self._reserved()
+            if used + reserved + nbytes > self.budget:
+                metrics.REJECTED_SAVES.labels(reason="budget").inc()
+                count = len(self._records)
+                raise MemoryBudgetExceeded(
+                    f"memory budget exceeded: this save needs {format_size(nbytes)} but "
+                    f"{format_size(used + reserved)} of memory.budget={format_size(self.budget)} "
+                    f"are in use by {count} checkpoint{'s' if count != 1 else ''} on node "
+                    f"{self.node_id}; raise [memory] budget, lower [retention] memory_keep_last, "
+                    "or remove checkpoints with `tierckpt rm`"
+                )
+            free = self.tier.free_bytes()
+            if free + self.tier.pool_bytes < nbytes:
+                metrics.REJECTED_SAVES.labels(reason="filesystem").inc()
+                raise MemoryBudgetExceeded(
+                    f"the filesystem of the memory dir {self.tier.root} has only "
+                    f"{format_size(free)} free (+ {format_size(self.tier.pool_bytes)} reclaimable "
+                    f"pool) but this save needs {format_size(nbytes)}; enlarge /dev/shm (tmpfs "
+                    "size=) or lower [memory] budget below the tmpfs size"
+                )
+            self._trim_pool(extra=nbytes)
+            rec.reservations[rank] = rec.reservations.get(rank, 0) + nbytes
+            return rec.reservations[rank]
+
+    def open_file(
+        self, namespace: str, checkpoint_id: str, name: str, rank: int
+    ) -> tuple[str, int]:
+        """Create (or recycle a warm segment for) one file; returns (path, preallocated)."""
+        check_file_name(name)
+        with self._lock:
+            rec = self._writing(namespace, checkpoint_id)
+            if name in rec.files:
+                raise CheckpointExists(
+                    f"file {name} of {namespace}/{checkpoint_id} is already open or committed; "
+                    "each file is opened once per save"
+                )
+            path = self.tier.file_path(namespace, checkpoint_id, name)
+            remaining = rec.reservations.get(rank, 0)
+            seg = self.tier.pick_segment(name, remaining)
+            preallocated = 0
+            if seg is not None:
+                self.tier.take_segment(seg, path)
+                # The segment's pages move from the pool into this rank's reservation.
+                rec.reservations[rank] = max(remaining, seg.size)
+                preallocated = seg.size
+                metrics.RECYCLED_BYTES.inc(seg.size)
+            else:
+                self.tier.create_file(path)
+            rec.files[name] = FileRecord(name=name, rank=rank)
+            return str(path), preallocated
+
+    def commit_file(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        rank: int,
+        size: int,
+        *,
+        algorithm: str,
+        block_size: int,
+        digests: bytes,
+    ) -> None:
+        """Take ownership of a written file. Not re-hashed here: readers verify."""
+        check_file_name(name)
+        with self._lock:
+            rec = self._writing(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointIncomplete(
+                    f"file {name} is not open in {namespace}/{checkpoint_id}: call OpenFile first"
+                )
+            if f.committed:
+                raise CheckpointExists(
+                    f"file {name} of {namespace}/{checkpoint_id} is already committed"
+                )
+            path = self.tier.file_path(namespace, checkpoint_id, name)
+            actual = path.stat().st_size
+            if actual != size:
+                raise InvalidName(
+                    f"file {name} of {namespace}/{checkpoint_id} is {actual} bytes on disk but the "
+                    f"commit says {size} bytes: truncate the file to its final size before committing"
+                )
+            if algorithm != ALGORITHM:
+                raise InvalidName(
+                    f"checksum algorithm {algorithm!r} is not supported; use {ALGORITHM!r}"
+                )
+            if block_size <= 0 or len(digests) % DIGEST_SIZE:
+                raise InvalidName(
+                    f"malformed checksums for {name}: block_size={block_size}, {len(digests)} digest bytes"
+                )
+            checksums = BlockChecksums(block_size, digests, algorithm)
+            if checksums.block_count != checksums.expected_blocks(size):
+                raise InvalidName(
+                    f"file {name} has {checksums.block_count} block checksums but {size} bytes in "
+                    f"blocks of {block_size} need {checksums.expected_blocks(size)}"
+                )
+            reservation = rec.reservations.get(rank, 0)
+            if size > reservation:
+                rec.reservations[rank] = 0
+                self._trim_pool(extra=size)
+                if self._used() + self._reserved() + self._pool() + size > self.budget:
+                    rec.reservations[rank] = reservation
+                    metrics.REJECTED_SAVES.labels(reason="budget").inc()
+                    raise MemoryBudgetExceeded(
+                        f"file {name} ({format_size(size)}) exceeds rank {rank}'s reservation of "
+                        f"{format_size(reservation)} and memory.budget={format_size(self.budget)} "
+                        "has no room left; reserve the full size with ReserveSpace before writing"
+                    )
+            else:
+                rec.reservations[rank] = reservation - size
+            self.tier.seal_file(path)
+            f.size = size
+            f.checksums = checksums
+            f.owner_node = self.node_id
+            metrics.BYTES_COMMITTED.inc(size)
+
+    def commit(
+        self, namespace: str, checkpoint_id: str, required_files: list[str]
+    ) -> CheckpointView:
+        """Publish a checkpoint atomically (its manifest), then collect and apply retention."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if (
+                rec is not None
+                and rec.state is State.COMMITTED
+                and all(r in rec.files for r in required_files)
+            ):
+                return self._view(rec)  # a retried commit
+            rec = self._writing(namespace, checkpoint_id)
+            missing = sorted(
+                r for r in required_files if r not in rec.files or not rec.files[r].committed
+            )
+            still_open = sorted(f.name for f in rec.files.values() if not f.committed)
+            if missing or still_open:
+                raise CheckpointIncomplete(
+                    f"cannot commit {namespace}/{checkpoint_id}: "
+                    f"missing files: {', '.join(missing) or 'none'}; "
+                    f"open but not committed: {', '.join(still_open) or 'none'}"
+                )
+            rec.reservations.clear()
+            rec.sequence = self._next_sequence
+            rec.state = State.COMMITTED
+            rec.committed_unix = self._wall()
+            manifest = self.tier.manifest_path(namespace, checkpoint_id)
+            self.tier.make_dir(manifest.parent)
+            try:
+                write_manifest(manifest, rec)
+            except BaseException:
+                rec.state = State.WRITING
+                raise
+            self._next_sequence += 1
+            metrics.COMMITS.inc()
+            logger.info(
+                "committed %s/%s: %d files, %s, sequence %d",
+                namespace,
+                checkpoint_id,
+                len(rec.files),
+                format_size(rec.committed_bytes),
+                rec.sequence,
+            )
+            view = self._view(rec)
+            for other in list(self._records.values()):
+                if (
+                    other.namespace == namespace
+                    and other.state is State.WRITING
+                    and other.created_unix <= rec.created_unix
+                ):
+                    self._abort(other, f"superseded by the commit of {checkpoint_id}")
+            self._apply_retention(namespace)
+            return view
+
+    def _apply_retention(self, namespace: str) -> None:
+        candidates = [
+            Candidate(r.checkpoint_id, r.sequence, r.pinned)
+            for r in self._records.values()
+            if r.namespace == namespace and r.state is State.COMMITTED
+        ]
+        for checkpoint_id in memory_evictions(candidates, self.memory_keep_last):
+            rec = self._records[(namespace, checkpoint_id)]
+            freed = self._delete_committed(rec)
+            metrics.EVICTIONS.inc()
+            logger.info(
+                "evicted %s/%s from memory (retention memory_keep_last=%d), %s",
+                namespace,
+                checkpoint_id,
+                self.memory_keep_last,
+                format_size(freed),
+            )
+
+    def _delete_committed(self, rec: CheckpointRecord) -> int:
+        # Manifest first: a crash after this point leaves a dir without manifest, which
+        # adoption collects, never a manifest pointing at missing files.
+        self.tier.manifest_path(rec.namespace, rec.checkpoint_id).unlink(missing_ok=True)
+        return self._collect(rec)
+
+    def abort(self, namespace: str, checkpoint_id: str) -> None:
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None:
+                raise self._not_found(namespace, checkpoint_id)
+            if rec.state is State.COMMITTED:
+                raise CheckpointIncomplete(
+                    f"checkpoint {namespace}/{checkpoint_id} is committed and cannot be aborted; "
+                    "use DeleteCheckpoint (`tierckpt rm`)"
+                )
+            self._abort(rec, "aborted by the client")
+
+    def delete(self, namespace: str, checkpoint_id: str) -> int:
+        """Remove a committed or writing checkpoint; returns the bytes freed."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None:
+                raise self._not_found(namespace, checkpoint_id)
+            freed = self._delete_committed(rec)
+            logger.info("deleted %s/%s, %s freed", namespace, checkpoint_id, format_size(freed))
+            return freed
+
+    # ---- queries ----------------------------------------------------------------------
+    def get(self, namespace: str, checkpoint_id: str = "") -> CheckpointView:
+        """A committed checkpoint; an empty id is the newest of the namespace."""
+        check_namespace(namespace)
+        with self._lock:
+            if not checkpoint_id:
+                rec = self._newest(namespace)
+            else:
+                rec = self._records.get((namespace, check_checkpoint_id(checkpoint_id)))
+            if rec is None or rec.state is not State.COMMITTED:
+                raise self._not_found(namespace, checkpoint_id)
+            return self._view(rec)
+
+    def list_checkpoints(
+        self, namespace: str = "", include_uncommitted: bool = False
+    ) -> list[CheckpointView]:
+        """Committed checkpoints by sequence, then (optionally) saves in progress."""
+        if namespace:
+            check_namespace(namespace)
+        with self._lock:
+            recs = [
+                r
+                for r in self._records.values()
+                if (not namespace or r.namespace == namespace)
+                and (include_uncommitted or r.state is State.COMMITTED)
+            ]
+            recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.sequence, r.created_unix))
+            return [self._view(r) for r in recs]
+
+    def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
+        """Re-hash every file of a committed checkpoint (outside the lock)."""
+        view = self.get(namespace, checkpoint_id)
+        ok_bytes, corrupt = 0, []
+        started = time.monotonic()
+        for f in view.files:
+            assert f.checksums is not None
+            ok, reason = self.tier.verify_file(Path(view.local_paths[f.name]), f.size, f.checksums)
+            if ok:
+                ok_bytes += f.size
+            else:
+                corrupt.append(f.name)
+                logger.error("verify %s/%s: %s: %s", namespace, checkpoint_id, f.name, reason)
+        logger.info(
+            "verified %s/%s: %d corrupt files, %s at %s",
+            namespace,
+            checkpoint_id,
+            len(corrupt),
+            format_size(ok_bytes),
+            hash_rate(ok_bytes, started),
+        )
+        return VerifyResult(not corrupt, ok_bytes, corrupt)
+
+    def status(self) -> NodeStatusView:
+        with self._lock:
+            committed = [r for r in self._records.values() if r.state is State.COMMITTED]
+            return NodeStatusView(
+                node_id=self.node_id,
+                failure_domain=self.failure_domain,
+                memory_dir=str(self.tier.root),
+                budget_bytes=self.budget,
+                used_bytes=self._used(),
+                reserved_bytes=self._reserved(),
+                pool_bytes=self._pool(),
+                checkpoints=len(committed),
+                namespaces=tuple(sorted({r.namespace for r in self._records.values()})),
+                version=__version__,
+            )
+
+    # ---- background work ----------------------------------------------------------------
+    def sweep(self) -> list[Key]:
+        """Abort WRITING saves idle longer than abandon_after (a rank died mid-save)."""
+        now = self._clock()
+        with self._lock:
+            stale = [
+                r
+                for r in self._records.values()
+                if r.state is State.WRITING and now - r.last_activity > self.abandon_after
+            ]
+            for rec in stale:
+                self._abort(rec, f"no activity for {now - rec.last_activity:.0f} s")
+            return [r.key for r in stale]
+
+    def prewarm(self, total: int, segment_size: int = PREWARM_SEGMENT) -> int:
+        """Preallocate up to `total` bytes of pool segments; returns bytes allocated.
+
+        Runs in a background thread at start: posix_fallocate happens outside the lock,
+        with the bytes counted as pending pool so concurrent reservations stay in budget.
+        """
+        done = 0
+        while done < total:
+            size = min(segment_size, total - done)
+            with self._lock:
+                if self._used() + self._reserved() + self._pool() + size > self.budget:
+                    break
+                if self.tier.free_bytes() < size:
+                    break
+                tmp, final = self.tier.new_prewarm_path()
+                self._prewarm_pending += size
+            try:
+                self.tier.preallocate(tmp, size)
+            except OSError as e:
+                logger.warning("prewarm stopped after %s: %s", format_size(done), e)
+                tmp.unlink(missing_ok=True)
+                with self._lock:
+                    self._prewarm_pending -= size
+                break
+            with self._lock:
+                self._prewarm_pending -= size
+                tmp.rename(final)
+
+                self.tier.segments.append(Segment(final, size))
+            done += size
+        logger.info("prewarmed %s of pool segments", format_size(done))
+        return done
+
+    # ---- adoption -----------------------------------------------------------------------
+    def adopt(self) -> None:
+        """Re-adopt the memory tier left by a previous daemon (restart or kill -9).
+
+        Only checkpoints whose files all verify against their manifest are served; a
+        failing one keeps its files but its manifest is renamed `*.json.corrupt`. Data
+        dirs without a manifest are unfinished saves and are collected.
+        """
+        tier = self.tier
+        tier.adopt_pool()
+        adopted: dict[Key, CheckpointRecord] = {}
+        quarantined: set[Key] = set()
+        started, hashed = time.monotonic(), 0
+        for ns_dir in sorted(p for p in tier.manifest_root.iterdir() if p.is_dir()):
+            for path in sorted(ns_dir.iterdir()):
+                if path.name.endswith(".json.corrupt"):
+                    quarantined.add((ns_dir.name, path.name[: -len(".json.corrupt")]))
+                    continue
+                if not path.name.endswith(".json"):
+                    path.unlink(missing_ok=True)  # a manifest tmp file of a crashed commit
+                    continue
+                key = (ns_dir.name, path.name[: -len(".json")])
+                problem = ""
+                try:
+                    rec = read_manifest(path)
+                    if rec.key != key:
+                        problem = f"manifest describes {rec.namespace}/{rec.checkpoint_id}"
+                except ManifestError as e:
+                    problem = str(e)
+                if not problem:
+                    for f in rec.files.values():
+                        assert f.checksums is not None
+                        ok, reason = tier.verify_file(
+                            tier.file_path(*key, f.name), f.size, f.checksums
+                        )
+                        if not ok:
+                            problem = f"{f.name}: {reason}"
+                            break
+                        hashed += f.size
+                if problem:
+                    logger.error(
+                        "not serving %s/%s: %s; its manifest is renamed to %s.corrupt and its "
+                        "files are kept for inspection (remove them by hand)",
+                        *key,
+                        problem,
+                        path.name,
+                    )
+                    path.rename(path.with_name(path.name + ".corrupt"))
+                    quarantined.add(key)
+                    continue
+                rec.state = State.COMMITTED
+                adopted[key] = rec
+        logger.info(
+            "verified %d checkpoints (%s) at %s",
+            len(adopted),
+            format_size(hashed),
+            hash_rate(hashed, started),
+        )
+        quarantined_bytes = 0
+        for ns_dir in sorted(p for p in tier.data_root.iterdir() if p.is_dir()):
+            for ckpt_dir in sorted(ns_dir.iterdir()):
+                key = (ns_dir.name, ckpt_dir.name)
+                if key in adopted:
+                    continue
+                files = [p for p in ckpt_dir.rglob("*") if p.is_file()]
+                size = sum(p.stat().st_size for p in files)
+                if key in quarantined:
+                    quarantined_bytes += size
+                    continue
+                logger.warning(
+                    "collecting unfinished save %s/%s: %d files, %s",
+                    *key,
+                    len(files),
+                    format_size(size),
+                )
+                tier.remove_checkpoint_dir(*key)
+        with self._lock:
+            self._records = adopted
+            self._quarantined_bytes = quarantined_bytes
+            self._next_sequence = max((r.sequence for r in adopted.values()), default=0) + 1
+            for rec in adopted.values():
+                for f in rec.files.values():
+                    tier.seal_file(tier.file_path(*rec.key, f.name))
+            before = tier.pool_bytes
+            self._trim_pool()
+            if tier.pool_bytes < before:
+                logger.info(
+                    "dropped %s of pool segments over memory.budget",
+                    format_size(before - tier.pool_bytes),
+                )
+            logger.info(
+                "adopted %d checkpoints (%s), pool %s, next sequence %d",
+                len(adopted),
+                format_size(self._used()),
+                format_size(tier.pool_bytes),
+                self._next_sequence,
+            )
+
+
+class Sweeper(threading.Thread):
+    """Calls `catalog.sweep()` every `interval` seconds until stopped."""
+
+    def __init__(self, catalog: Catalog, interval: float = 5.0) -> None:
+        super().__init__(name="tierckptd-sweeper", daemon=True)
+        self.catalog = catalog
+        self.interval = interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            try:
+                self.catalog.sweep()
+            except Exception:
+                logger.exception("sweeper failed; retrying in %.0f s", self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()

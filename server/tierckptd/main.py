@@ -1,0 +1,191 @@
+"""Composition root of tierckptd: config, logging, adoption, servers, signals, sd_notify.
+
+Signal handlers only enqueue (gunicorn style); the main loop acts and logs, so nothing
+non-reentrant ever runs inside a handler. Order at start: lock the memory dir, adopt it,
+bind the sockets, health SERVING, READY=1. Order at stop: health NOT_SERVING, STOPPING=1,
+stop the servers with a grace period, remove the socket, release the lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from tierckptd import __version__, metrics
+from tierckptd.catalog import Catalog, Sweeper
+from tierckptd.config import Config, ConfigError, config_changes, format_size, load_config
+from tierckptd.health import Health
+from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
+from tierckptd.servers import AddressInUse, Servers, start_servers
+from tierckptd.systemd import sd_notify
+
+__all__ = ["Daemon", "main"]
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE = 5.0
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Daemon:
+    """One running tierckptd; `run()` blocks until SIGTERM/SIGINT and returns the exit code."""
+
+    def __init__(self, config: Config, config_path: str | None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self._signals: collections.deque[int] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Signal handler: NO logging, just queue the signal and wake the main loop."""
+        self._signals.append(signum)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
+
+    def run(self) -> int:
+        cfg = self.config
+        tier = MemoryTier(cfg.memory.dir)
+        try:
+            tier.open_layout()
+        except MemoryTierLocked as e:
+            logger.error("%s", e)
+            return 1
+        catalog = Catalog(
+            tier,
+            node_id=cfg.node.id,
+            failure_domain=cfg.node.failure_domain,
+            budget=cfg.memory.budget,
+            recycle=cfg.memory.recycle,
+            memory_keep_last=cfg.retention.memory_keep_last,
+            abandon_after=cfg.memory.abandon_after,
+        )
+        for signum in _HANDLED:
+            signal.signal(signum, self._on_signal)
+        try:
+            catalog.adopt()
+            metrics.bind_gauges(
+                cfg.memory.budget,
+                catalog.used_bytes,
+                catalog.reserved_bytes,
+                catalog.pool_bytes,
+                catalog.committed_count,
+            )
+            if cfg.metrics.listen:
+                metrics.serve(cfg.metrics.listen)
+            health = Health()
+            servers = start_servers(catalog, health, cfg.listen.local, cfg.listen.peer)
+        except (AddressInUse, OSError) as e:
+            logger.error("%s", e)
+            tier.close()
+            return 1
+        health.serving()
+        status = catalog.status()
+        sd_notify(
+            f"READY=1\nSTATUS=serving {status.checkpoints} checkpoints, "
+            f"{format_size(status.used_bytes)} of {format_size(status.budget_bytes)}"
+        )
+        logger.info(
+            "tierckptd %s ready: node %s, memory dir %s, budget %s",
+            __version__,
+            cfg.node.id,
+            tier.root,
+            format_size(cfg.memory.budget),
+        )
+        sweeper = Sweeper(catalog)
+        sweeper.start()
+        if cfg.memory.prewarm:
+            threading.Thread(
+                target=catalog.prewarm,
+                args=(cfg.memory.prewarm,),
+                name="tierckptd-prewarm",
+                daemon=True,
+            ).start()
+        try:
+            self._loop()
+        finally:
+            self._shutdown(health, servers, sweeper, tier)
+        return 0
+
+    def _loop(self) -> None:
+        while True:
+            select.select([self._wake_r], [], [], 1.0)
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+            while self._signals:
+                signum = self._signals.popleft()
+                if signum == signal.SIGHUP:
+                    self._reload()
+                else:
+                    logger.info("received %s: shutting down", signal.Signals(signum).name)
+                    return
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config file and log what changed."""
+        if self.config_path is None:
+            logger.info("SIGHUP: no --config file to reload")
+            return
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as e:
+            logger.error("SIGHUP: keeping the running config: %s", e)
+            return
+        changes = config_changes(self.config, new)
+        if not changes:
+            logger.info("SIGHUP: %s unchanged", self.config_path)
+        for line in changes:
+            live = line.startswith(("peers", "log."))
+            logger.info("SIGHUP: %s%s", line, "" if live else " (takes effect on restart)")
+        if new.log.level != self.config.log.level:
+            logging.getLogger().setLevel(new.log.level.upper())
+        self.config = new
+
+    def _shutdown(
+        self, health: Health, servers: Servers, sweeper: Sweeper, tier: MemoryTier
+    ) -> None:
+        health.shutting_down()
+        sd_notify("STOPPING=1")
+        sweeper.stop()
+        servers.stop(STOP_GRACE)
+        tier.close()
+        logger.info("stopped")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierckptd",
+        description="Per-node tierckpt daemon: memory tier of checkpoints in shared memory.",
+    )
+    parser.add_argument(
+        "--config", metavar="PATH", help="TOML config file (default: built-in defaults)"
+    )
+    parser.add_argument("--version", action="version", version=f"tierckptd {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point `tierckptd`."""
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(Path(args.config) if args.config else None)
+    except ConfigError as e:
+        print(f"tierckptd: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log.level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{config.node.id}] %(name)s: %(message)s",
+    )
+    return Daemon(config, args.config).run()

@@ -1,0 +1,63 @@
+"""Every Prometheus metric of the daemon, in one place.
+
+Gauges read the catalog lazily (set_function) so they are exact at scrape time without
+the catalog having to publish on every change.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, start_http_server
+
+__all__ = [
+    "ABORTS",
+    "BYTES_COMMITTED",
+    "COMMITS",
+    "EVICTIONS",
+    "RECYCLED_BYTES",
+    "REJECTED_SAVES",
+    "bind_gauges",
+    "serve",
+]
+
+logger = logging.getLogger(__name__)
+
+BUDGET = Gauge("tierckpt_memory_budget_bytes", "Configured [memory] budget")
+USED = Gauge("tierckpt_memory_used_bytes", "Bytes of committed files (C)")
+RESERVED = Gauge("tierckpt_memory_reserved_bytes", "Bytes reserved by saves in progress (R)")
+POOL = Gauge("tierckpt_memory_pool_bytes", "Bytes of warm recycled pool segments (P)")
+CHECKPOINTS = Gauge("tierckpt_committed_checkpoints", "Committed checkpoints in the memory tier")
+COMMITS = Counter("tierckpt_commits", "Checkpoints committed")
+ABORTS = Counter("tierckpt_aborts", "Saves aborted (explicitly, superseded or abandoned)")
+EVICTIONS = Counter("tierckpt_evictions", "Checkpoints evicted from the memory tier by retention")
+BYTES_COMMITTED = Counter("tierckpt_committed_bytes", "Bytes of files committed")
+REJECTED_SAVES = Counter(
+    "tierckpt_rejected_saves", "Reservations refused with RESOURCE_EXHAUSTED", ["reason"]
+)
+RECYCLED_BYTES = Counter("tierckpt_recycled_bytes", "Bytes of warm pool segments reused by saves")
+
+
+def bind_gauges(
+    budget: int,
+    used: Callable[[], float],
+    reserved: Callable[[], float],
+    pool: Callable[[], float],
+    checkpoints: Callable[[], float],
+) -> None:
+    """Point the gauges at the live catalog."""
+    BUDGET.set(budget)
+    USED.set_function(used)
+    RESERVED.set_function(reserved)
+    POOL.set_function(pool)
+    CHECKPOINTS.set_function(checkpoints)
+
+
+def serve(listen: str) -> int:
+    """Start the /metrics HTTP endpoint on "host:port"; returns the bound port."""
+    host, _, port = listen.rpartition(":")
+    server, _thread = start_http_server(int(port), addr=host or "0.0.0.0")
+    bound = int(server.server_address[1])
+    logger.info("metrics on http://%s:%s/metrics", host or "0.0.0.0", bound)
+    return bound

@@ -1,0 +1,94 @@
+"""Domain model of the memory tier: checkpoints, their files, and node status.
+
+Plain dataclasses so that the catalog, manifests and retention never see protobuf types;
+only `daemon_service` translates them to and from the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tierckpt.checksum import BlockChecksums
+
+__all__ = ["CheckpointRecord", "CheckpointView", "FileRecord", "NodeStatusView", "State"]
+
+
+class State(enum.Enum):
+    """Lifecycle states the memory tier uses (names match common.proto CheckpointState)."""
+
+    WRITING = "WRITING"
+    COMMITTED = "COMMITTED"
+    ABORTED = "ABORTED"
+
+
+@dataclass
+class FileRecord:
+    """One DCP file of a checkpoint; `checksums` is None while the file is open."""
+
+    name: str
+    rank: int
+    size: int = 0
+    checksums: BlockChecksums | None = None
+    owner_node: str = ""
+    replica_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def committed(self) -> bool:
+        return self.checksums is not None
+
+
+@dataclass
+class CheckpointRecord:
+    """Mutable catalog entry; guarded by the catalog lock."""
+
+    namespace: str
+    checkpoint_id: str
+    state: State
+    created_unix: float
+    node_id: str
+    committed_unix: float = 0.0
+    sequence: int = 0
+    pinned: bool = False
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    # (rank -> bytes reserved and not yet charged by a committed file); WRITING only.
+    reservations: dict[int, int] = field(default_factory=dict)
+    last_activity: float = 0.0  # catalog clock, WRITING only
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.checkpoint_id)
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(f.size for f in self.files.values() if f.committed)
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """Immutable snapshot of a checkpoint handed out of the catalog lock."""
+
+    namespace: str
+    checkpoint_id: str
+    state: State
+    size_bytes: int
+    created_unix: float
+    committed_unix: float
+    sequence: int
+    pinned: bool
+    files: tuple[FileRecord, ...]
+    local_paths: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeStatusView:
+    node_id: str
+    failure_domain: str
+    memory_dir: str
+    budget_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    pool_bytes: int
+    checkpoints: int
+    namespaces: tuple[str, ...]
+    version: str

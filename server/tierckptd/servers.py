@@ -1,0 +1,134 @@
+"""gRPC servers of the daemon: the local control socket and the peer listener.
+
+DaemonService is served only on `listen.local` (a unix socket by default, whose file mode
+is the access control); the peer listener serves health only until PeerService exists,
+so the control plane is never reachable from the network by accident.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tierckptd.catalog import Catalog
+from tierckptd.daemon_service import add_daemon_service
+from tierckptd.health import Health
+
+__all__ = ["AddressInUse", "Servers", "parse_local", "start_servers"]
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE = 64 << 20
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    # Without this a second daemon could bind the same TCP port and silently share it.
+    ("grpc.so_reuseport", 0),
+]
+
+
+class AddressInUse(RuntimeError):
+    """Another process (most likely another tierckptd) answers on our address."""
+
+
+def parse_local(address: str) -> tuple[str, Path | None]:
+    """(grpc bind address, unix socket path or None) of a `listen.local` value.
+
+    Accepts "unix:///abs/path", "unix:/abs/path", "unix:relative" and "host:port".
+    """
+    if address.startswith("unix://"):
+        path = Path(address[len("unix://") :])
+    elif address.startswith("unix:"):
+        path = Path(address[len("unix:") :])
+    else:
+        return address, None
+    path = path.absolute()
+    return f"unix:{path}", path
+
+
+def _claim_socket_path(path: Path, address: str) -> None:
+    """Create the socket's dir; remove a stale socket file only if nothing answers on it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not (path.exists() or path.is_symlink()):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as e:
+            if e.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+                raise
+        else:
+            raise AddressInUse(
+                f"another tierckptd is serving {address}; stop it first or set [listen] local "
+                "to another socket"
+            )
+    logger.info("removing stale socket %s", path)
+    path.unlink(missing_ok=True)
+
+
+@dataclass
+class Servers:
+    local: Any
+    peer: Any | None
+    local_address: str
+    socket_path: Path | None
+    peer_port: int | None
+
+    def stop(self, grace: float) -> None:
+        """Stop both servers, letting in-flight RPCs finish for up to `grace` seconds."""
+        events = [s.stop(grace) for s in (self.local, self.peer) if s is not None]
+        for event in events:
+            event.wait(grace + 5)
+        if self.socket_path is not None:
+            self.socket_path.unlink(missing_ok=True)
+
+
+def _bind(server: Any, address: str, what: str) -> int:
+    try:
+        port = int(server.add_insecure_port(address))
+    except RuntimeError as e:
+        raise AddressInUse(f"cannot bind {what} {address}: {e}") from e
+    if port == 0:
+        raise AddressInUse(f"cannot bind {what} {address} (in use, or an invalid address)")
+    return port
+
+
+def start_servers(
+    catalog: Catalog, health: Health, local: str, peer: str, *, workers: int = 32
+) -> Servers:
+    """Bind and start the servers; DaemonService on `local`, health on both."""
+    grpc_local, socket_path = parse_local(local)
+    if socket_path is not None:
+        _claim_socket_path(socket_path, local)
+    local_server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierckptd-rpc"),
+        options=OPTIONS,
+    )
+    add_daemon_service(catalog, local_server)
+    health.add_to(local_server)
+    _bind(local_server, grpc_local, "[listen] local")
+    peer_server, peer_port = None, None
+    if peer:
+        peer_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierckptd-peer"),
+            options=OPTIONS,
+        )
+        health.add_to(peer_server)
+        peer_port = _bind(peer_server, peer, "[listen] peer")
+    local_server.start()
+    if peer_server is not None:
+        peer_server.start()
+    if socket_path is not None:
+        os.chmod(socket_path, 0o660)
+    logger.info("serving DaemonService on %s", grpc_local)
+    if peer_port is not None:
+        logger.info("peer listener on %s (bound port %d; health only)", peer, peer_port)
+    return Servers(local_server, peer_server, grpc_local, socket_path, peer_port)
