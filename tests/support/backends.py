@@ -1,0 +1,80 @@
+"""Where a rank saves and loads: the tiered store, or a stock DCP directory.
+
+Both are small frozen dataclasses so they pickle into spawned ranks. `Directory` uses
+stock `FileSystemWriter`/`FileSystemReader`; the tests use it to read what `tierckpt pull`
+wrote, and it checks the harness itself against stock DCP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["Backend", "Directory", "Tiered"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiered:
+    namespace: str
+    address: str
+
+    def writer(self) -> Any:
+        from tierckpt import TieredStorageWriter
+
+        return TieredStorageWriter(self.namespace, daemon=self.address)
+
+    def reader(self) -> Any:
+        from tierckpt import TieredStorageReader
+
+        return TieredStorageReader(self.namespace, daemon=self.address)
+
+    def save(self, state: dict[str, Any], checkpoint_id: str) -> None:
+        dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=self.writer())
+
+    def async_save(self, state: dict[str, Any], checkpoint_id: str, executor: str) -> Any:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+        return dcp.async_save(
+            state,
+            checkpoint_id=checkpoint_id,
+            storage_writer=self.writer(),
+            async_checkpointer_type=kind[executor],
+        )
+
+    def load(self, state: dict[str, Any], checkpoint_id: str | None) -> None:
+        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=self.reader())
+
+
+@dataclasses.dataclass(frozen=True)
+class Directory:
+    root: str
+
+    def writer(self) -> Any:
+        raise NotImplementedError("stock writers take the path per save")
+
+    def save(self, state: dict[str, Any], checkpoint_id: str) -> None:
+        path = os.path.join(self.root, checkpoint_id)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+
+    def async_save(self, state: dict[str, Any], checkpoint_id: str, executor: str) -> Any:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+        path = os.path.join(self.root, checkpoint_id)
+        return dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(path),
+            async_checkpointer_type=kind[executor],
+        )
+
+    def load(self, state: dict[str, Any], checkpoint_id: str | None) -> None:
+        assert checkpoint_id is not None, "a stock directory has no 'newest'"
+        path = os.path.join(self.root, checkpoint_id)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+
+
+Backend = Tiered | Directory
