@@ -1,0 +1,94 @@
+"""Fixtures for the daemon's unit tests: a catalog on a tmp dir with a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tierckpt.checksum import checksum_bytes
+
+from tierckptd.catalog import Catalog
+from tierckptd.memory_tier import MemoryTier
+
+
+class FakeClock:
+    """Monotonic clock the tests advance by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+MakeCatalog = Callable[..., Catalog]
+Save = Callable[..., None]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_catalog(tmp_path: Path, clock: FakeClock) -> Iterator[MakeCatalog]:
+    tiers: list[MemoryTier] = []
+
+    def make(**kwargs: object) -> Catalog:
+        tier = MemoryTier(tmp_path / "mem")
+        tier.open_layout()
+        tiers.append(tier)
+        options: dict[str, object] = {
+            "node_id": "node-a",
+            "failure_domain": "rack-1",
+            "budget": 1 << 20,
+            "clock": clock,
+        }
+        options.update(kwargs)
+        catalog = Catalog(tier, **options)  # type: ignore[arg-type]
+        catalog.adopt()
+        return catalog
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.fixture
+def catalog(make_catalog: MakeCatalog) -> Catalog:
+    return make_catalog()
+
+
+def write_file(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes, rank: int = 0) -> str:
+    """Open, write and commit one file the way a rank does; returns its path."""
+    path, _prealloc = catalog.open_file(ns, ckpt, name, rank)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+    cs = checksum_bytes(data, block_size=1024)
+    catalog.commit_file(
+        ns,
+        ckpt,
+        name,
+        rank,
+        len(data),
+        algorithm=cs.algorithm,
+        block_size=cs.block_size,
+        digests=cs.digests,
+    )
+    return path
+
+
+@pytest.fixture
+def save() -> Save:
+    """save(catalog, ns, ckpt, {name: bytes}) runs a whole one-rank save and commit."""
+
+    def run(catalog: Catalog, ns: str, ckpt: str, files: dict[str, bytes], rank: int = 0) -> None:
+        catalog.begin(ns, ckpt, rank)
+        catalog.reserve(ns, ckpt, rank, sum(len(d) for d in files.values()))
+        for name, data in files.items():
+            write_file(catalog, ns, ckpt, name, data, rank)
+        catalog.commit(ns, ckpt, list(files))
+
+    return run

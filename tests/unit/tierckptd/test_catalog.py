@@ -1,0 +1,268 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from tierckpt.checksum import checksum_bytes
+from tierckpt.errors import (
+    CheckpointExists,
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    InvalidName,
+    MemoryBudgetExceeded,
+)
+
+from tierckptd.catalog import Catalog
+from tierckptd.model import State
+
+KiB = 1024
+
+
+def _write(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes, rank: int = 0) -> str:
+    path, _ = catalog.open_file(ns, ckpt, name, rank)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+    cs = checksum_bytes(data, block_size=1024)
+    catalog.commit_file(
+        ns, ckpt, name, rank, len(data), algorithm=cs.algorithm, block_size=1024, digests=cs.digests
+    )
+    return path
+
+
+def test_full_save_is_listed_only_after_commit(catalog: Catalog) -> None:
+    catalog.begin("run", "step-1", 0)
+    catalog.begin("run", "step-1", 1)  # idempotent for every rank
+    catalog.reserve("run", "step-1", 0, 10 * KiB)
+    path = _write(catalog, "run", "step-1", "__0_0.distcp", b"a" * 3000)
+    assert catalog.list_checkpoints("run") == []
+    assert [v.state for v in catalog.list_checkpoints("run", include_uncommitted=True)] == [
+        State.WRITING
+    ]
+    with pytest.raises(CheckpointNotFound):
+        catalog.get("run", "step-1")
+    _write(catalog, "run", "step-1", ".metadata", b"m" * 10)
+    view = catalog.commit("run", "step-1", ["__0_0.distcp", ".metadata"])
+    assert view.state is State.COMMITTED and view.sequence == 1
+    assert view.size_bytes == 3010
+    assert view.local_paths["__0_0.distcp"] == path
+    assert os.stat(path).st_mode & 0o777 == 0o440
+    manifest = catalog.tier.manifest_path("run", "step-1")
+    assert manifest.exists()
+    status = catalog.status()
+    assert (status.used_bytes, status.reserved_bytes, status.checkpoints) == (3010, 0, 1)
+    assert catalog.get("run").checkpoint_id == "step-1"
+
+
+def test_committed_ids_are_immutable(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "run", "step-1", {".metadata": b"x"})
+    with pytest.raises(CheckpointExists, match="already committed on node node-a.*pick a new"):
+        catalog.begin("run", "step-1", 0)
+
+
+def test_invalid_names(catalog: Catalog) -> None:
+    with pytest.raises(InvalidName, match=r"\[A-Za-z0-9._-\]"):
+        catalog.begin("../x", "step-1", 0)
+    catalog.begin("run", "s", 0)
+    with pytest.raises(InvalidName):
+        catalog.open_file("run", "s", "a/b", 0)
+
+
+def test_reserve_refused_names_the_budget(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "run", "step-1", {".metadata": b"x" * (600 * KiB)})
+    catalog.begin("run", "step-2", 0)
+    with pytest.raises(MemoryBudgetExceeded) as e:
+        catalog.reserve("run", "step-2", 0, 500 * KiB)
+    message = str(e.value)
+    assert "memory.budget=1.0 MiB" in message
+    assert "500.0 KiB" in message and "by 2 checkpoints" in message
+    assert "[memory] budget" in message and "tierckpt rm" in message
+    assert catalog.status().reserved_bytes == 0
+    assert catalog.reserve("run", "step-2", 0, 400 * KiB) == 400 * KiB
+
+
+def test_reserve_needs_a_writing_checkpoint(catalog: Catalog) -> None:
+    with pytest.raises(CheckpointIncomplete, match="BeginCheckpoint"):
+        catalog.reserve("run", "nope", 0, 1)
+
+
+def test_commit_file_checks_size_and_blocks(catalog: Catalog) -> None:
+    catalog.begin("run", "s", 0)
+    catalog.reserve("run", "s", 0, 10 * KiB)
+    path, _ = catalog.open_file("run", "s", "f", 0)
+    Path(path).write_bytes(b"z" * 2048)
+    cs = checksum_bytes(b"z" * 2048, block_size=1024)
+    with pytest.raises(InvalidName, match="2048 bytes on disk.*2000 bytes"):
+        catalog.commit_file(
+            "run", "s", "f", 0, 2000, algorithm=cs.algorithm, block_size=1024, digests=cs.digests
+        )
+    with pytest.raises(InvalidName, match="block checksums"):
+        catalog.commit_file(
+            "run", "s", "f", 0, 2048, algorithm=cs.algorithm, block_size=512, digests=cs.digests
+        )
+    with pytest.raises(InvalidName, match="crc32"):
+        catalog.commit_file(
+            "run", "s", "f", 0, 2048, algorithm="crc32c", block_size=1024, digests=cs.digests
+        )
+    with pytest.raises(CheckpointIncomplete, match="OpenFile"):
+        catalog.commit_file(
+            "run", "s", "g", 0, 0, algorithm=cs.algorithm, block_size=1024, digests=b""
+        )
+    with pytest.raises(CheckpointExists):
+        catalog.open_file("run", "s", "f", 0)
+
+
+def test_commit_refuses_missing_and_open_files(catalog: Catalog) -> None:
+    catalog.begin("run", "s", 0)
+    catalog.reserve("run", "s", 0, 10 * KiB)
+    _write(catalog, "run", "s", "__0_0.distcp", b"d")
+    catalog.open_file("run", "s", "__1_0.distcp", 1)
+    with pytest.raises(CheckpointIncomplete, match=r"missing files: \.metadata.*open.*__1_0"):
+        catalog.commit("run", "s", ["__0_0.distcp", ".metadata"])
+
+
+def test_excess_beyond_reservation_needs_budget(catalog: Catalog) -> None:
+    catalog.begin("run", "s", 0)
+    catalog.reserve("run", "s", 0, 100)
+    _write(catalog, "run", "s", "small", b"x" * 300)  # over the reservation, within budget
+    assert catalog.status().used_bytes == 300
+    catalog.reserve("run", "s", 1, 1000 * KiB)
+    with pytest.raises(MemoryBudgetExceeded, match="reservation"):
+        _write(catalog, "run", "s", "big", b"x" * (100 * KiB), rank=2)
+
+
+def test_abort_collects_and_releases(catalog: Catalog) -> None:
+    catalog.begin("run", "s", 0)
+    catalog.reserve("run", "s", 0, 10 * KiB)
+    path = _write(catalog, "run", "s", "f", b"x" * 4096)
+    catalog.abort("run", "s")
+    assert not Path(path).exists()
+    status = catalog.status()
+    assert (status.used_bytes, status.reserved_bytes, status.pool_bytes) == (0, 0, 4096)
+    with pytest.raises(CheckpointNotFound):
+        catalog.abort("run", "s")
+
+
+def test_pool_recycling_prefers_same_name_then_best_fit(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "run", "s1", {"__0_0.distcp": b"a" * (100 * KiB), ".metadata": b"m" * KiB})
+    save(catalog, "run", "s2", {"__0_0.distcp": b"b" * (50 * KiB), ".metadata": b"m" * KiB})
+    catalog.delete("run", "s1")
+    catalog.delete("run", "s2")
+    sizes = sorted(s.size for s in catalog.tier.segments)
+    assert sizes == [KiB, KiB, 50 * KiB, 100 * KiB]
+    catalog.begin("run", "s3", 0)
+    catalog.reserve("run", "s3", 0, 60 * KiB)
+    # Same name, within 1.25x of the remaining reservation: the 50 KiB segment.
+    path, prealloc = catalog.open_file("run", "s3", "__0_0.distcp", 0)
+    assert prealloc == 50 * KiB and os.path.getsize(path) == 50 * KiB
+    # Reservation left: 10 KiB -> best fit among {1 KiB, 1 KiB} (100 KiB is too large).
+    _, prealloc = catalog.open_file("run", "s3", "other", 0)
+    assert prealloc == KiB
+    status = catalog.status()
+    assert status.pool_bytes == 101 * KiB
+    assert status.used_bytes + status.reserved_bytes + status.pool_bytes <= catalog.budget
+
+
+def test_reservation_drops_pool_largest_first(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "run", "s1", {"a": b"a" * (300 * KiB), "b": b"b" * (100 * KiB)})
+    catalog.delete("run", "s1")
+    assert catalog.status().pool_bytes == 400 * KiB
+    catalog.begin("run", "s2", 0)
+    catalog.reserve("run", "s2", 0, 800 * KiB)
+    status = catalog.status()
+    assert status.pool_bytes == 100 * KiB  # the 300 KiB segment went first
+    assert status.reserved_bytes + status.pool_bytes <= catalog.budget
+
+
+def test_recycle_off_unlinks(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
+    catalog = make_catalog(recycle=False)
+    save(catalog, "run", "s1", {"a": b"a" * KiB})
+    assert catalog.delete("run", "s1") == KiB
+    assert catalog.status().pool_bytes == 0
+
+
+def test_retention_keeps_newest_and_pinned(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
+    catalog = make_catalog(memory_keep_last=2)
+    save(catalog, "run", "step-1", {"a": b"1"})
+    catalog._records[("run", "step-1")].pinned = True
+    for i in range(2, 6):
+        save(catalog, "run", f"step-{i}", {"a": b"x"})
+    save(catalog, "other", "step-1", {"a": b"x"})
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == [
+        "step-1",
+        "step-4",
+        "step-5",
+    ]
+    assert not catalog.tier.data_dir("run", "step-2").exists()
+    assert not catalog.tier.manifest_path("run", "step-3").exists()
+    assert catalog.get("other").checkpoint_id == "step-1"
+    assert catalog.get("run").checkpoint_id == "step-5"
+
+
+def test_commit_collects_older_unfinished_saves(catalog: Catalog, save, clock) -> None:  # type: ignore[no-untyped-def]
+    catalog.begin("run", "step-1", 0)  # a save whose rank was killed
+    catalog.reserve("run", "step-1", 0, KiB)
+    _write(catalog, "run", "step-1", "f", b"x")
+    clock.now += 1
+    save(catalog, "run", "step-2", {"a": b"y"})
+    ids = [v.checkpoint_id for v in catalog.list_checkpoints("run", include_uncommitted=True)]
+    assert ids == ["step-2"]
+    assert catalog.status().reserved_bytes == 0
+
+
+def test_not_found_names_the_newest(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CheckpointNotFound, match="run has no committed checkpoints"):
+        catalog.get("run")
+    save(catalog, "run", "step-000300", {"a": b"x"})
+    with pytest.raises(
+        CheckpointNotFound,
+        match="run/step-9 not found on node node-a; the newest committed checkpoint of run is step-000300",
+    ):
+        catalog.get("run", "step-9")
+
+
+def test_sweeper_aborts_idle_saves(catalog: Catalog, clock) -> None:  # type: ignore[no-untyped-def]
+    catalog.begin("run", "idle", 0)
+    catalog.begin("run", "busy", 0)
+    clock.now += 800
+    catalog.reserve("run", "busy", 0, 1)  # activity refreshes the timer
+    assert catalog.sweep() == []
+    clock.now += 200
+    assert catalog.sweep() == [("run", "idle")]
+    assert [v.checkpoint_id for v in catalog.list_checkpoints(include_uncommitted=True)] == ["busy"]
+
+
+def test_verify_detects_corruption(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "run", "s", {"a": b"a" * 5000, "b": b"b" * 10})
+    result = catalog.verify("run", "s")
+    assert result.ok and result.verified_bytes == 5010
+    path = catalog.tier.file_path("run", "s", "a")
+    os.chmod(path, 0o640)
+    with open(path, "r+b") as f:
+        f.seek(4000)
+        f.write(b"!")
+    result = catalog.verify("run", "s")
+    assert not result.ok and result.corrupt_files == ["a"]
+
+
+def test_delete_frees_and_list_all_namespaces(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    save(catalog, "a", "s", {"f": b"x" * 10})
+    save(catalog, "b", "s", {"f": b"x" * 20})
+    assert {v.namespace for v in catalog.list_checkpoints("")} == {"a", "b"}
+    assert catalog.status().namespaces == ("a", "b")
+    assert catalog.delete("b", "s") == 20
+    with pytest.raises(CheckpointNotFound):
+        catalog.delete("b", "s")
+
+
+def test_prewarm_fills_pool_within_budget(catalog: Catalog) -> None:
+    assert catalog.prewarm(3 * 256 * KiB, segment_size=256 * KiB) == 768 * KiB
+    assert catalog.status().pool_bytes == 768 * KiB
+    assert catalog.prewarm(512 * KiB, segment_size=256 * KiB) == 256 * KiB  # budget caps it
+    assert sorted(p.name for p in catalog.tier.pool_dir.iterdir()) == [
+        "seg-0",
+        "seg-1",
+        "seg-2",
+        "seg-3",
+    ]
