@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from tierckpt.checksum import checksum_bytes
-
 from tierckptd.catalog import Catalog
 from tierckptd.memory_tier import MemoryTier
 

@@ -12,7 +12,6 @@ from tierckpt.errors import (
     InvalidName,
     MemoryBudgetExceeded,
 )
-
 from tierckptd.catalog import Catalog
 from tierckptd.model import State
 

@@ -1,0 +1,128 @@
+"""The real gRPC server in-process on a unix socket, called through the generated stub."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tierckpt.checksum import checksum_bytes
+from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+from tierckptd.catalog import Catalog
+from tierckptd.health import Health
+from tierckptd.servers import AddressInUse, start_servers
+
+
+@pytest.fixture
+def stub(catalog: Catalog, tmp_path: Path) -> Iterator[daemon_pb2_grpc.DaemonServiceStub]:
+    health = Health()
+    servers = start_servers(catalog, health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0")
+    health.serving()
+    channel = grpc.insecure_channel(f"unix:{tmp_path}/d.sock")
+    try:
+        yield daemon_pb2_grpc.DaemonServiceStub(channel)
+        peer = grpc.insecure_channel(f"127.0.0.1:{servers.peer_port}")
+        check = health_pb2_grpc.HealthStub(peer).Check(
+            health_pb2.HealthCheckRequest(service="tierckpt.v1.DaemonService"), timeout=5
+        )
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        # The peer port serves health only, never the control plane.
+        with pytest.raises(grpc.RpcError) as e:
+            daemon_pb2_grpc.DaemonServiceStub(peer).GetStatus(
+                daemon_pb2.GetStatusRequest(), timeout=5
+            )
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        peer.close()
+    finally:
+        channel.close()
+        servers.stop(0)
+    assert not (tmp_path / "d.sock").exists()
+
+
+def _ref(ckpt: str, ns: str = "run") -> common_pb2.CheckpointRef:
+    return common_pb2.CheckpointRef(namespace=ns, checkpoint_id=ckpt)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def test_save_and_status_codes(stub: daemon_pb2_grpc.DaemonServiceStub) -> None:
+    code, details = _code(lambda: stub.GetCheckpoint(_ref("")))
+    assert code == grpc.StatusCode.NOT_FOUND and "run has no committed checkpoints" in details
+    code, details = _code(
+        lambda: stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=_ref("../x")))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "[A-Za-z0-9._-]" in details
+
+    ref = _ref("step-000300")
+    stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=ref, rank=0))
+    code, details = _code(
+        lambda: stub.ReserveSpace(daemon_pb2.ReserveSpaceRequest(ref=ref, rank=0, bytes=1 << 30))
+    )
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory.budget=1.0 MiB" in details
+    stub.ReserveSpace(daemon_pb2.ReserveSpaceRequest(ref=ref, rank=0, bytes=4096))
+    opened = stub.OpenFile(daemon_pb2.OpenFileRequest(ref=ref, file_name=".metadata", rank=0))
+    data = b"meta" * 100
+    Path(opened.path).write_bytes(data)
+    cs = checksum_bytes(data)
+    stub.CommitFile(
+        daemon_pb2.CommitFileRequest(
+            ref=ref,
+            file_name=".metadata",
+            rank=0,
+            size=len(data),
+            checksums=common_pb2.BlockChecksums(
+                algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
+            ),
+        )
+    )
+    code, _ = _code(
+        lambda: stub.CommitCheckpoint(
+            daemon_pb2.CommitCheckpointRequest(
+                ref=ref, required_files=[".metadata", "__0_0.distcp"]
+            )
+        )
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    info = stub.CommitCheckpoint(
+        daemon_pb2.CommitCheckpointRequest(ref=ref, required_files=[".metadata"])
+    )
+    assert info.state == common_pb2.COMMITTED and info.sequence == 1
+    assert info.files[0].local_path == opened.path and info.files[0].owner_node == "node-a"
+
+    code, details = _code(lambda: stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=ref)))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "already committed on node node-a" in details
+    code, details = _code(lambda: stub.GetCheckpoint(_ref("step-9")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "the newest committed checkpoint of run is step-000300" in details
+
+    newest = stub.GetCheckpoint(_ref(""))
+    assert newest.ref.checkpoint_id == "step-000300" and newest.files[0].checksums.block_digests
+    listed = stub.ListCheckpoints(daemon_pb2.ListCheckpointsRequest(namespace=""))
+    assert [c.ref.checkpoint_id for c in listed.checkpoints] == ["step-000300"]
+    verified = stub.VerifyCheckpoint(ref)
+    assert verified.ok and verified.verified_bytes == len(data)
+    status = stub.GetStatus(daemon_pb2.GetStatusRequest())
+    assert (status.node_id, status.used_bytes, status.checkpoints) == ("node-a", len(data), 1)
+    assert list(status.namespaces) == ["run"]
+    assert stub.DeleteCheckpoint(ref).freed_bytes == len(data)
+    code, _ = _code(lambda: stub.AbortCheckpoint(ref))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_second_server_on_live_socket_is_refused(catalog: Catalog, tmp_path: Path) -> None:
+    health = Health()
+    servers = start_servers(catalog, health, f"unix:{tmp_path}/d.sock", "")
+    try:
+        with pytest.raises(AddressInUse, match="another tierckptd is serving"):
+            start_servers(catalog, Health(), f"unix:{tmp_path}/d.sock", "")
+    finally:
+        servers.stop(0)
+    (tmp_path / "d.sock").touch()  # a stale file nobody answers on is replaced
+    servers = start_servers(catalog, health, f"unix:{tmp_path}/d.sock", "")
+    servers.stop(0)
