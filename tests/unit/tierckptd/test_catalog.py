@@ -265,3 +265,29 @@ def test_prewarm_fills_pool_within_budget(catalog: Catalog) -> None:
         "seg-2",
         "seg-3",
     ]
+
+
+def test_reserve_refused_when_filesystem_is_full(catalog: Catalog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(catalog.tier, "free_bytes", lambda: 10 * KiB)
+    catalog.begin("run", "s", 0)
+    with pytest.raises(
+        MemoryBudgetExceeded, match=r"filesystem of the memory dir .* 10\.0 KiB free"
+    ):
+        catalog.reserve("run", "s", 0, 20 * KiB)
+
+
+def test_sweeper_thread_runs(catalog: Catalog, clock) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from tierckptd.catalog import Sweeper
+
+    catalog.begin("run", "idle", 0)
+    clock.now += 10_000
+    sweeper = Sweeper(catalog, interval=0.01)
+    sweeper.start()
+    deadline = time.monotonic() + 5
+    while catalog.list_checkpoints(include_uncommitted=True) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sweeper.stop()
+    sweeper.join(5)
+    assert catalog.list_checkpoints(include_uncommitted=True) == []
