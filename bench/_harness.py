@@ -1,0 +1,124 @@
+"""Shared bench plumbing: a throwaway tierckptd, timers, and the ratio table."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def tmpfs_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass
+class Daemon:
+    root: str
+    address: str
+    memory_dir: str
+    proc: subprocess.Popen[bytes]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.memory_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def daemon(budget: str = "16GiB", keep_last: int = 1, extra: str = "") -> Iterator[Daemon]:
+    """A real tierckptd on a unix socket with its memory tier in tmpfs."""
+    root = tempfile.mkdtemp(prefix="tcb")
+    memory_dir = tempfile.mkdtemp(prefix="tierckpt-bench-", dir=tmpfs_root())
+    sock = os.path.join(root, "d.sock")
+    config = os.path.join(root, "tierckptd.toml")
+    with open(config, "w") as f:
+        f.write(
+            f'[node]\nid = "bench"\n[listen]\nlocal = "unix://{sock}"\npeer = ""\n'
+            f'[memory]\ndir = "{memory_dir}"\nbudget = "{budget}"\n'
+            f"[retention]\nmemory_keep_last = {keep_last}\n{extra}"
+        )
+    with open(os.path.join(root, "daemon.log"), "wb") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tierckptd", "--config", config], stdout=log, stderr=log
+        )
+    d = Daemon(root, f"unix://{sock}", memory_dir, proc)
+    try:
+        _wait_serving(d)
+        yield d
+    finally:
+        d.stop()
+
+
+def _wait_serving(d: Daemon, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(
+                f"tierckptd exited with {d.proc.returncode}; see {d.root}/daemon.log"
+            )
+        with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(d.address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1
+            )
+            if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        time.sleep(0.1)
+    raise TimeoutError("tierckptd did not become SERVING")
+
+
+def best_of(
+    fn: Callable[[], object], repeat: int = 3, setup: Callable[[], object] | None = None
+) -> float:
+    """Fastest of `repeat` runs, in seconds (least disturbed by the shared machine)."""
+    best = float("inf")
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass
+class Table:
+    title: str
+    nbytes: int
+    rows: list[tuple[str, float, str]] = field(default_factory=list)
+
+    def add(self, name: str, seconds: float, note: str = "") -> float:
+        self.rows.append((name, seconds, note))
+        return seconds
+
+    def seconds(self, name: str) -> float:
+        return next(s for n, s, _ in self.rows if n == name)
+
+    def render(self, ratios: list[tuple[str, str, str]]) -> str:
+        out = [
+            f"\n## {self.title} ({self.nbytes / GiB:.2f} GiB)",
+            f"{'measurement':<48} {'seconds':>9} {'GB/s':>8}  note",
+        ]
+        for name, s, note in self.rows:
+            out.append(f"{name:<48} {s:>9.3f} {self.nbytes / s / 1e9:>8.2f}  {note}")
+        out.append("ratios (higher is better for tierckpt):")
+        for label, num, den in ratios:
+            out.append(f"  {label:<62} {self.seconds(den) / self.seconds(num):>6.2f}x")
+        return "\n".join(out)
