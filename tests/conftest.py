@@ -24,14 +24,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(DEFAULT_TEST_TIMEOUT))
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    module = sys.modules.get("tests.support.daemon_process")
+    if module is not None:
+        module.kill_all_daemons()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def daemon_factory() -> Iterator[Callable[..., Any]]:
-    """Start tierckptd processes for one test; every one is killed and removed afterwards."""
+def daemon_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Start tierckptd processes for one test; every one is killed and removed afterwards.
+
+    When the test failed, each daemon's log tail is printed (shown in the report).
+    """
     from tests.support.daemon_process import DaemonProcess
 
     started: list[DaemonProcess] = []
 
-    def make(config_overrides: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> DaemonProcess:
+    def make(
+        config_overrides: dict[str, dict[str, Any]] | None = None, **kwargs: Any
+    ) -> DaemonProcess:
         kwargs.setdefault("name", f"n{len(started)}")
         proc = DaemonProcess(config_overrides, start=False, **kwargs)
         started.append(proc)
@@ -39,7 +57,10 @@ def daemon_factory() -> Iterator[Callable[..., Any]]:
         return proc
 
     yield make
+    call_report = getattr(request.node, "rep_call", None)
     for proc in started:
+        if call_report is not None and call_report.failed:
+            print(f"{proc!r}\n{proc.log_tail()}")
         proc.cleanup()
 
 

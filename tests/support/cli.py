@@ -37,7 +37,9 @@ def cli_json(address: str, *args: str) -> Any:
     try:
         return json.loads(proc.stdout)
     except json.JSONDecodeError as exc:
-        raise AssertionError(f"tierckpt {' '.join(args)} --json printed no JSON:\n{proc.stdout}") from exc
+        raise AssertionError(
+            f"tierckpt {' '.join(args)} --json printed no JSON:\n{proc.stdout}"
+        ) from exc
 
 
 def ls_json(address: str, namespace: str, *, include_all: bool = False) -> list[dict[str, Any]]:

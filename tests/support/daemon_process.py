@@ -22,9 +22,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["DaemonProcess", "DaemonStartError", "toml_document"]
+__all__ = ["DaemonProcess", "DaemonStartError", "kill_all_daemons", "toml_document"]
 
 READY_TIMEOUT = 30.0
+_STARTED: list[DaemonProcess] = []
+
+
+def kill_all_daemons() -> None:
+    """SIGKILL every daemon this process started that is still running (session safety net)."""
+    for daemon in _STARTED:
+        daemon.kill9()
 
 
 class DaemonStartError(AssertionError):
@@ -94,6 +101,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Any = None
         self.starts = 0
+        _STARTED.append(self)
         if start:
             self.start()
 

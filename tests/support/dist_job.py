@@ -96,7 +96,9 @@ def _rank_entry(
     try:
         data = pickle.dumps(payload)
     except Exception as exc:  # an unpicklable return value is a test bug; say so
-        data = pickle.dumps({"ok": False, "type": "PicklingError", "message": str(exc), "traceback": ""})
+        data = pickle.dumps(
+            {"ok": False, "type": "PicklingError", "message": str(exc), "traceback": ""}
+        )
     tmp.write_bytes(data)
     tmp.rename(result_path)
 

@@ -65,9 +65,13 @@ def _train_one_more_step(train: Any) -> None:
 
 def verify_loaded(ctx: RankContext, train: Any, expected: dict[str, Any], label: str) -> int:
     """Compare the loaded state dict and, after applying it, the model and optimizer."""
-    leaves = assert_state_equal(train.state_dict, expected, what=f"rank {ctx.rank} {label} (state dict)")
+    leaves = assert_state_equal(
+        train.state_dict, expected, what=f"rank {ctx.rank} {label} (state dict)"
+    )
     reread = apply_and_reread(train)
-    assert_state_equal(reread, expected, what=f"rank {ctx.rank} {label} (model/optim after set_state_dict)")
+    assert_state_equal(
+        reread, expected, what=f"rank {ctx.rank} {label} (model/optim after set_state_dict)"
+    )
     return leaves
 
 
@@ -89,7 +93,9 @@ def save_and_load(
         # The staged copy must be what is saved, not the state after the next step.
         _wait_async(response, mutate=lambda: _train_one_more_step(src))
         assert_all_differ(
-            {"model": src.state_dict["model"]}, expected, what=f"rank {ctx.rank} mutation after staging"
+            {"model": src.state_dict["model"]},
+            expected,
+            what=f"rank {ctx.rank} mutation after staging",
         )
     target = build_state(seed + TARGET_SEED_OFFSET, ctx.rank, steps=1, lr=2e-3)
     assert_all_differ(target.state_dict, expected, what=f"rank {ctx.rank} target before load")
@@ -180,3 +186,40 @@ def snapshot_only(ctx: RankContext, seed: int) -> dict[str, Any]:
 
 def sleep_forever(ctx: RankContext) -> None:
     time.sleep(3600)
+
+
+def run_steps(ctx: RankContext, backend: Backend, steps: list[tuple[Any, ...]]) -> list[Any]:
+    """Run a script of checkpoint steps in one job (spawning ranks is the slow part).
+
+    Steps:
+        ("save", checkpoint_id, expected_dir, seed): save the state for `seed`, snapshotting it.
+        ("load", checkpoint_id | None, expected_dir): load into different state; bit-exact.
+        ("save_fails", checkpoint_id, seed, error_class_name, pattern): the save must raise,
+            on this rank, a `tierckpt.errors.<error_class_name>` (raw or inside
+            CheckpointException) whose message matches `pattern`.
+    """
+    import tierckpt.errors
+
+    from tests.support.errors import assert_error, capture, describe
+
+    results: list[Any] = []
+    for step in steps:
+        kind = step[0]
+        if kind == "save":
+            _, checkpoint_id, expected_dir, seed = step
+            src = build_state(seed, ctx.rank)
+            save_expected(src.state_dict, expected_dir, ctx.rank)
+            backend.save(src.state_dict, checkpoint_id)
+            results.append(checkpoint_id)
+        elif kind == "load":
+            _, checkpoint_id, expected_dir = step
+            results.append(load_and_verify(ctx, backend, checkpoint_id, expected_dir))
+        elif kind == "save_fails":
+            _, checkpoint_id, seed, class_name, pattern = step
+            src = build_state(seed, ctx.rank)
+            exc = capture(lambda s=src, c=checkpoint_id: backend.save(s.state_dict, c), within=60)
+            assert_error(exc, getattr(tierckpt.errors, class_name), pattern)
+            results.append(describe(exc))
+        else:
+            raise ValueError(f"unknown step {step!r}")
+    return results

@@ -135,7 +135,9 @@ def build_state(
     state: dict[str, Any] = {
         "model": model_sd,
         "optim": optim_sd,
-        f"dataloader.rank_{rank}": DataLoaderPosition(rank, epoch=seed % 5, index=1000 + 37 * seed + rank, seed=seed),
+        f"dataloader.rank_{rank}": DataLoaderPosition(
+            rank, epoch=seed % 5, index=1000 + 37 * seed + rank, seed=seed
+        ),
         f"rng.rank_{rank}": rng,
         "meta": {"run": f"run-{seed}", "seed": seed, "steps": steps, "tags": ["a", str(seed)]},
         "replicated": torch.arange(1000, dtype=torch.float64) * (seed + 0.5),
@@ -162,9 +164,7 @@ def plain_tensor_state(seed: int, nbytes: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     n_tensors = 4
     per = max(1, nbytes // 4 // n_tensors)
-    state: dict[str, Any] = {
-        f"t{i}": torch.randn(per + i, generator=gen) for i in range(n_tensors)
-    }
+    state: dict[str, Any] = {f"t{i}": torch.randn(per + i, generator=gen) for i in range(n_tensors)}
     state["meta"] = {"seed": seed, "name": f"plain-{seed}"}
     return state
 
@@ -213,10 +213,14 @@ def _leaves(actual: Any, expected: Any, path: str, out: list[tuple[str, Any, Any
             out.append((path, actual, expected))
             return
         for key in expected:
-            _leaves(actual.get(key, _MISSING), expected[key], f"{path}.{key}" if path else str(key), out)
-        for key in actual:
-            if key not in expected:
-                out.append((f"{path}.{key}" if path else str(key), actual[key], _MISSING))
+            _leaves(
+                actual.get(key, _MISSING), expected[key], f"{path}.{key}" if path else str(key), out
+            )
+        out.extend(
+            (f"{path}.{key}" if path else str(key), actual[key], _MISSING)
+            for key in actual
+            if key not in expected
+        )
         return
     out.append((path, actual, expected))
 
@@ -282,7 +286,9 @@ def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], *, what
         ok, detail = _compare(act, exp)
         if not ok:
             bad.append(f"{path}: {detail}")
-    assert not bad, f"{what}: {len(bad)} of {len(leaves)} leaves not bit-exact:\n  " + "\n  ".join(bad)
+    assert not bad, f"{what}: {len(bad)} of {len(leaves)} leaves not bit-exact:\n  " + "\n  ".join(
+        bad
+    )
     assert leaves, f"{what}: nothing compared"
     return len(leaves)
 
