@@ -61,6 +61,9 @@ class Daemon:
         except MemoryTierLocked as e:
             logger.error("%s", e)
             return 1
+        except OSError as e:
+            logger.error("cannot use [memory] dir %s: %s", cfg.memory.dir, e)
+            return 1
         catalog = Catalog(
             tier,
             node_id=cfg.node.id,
