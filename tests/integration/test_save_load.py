@@ -129,4 +129,4 @@ def test_newest_in_an_empty_namespace_is_not_found(daemon: Any) -> None:
     from tierckpt import CheckpointNotFound
 
     exc = capture(lambda: backend.load(plain_tensor_state(1, 1024), None), within=30)
-    assert_error(exc, CheckpointNotFound, "empty-ns")
+    assert_error(exc, CheckpointNotFound, "empty-ns", load=True)
