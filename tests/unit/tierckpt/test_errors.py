@@ -1,0 +1,107 @@
+"""Errors pickle with type and message (DCP gathers them across processes) and map
+one-to-one to gRPC status codes."""
+
+from __future__ import annotations
+
+import pickle
+
+import grpc
+import pytest
+import tierckpt
+from tierckpt import errors
+from tierckpt.errors import TierckptError, error_from_status, status_of
+
+ALL_ERRORS = [getattr(errors, name) for name in errors.__all__ if name[0].isupper()]
+MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError]
+
+
+def test_error_list_is_complete() -> None:
+    # A new subclass must be exported (and therefore covered by the tests below).
+    assert set(TierckptError.__subclasses__()) == set(MAPPED)
+    assert len(MAPPED) == 8
+    for cls in ALL_ERRORS:
+        assert getattr(tierckpt, cls.__name__) is cls
+
+
+@pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_error_pickles_with_type_and_message(cls: type[TierckptError], protocol: int) -> None:
+    message = f"{cls.__name__}: step-000100 of ns went wrong"
+    try:
+        raise cls(message)
+    except TierckptError as raised:  # carries a traceback, like a gathered exception
+        copy = pickle.loads(pickle.dumps(raised, protocol=protocol))
+    assert type(copy) is cls
+    assert str(copy) == message
+    assert copy.args == (message,)
+    assert copy.code == cls.code
+    for base in cls.__mro__:
+        assert isinstance(copy, base)
+
+
+def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failures = {rank: cls(f"rank {rank} failed") for rank, cls in enumerate(MAPPED)}
+    copy = pickle.loads(pickle.dumps(CheckpointException("save failed", failures)))
+    for rank, cls in enumerate(MAPPED):
+        got = copy.failures[rank]
+        assert type(got) is cls
+        assert str(got) == f"rank {rank} failed"
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (errors.InvalidName, ValueError),
+        (errors.CheckpointExists, FileExistsError),
+        (errors.CheckpointNotFound, FileNotFoundError),
+        (errors.MemoryBudgetExceeded, MemoryError),
+        (errors.CheckpointIncomplete, RuntimeError),
+        (errors.ChecksumMismatch, OSError),
+        (errors.DaemonUnavailable, ConnectionError),
+        (errors.DaemonTimeout, TimeoutError),
+    ],
+)
+def test_errors_derive_from_their_builtin(cls: type[TierckptError], builtin: type) -> None:
+    assert issubclass(cls, builtin)
+    with pytest.raises(builtin):
+        raise cls("x")
+
+
+def test_codes_are_distinct() -> None:
+    codes = [cls.code for cls in MAPPED]
+    assert len(set(codes)) == len(codes)
+    assert grpc.StatusCode.INTERNAL not in codes
+    assert grpc.StatusCode.OK not in codes
+
+
+@pytest.mark.parametrize("cls", MAPPED, ids=lambda c: c.__name__)
+def test_status_round_trip(cls: type[TierckptError]) -> None:
+    code = status_of(cls("boom"))
+    assert code == cls.code
+    back = error_from_status(code, "boom")
+    assert type(back) is cls
+    assert str(back) == "boom"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.CANCELLED,
+    ],
+)
+def test_unknown_code_becomes_base_error(code: grpc.StatusCode) -> None:
+    err = error_from_status(code, "details")
+    assert type(err) is TierckptError
+    assert str(err) == "details"
+
+
+def test_status_of_foreign_and_base_errors_is_internal() -> None:
+    assert status_of(ValueError("x")) == grpc.StatusCode.INTERNAL
+    assert status_of(KeyError("x")) == grpc.StatusCode.INTERNAL
+    assert status_of(TierckptError("x")) == grpc.StatusCode.INTERNAL
