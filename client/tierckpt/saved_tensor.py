@@ -66,18 +66,19 @@ class SavedTensorLayout:
         """(start, nbytes) within the item of the sub-block at `offsets` of size `lengths`,
         when those elements are one contiguous run in row-major order; else None."""
         t = self.meta
-        if not t.is_contiguous() or len(offsets) != t.dim():
-            return None
         sizes = tuple(t.shape)
-        # Row-major: after the first narrowed dim, every later dim must be whole,
-        # and every earlier dim must have length 1.
-        narrowed = [i for i in range(t.dim()) if lengths[i] != sizes[i]]
-        if narrowed:
-            k = narrowed[0]
-            if any(lengths[i] != sizes[i] for i in range(k + 1, t.dim())):
-                return None
-            if any(lengths[i] != 1 for i in range(k)):
-                return None
+        if not t.is_contiguous() or len(offsets) != t.dim() or len(lengths) != t.dim():
+            return None
+        if any(
+            o < 0 or n < 0 or o + n > size
+            for o, n, size in zip(offsets, lengths, sizes, strict=True)
+        ):
+            return None
+        # Row-major runs: leading dims of length 1, then one dim of any length, then
+        # only whole dims.
+        outer = next((i for i, n in enumerate(lengths) if n != 1), t.dim())
+        if any(lengths[i] != sizes[i] for i in range(outer + 1, t.dim())):
+            return None
         first = t.storage_offset() + sum(o * s for o, s in zip(offsets, t.stride(), strict=True))
         item = t.element_size()
         return self.storage_offset_bytes + int(first) * item, math.prod(lengths) * item

@@ -134,12 +134,6 @@ def test_3d_slabs(tmp_path: Path) -> None:
     assert layout.contiguous_range((0, 0, 1), (4, 6, 2)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="contiguous_range keys off the FIRST narrowed dim, so contiguous runs that narrow "
-    "an outer dim to length 1 and then a later dim (a partial row, rows of one matrix) "
-    "are refused and fall back to the torch.load path",
-)
 def test_partial_inner_runs_are_contiguous(tmp_path: Path) -> None:
     t = torch.randn(4, 6, 5)
     item, layout = _parse(tmp_path, t)
