@@ -181,7 +181,11 @@ class TieredStorageWriter(FileSystemWriter):
         self.save_id = dcp_filesystem._generate_uuid()
 
     @property
-    def checkpoint_id(self) -> str:
+    def checkpoint_id(self) -> str | None:  # type: ignore[override]
+        """The id of the save in progress; None until DCP passes ``checkpoint_id``."""
+        return self._target.checkpoint_id
+
+    def _require_id(self) -> str:
         if self._target.checkpoint_id is None:
             raise ValueError(
                 "TieredStorageWriter needs a checkpoint id: pass checkpoint_id='step-000100' "
@@ -210,7 +214,7 @@ class TieredStorageWriter(FileSystemWriter):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._target.rank = rank
         # Fails fast (before planning) on a reused id or an unreachable daemon.
-        self.client.begin_checkpoint(self.namespace, self.checkpoint_id, rank)
+        self.client.begin_checkpoint(self.namespace, self._require_id(), rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan  # FileSystemWriter's version checks a directory; the daemon already did
@@ -219,7 +223,7 @@ class TieredStorageWriter(FileSystemWriter):
         memo = _MemoizedBytesPlanner(planner)
         needed = memo.reservation(plan.items) + self.thread_count * _PER_ITEM_OVERHEAD
         # Before any byte is written: RESOURCE_EXHAUSTED here leaves memory untouched.
-        self.client.reserve_space(self.namespace, self.checkpoint_id, self._target.rank, needed)
+        self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, needed)
         with _torch_save_without_crc():
             return super().write_data(plan, cast(SavePlanner, memo))
 
@@ -230,15 +234,15 @@ class TieredStorageWriter(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         with self.fs.create_stream(
-            self.fs.concat_path(self.checkpoint_id, METADATA_FILE), "wb"
+            self.fs.concat_path(self._require_id(), METADATA_FILE), "wb"
         ) as stream:
             pickle.dump(metadata, stream)
         required = {info.relative_path for info in metadata.storage_data.values()} | {METADATA_FILE}
-        info = self.client.commit_checkpoint(self.namespace, self.checkpoint_id, required)
+        info = self.client.commit_checkpoint(self.namespace, self._require_id(), required)
         logger.info(
             "committed %s/%s: %d files, %d bytes",
             self.namespace,
-            self.checkpoint_id,
+            self._require_id(),
             info.file_count,
             info.size_bytes,
         )
