@@ -183,6 +183,19 @@ def test_daemon_not_running_is_unavailable_quickly(tmp_path: Path) -> None:
     assert_error(exc, DaemonUnavailable, _unavailable_pattern(address), load=True)
 
 
+def test_daemon_not_running_fails_every_rank_quickly(tmp_path: Path) -> None:
+    address = f"unix://{tmp_path / 'nobody.sock'}"
+    started = time.monotonic()
+    run_job(
+        jobs.run_steps,
+        2,
+        Tiered(NS, address),
+        [("save_fails", "step-1", 1, "DaemonUnavailable", _unavailable_pattern(address))],
+        timeout=60,
+    )
+    assert time.monotonic() - started < 45
+
+
 def test_daemon_killed_is_unavailable_quickly(daemon: Any) -> None:
     backend = Tiered(NS, daemon.address)
     state = plain_tensor_state(1, 4096)

@@ -73,8 +73,9 @@ def _wait_gone(path: Path, timeout: float = 5.0) -> bool:
     return True
 
 
+@pytest.mark.parametrize("victim", [0, 1], ids=["coordinator", "non-coordinator"])
 def test_rank_killed_mid_save_keeps_previous_and_collects_partial(
-    daemon: Any, tmp_path: Path
+    daemon: Any, tmp_path: Path, victim: int
 ) -> None:
     backend = Tiered(NS, daemon.address)
     root = tmp_path / "exp"
@@ -101,7 +102,7 @@ def test_rank_killed_mid_save_keeps_previous_and_collects_partial(
         in_flight = {r["id"]: r["state"] for r in ls_json(daemon.address, NS, include_all=True)}
         assert in_flight == {"step-000100": "COMMITTED", "step-000200": "WRITING"}
 
-        job.kill_rank(1)
+        job.kill_rank(victim)
         job.kill_all()
     finally:
         job.cleanup()
@@ -125,3 +126,48 @@ def test_rank_killed_mid_save_keeps_previous_and_collects_partial(
     )
     states = {r["id"]: r["state"] for r in ls_json(daemon.address, NS, include_all=True)}
     assert states.get("step-000200") in (None, "ABORTED"), states
+
+
+def test_daemon_killed_mid_save_restarts_without_the_partial(daemon: Any, tmp_path: Path) -> None:
+    backend = Tiered(NS, daemon.address)
+    root = tmp_path / "exp"
+    job = start_job(
+        jobs.save_then_hang_in_second_save,
+        2,
+        NS,
+        daemon.address,
+        "step-000100",
+        "step-000200",
+        str(root),
+        73,
+        timeout=120,
+    )
+    try:
+        job.wait_for_marker("in_write", [0, 1], timeout=90)
+        daemon.kill9()
+        daemon.start()
+        # The re-adopted tier holds the committed checkpoint only.
+        assert ls_ids(daemon.address, NS) == ["step-000100"]
+        states = {r["id"]: r["state"] for r in ls_json(daemon.address, NS, include_all=True)}
+        assert states["step-000100"] == "COMMITTED"
+        assert states.get("step-000200") != "COMMITTED", states
+    finally:
+        job.cleanup()
+
+    partial = daemon.data_dir(NS, "step-000200")
+    run_job(
+        jobs.run_steps,
+        2,
+        backend,
+        [
+            ("load", "step-000100", str(root / "step-000100")),
+            ("save", "step-000300", str(root / "step-000300"), 74),
+            ("load", None, str(root / "step-000300")),
+        ],
+        timeout=90,
+    )
+    assert ls_ids(daemon.address, NS) == ["step-000100", "step-000300"]
+    assert _wait_gone(partial), (
+        f"partial save still on disk after the next successful save: "
+        f"{sorted(p.name for p in partial.iterdir())}"
+    )
