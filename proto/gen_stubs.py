@@ -33,7 +33,9 @@ def _plugin(bin_dir: Path, name: str) -> str:
 
 def generate(dest: Path) -> None:
     """Compile every proto into `dest` (which becomes the tierckpt/v1 package)."""
-    sources = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "tierckpt" / "v1").glob("*.proto"))
+    sources = sorted(
+        str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "tierckpt" / "v1").glob("*.proto")
+    )
     with tempfile.TemporaryDirectory() as tmp:
         bin_dir = Path(sys.executable).parent  # mypy-protobuf's plugins live beside python
         args = [
@@ -61,7 +63,9 @@ def check() -> int:
         fresh = Path(tmp) / "v1"
         generate(fresh)
         names = sorted(p.name for p in fresh.iterdir())
-        current = sorted(p.name for p in OUT_DIR.iterdir() if p.is_file()) if OUT_DIR.exists() else []
+        current = (
+            sorted(p.name for p in OUT_DIR.iterdir() if p.is_file()) if OUT_DIR.exists() else []
+        )
         _, mismatch, errors = filecmp.cmpfiles(fresh, OUT_DIR, names, shallow=False)
         if names != current or mismatch or errors:
             print(
@@ -76,7 +80,9 @@ def check() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if the checked-in stubs are stale")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if the checked-in stubs are stale"
+    )
     args = parser.parse_args()
     if args.check:
         return check()

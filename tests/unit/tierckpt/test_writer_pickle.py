@@ -76,8 +76,11 @@ def test_writer_uses_the_env_address(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_writer_needs_a_checkpoint_id() -> None:
     writer = TieredStorageWriter("ns", daemon=ADDRESS)
+    # DCP's PROCESS executor probes `checkpoint_id` with getattr(..., None): no raise here,
+    # but the first storage call of a save without an id names the fix.
+    assert writer.checkpoint_id is None
     with pytest.raises(ValueError, match="checkpoint_id="):
-        _ = writer.checkpoint_id
+        writer.set_up_storage_writer(True, rank=0)
     writer.reset("step-5")
     writer.reset(None)  # a later reset without an id keeps the current one
     assert writer.checkpoint_id == "step-5"
