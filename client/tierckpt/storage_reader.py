@@ -53,14 +53,15 @@ class TieredStorageReader(StorageReader):
         namespace: the training job whose checkpoints to read.
         daemon: the local daemon's address; default ``$TIERCKPT_DAEMON``, else the
             default unix socket.
-        io_threads: threads copying large items (preadv and xxh3 release the GIL).
+        io_threads: threads copying large items (preadv and xxh3 release the GIL; more
+            threads than cores still help because kernel page copies stall on memory).
 
     ``dcp.load(sd, checkpoint_id=None, storage_reader=...)`` loads the newest committed
     checkpoint of the namespace; every rank must resolve the same one, which the
     coordinator checks.
     """
 
-    def __init__(self, namespace: str, *, daemon: str | None = None, io_threads: int = 2) -> None:
+    def __init__(self, namespace: str, *, daemon: str | None = None, io_threads: int = 4) -> None:
         super().__init__()
         self.namespace = check_namespace(namespace)
         self.client = DaemonClient(daemon)
