@@ -16,6 +16,7 @@ __all__ = [
     "ChecksumMismatch",
     "DaemonTimeout",
     "DaemonUnavailable",
+    "InvalidArgument",
     "InvalidName",
     "MemoryBudgetExceeded",
     "TierckptError",
@@ -30,8 +31,14 @@ class TierckptError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
 
-class InvalidName(TierckptError, ValueError):
+class InvalidArgument(TierckptError, ValueError):
+    """A request the daemon cannot accept as sent (wrong size, malformed checksums, ...)."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class InvalidName(InvalidArgument):
+    """A namespace, checkpoint id or file name outside the allowed grammar."""
 
 
 class CheckpointExists(TierckptError, FileExistsError):
@@ -65,7 +72,7 @@ class DaemonTimeout(TierckptError, TimeoutError):
 _BY_CODE: dict[grpc.StatusCode, type[TierckptError]] = {
     cls.code: cls
     for cls in (
-        InvalidName,
+        InvalidArgument,
         CheckpointExists,
         CheckpointNotFound,
         MemoryBudgetExceeded,

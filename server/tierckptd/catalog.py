@@ -23,7 +23,7 @@ from tierckpt.errors import (
     CheckpointExists,
     CheckpointIncomplete,
     CheckpointNotFound,
-    InvalidName,
+    InvalidArgument,
     MemoryBudgetExceeded,
 )
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
@@ -308,21 +308,21 @@ class Catalog:
             path = self.tier.file_path(namespace, checkpoint_id, name)
             actual = path.stat().st_size
             if actual != size:
-                raise InvalidName(
+                raise InvalidArgument(
                     f"file {name} of {namespace}/{checkpoint_id} is {actual} bytes on disk but the "
                     f"commit says {size} bytes: truncate the file to its final size before committing"
                 )
             if algorithm != ALGORITHM:
-                raise InvalidName(
+                raise InvalidArgument(
                     f"checksum algorithm {algorithm!r} is not supported; use {ALGORITHM!r}"
                 )
             if block_size <= 0 or len(digests) % DIGEST_SIZE:
-                raise InvalidName(
+                raise InvalidArgument(
                     f"malformed checksums for {name}: block_size={block_size}, {len(digests)} digest bytes"
                 )
             checksums = BlockChecksums(block_size, digests, algorithm)
             if checksums.block_count != checksums.expected_blocks(size):
-                raise InvalidName(
+                raise InvalidArgument(
                     f"file {name} has {checksums.block_count} block checksums but {size} bytes in "
                     f"blocks of {block_size} need {checksums.expected_blocks(size)}"
                 )

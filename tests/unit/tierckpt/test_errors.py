@@ -12,13 +12,17 @@ from tierckpt import errors
 from tierckpt.errors import TierckptError, error_from_status, status_of
 
 ALL_ERRORS = [getattr(errors, name) for name in errors.__all__ if name[0].isupper()]
-MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError]
+# One class per status code; refinements (InvalidName is an InvalidArgument) travel as their base.
+REFINEMENTS = {errors.InvalidName: errors.InvalidArgument}
+MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError and cls not in REFINEMENTS]
 
 
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
     assert set(TierckptError.__subclasses__()) == set(MAPPED)
     assert len(MAPPED) == 8
+    for refined, base in REFINEMENTS.items():
+        assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
         assert getattr(tierckpt, cls.__name__) is cls
 
@@ -54,6 +58,7 @@ def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
     ("cls", "builtin"),
     [
         (errors.InvalidName, ValueError),
+        (errors.InvalidArgument, ValueError),
         (errors.CheckpointExists, FileExistsError),
         (errors.CheckpointNotFound, FileNotFoundError),
         (errors.MemoryBudgetExceeded, MemoryError),

@@ -9,6 +9,7 @@ from tierckpt.errors import (
     CheckpointExists,
     CheckpointIncomplete,
     CheckpointNotFound,
+    InvalidArgument,
     InvalidName,
     MemoryBudgetExceeded,
 )
@@ -92,15 +93,15 @@ def test_commit_file_checks_size_and_blocks(catalog: Catalog) -> None:
     path, _ = catalog.open_file("run", "s", "f", 0)
     Path(path).write_bytes(b"z" * 2048)
     cs = checksum_bytes(b"z" * 2048, block_size=1024)
-    with pytest.raises(InvalidName, match="2048 bytes on disk.*2000 bytes"):
+    with pytest.raises(InvalidArgument, match="2048 bytes on disk.*2000 bytes"):
         catalog.commit_file(
             "run", "s", "f", 0, 2000, algorithm=cs.algorithm, block_size=1024, digests=cs.digests
         )
-    with pytest.raises(InvalidName, match="block checksums"):
+    with pytest.raises(InvalidArgument, match="block checksums"):
         catalog.commit_file(
             "run", "s", "f", 0, 2048, algorithm=cs.algorithm, block_size=512, digests=cs.digests
         )
-    with pytest.raises(InvalidName, match="crc32"):
+    with pytest.raises(InvalidArgument, match="crc32"):
         catalog.commit_file(
             "run", "s", "f", 0, 2048, algorithm="crc32c", block_size=1024, digests=cs.digests
         )
