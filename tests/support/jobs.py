@@ -160,10 +160,17 @@ def save_then_hang_in_second_save(
     second_id: str,
     expected_root: str,
     seed: int,
+    stall: str = "before_commit",
 ) -> None:
-    """Commit `first_id`, then start `second_id` and stall after write_data until killed."""
+    """Commit `first_id`, then start `second_id` and stall until killed.
+
+    `stall`: "before_commit" (after write_data finished, before finish) or "mid_write"
+    (inside the byte copy of the rank's data, through a stalling planner).
+    """
+    import torch.distributed.checkpoint as dcp
+
     from tests.support.backends import Tiered
-    from tests.support.fault_writer import StallingWriter
+    from tests.support.fault_writer import StallingPlanner, StallingWriter
 
     backend = Tiered(namespace, address)
     src = build_state(seed, ctx.rank)
@@ -171,11 +178,20 @@ def save_then_hang_in_second_save(
     backend.save(src.state_dict, first_id)
     ctx.marker("first_saved")
     _train_one_more_step(src)
-    writer = StallingWriter(namespace, daemon=address)
-    writer.configure_stall(ctx.job_dir, ctx.rank, hold_seconds=300.0)
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(src.state_dict, checkpoint_id=second_id, storage_writer=writer)
+    if stall == "before_commit":
+        writer = StallingWriter(namespace, daemon=address)
+        writer.configure_stall(ctx.job_dir, ctx.rank, hold_seconds=300.0)
+        dcp.save(src.state_dict, checkpoint_id=second_id, storage_writer=writer)
+    elif stall == "mid_write":
+        planner = StallingPlanner(ctx.job_dir, ctx.rank)
+        dcp.save(
+            src.state_dict,
+            checkpoint_id=second_id,
+            storage_writer=backend.writer(),
+            planner=planner,
+        )
+    else:
+        raise ValueError(stall)
     raise AssertionError("the stalled save returned; the test should have killed this rank")
 
 
