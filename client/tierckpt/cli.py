@@ -17,7 +17,6 @@ from typing import Any
 from tierckpt import __version__
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient
 from tierckpt.errors import TierckptError
-from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
 
 __all__ = ["main"]
@@ -92,7 +91,7 @@ def _pull(info: CheckpointInfo, dest: str) -> int:
         tmp = f"{target}.tmp"
         what = f"{info.namespace}/{info.checkpoint_id}/{entry.name}"
         with (
-            VerifiedFile(entry.local_path, entry.size, entry.checksums, what=what) as src,
+            entry.open_verified(what) as src,
             open(tmp, "wb") as out,
         ):
             for start in range(0, entry.size, _COPY_CHUNK):
@@ -194,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = DaemonClient(args.daemon)
     try:
         return _COMMANDS[args.command](client, args)
-    except (TierckptError, OSError) as e:
+    except (TierckptError, OSError, ValueError) as e:
         print(f"tierckpt {args.command}: {e}", file=sys.stderr)
         return 1
     finally:

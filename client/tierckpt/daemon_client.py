@@ -15,7 +15,14 @@ import grpc
 
 from tierckpt.checksum import BlockChecksums
 from tierckpt.endpoint import open_channel, resolve_daemon_address
-from tierckpt.errors import DaemonTimeout, DaemonUnavailable, TierckptError, error_from_status
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    DaemonTimeout,
+    DaemonUnavailable,
+    TierckptError,
+    error_from_status,
+)
+from tierckpt.memory_files import VerifiedFile
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 __all__ = ["CheckpointInfo", "DaemonClient", "FileEntry", "NodeStatus", "OpenedFile"]
@@ -28,11 +35,17 @@ DEFAULT_TIMEOUT_S = 60.0
 class FileEntry:
     name: str
     size: int
-    checksums: BlockChecksums
+    checksums: BlockChecksums | None  # None while the file is still being written
     rank: int
     owner_node: str
     replica_nodes: tuple[str, ...]
     local_path: str
+
+    def open_verified(self, what: str) -> VerifiedFile:
+        """The local copy for verified reads; refuses a file that was never committed."""
+        if self.checksums is None or not self.local_path:
+            raise CheckpointIncomplete(f"{what} is not committed on this node; it cannot be read")
+        return VerifiedFile(self.local_path, self.size, self.checksums, what=what)
 
 
 @dataclass(frozen=True)
@@ -102,12 +115,14 @@ def _checksums_to_wire(c: BlockChecksums) -> common_pb2.BlockChecksums:
 
 
 def _file_from_wire(f: common_pb2.FileEntry) -> FileEntry:
+    c = f.checksums
     return FileEntry(
         name=f.name,
         size=f.size,
-        checksums=BlockChecksums(
-            f.checksums.block_size, f.checksums.block_digests, f.checksums.algorithm
-        ),
+        # A file still being written has no checksums yet.
+        checksums=BlockChecksums(c.block_size, c.block_digests, c.algorithm)
+        if c.algorithm
+        else None,
         rank=f.rank,
         owner_node=f.owner_node,
         replica_nodes=tuple(f.replica_nodes),

@@ -108,7 +108,7 @@ class TieredStorageReader(StorageReader):
         info = self._checkpoint()
         entry = info.file(name)
         what = f"{info.namespace}/{info.checkpoint_id}/{name}"
-        return VerifiedFile(entry.local_path, entry.size, entry.checksums, what=what)
+        return entry.open_verified(what)
 
     # --- DCP protocol -----------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tierckpt.daemon_client import DaemonClient
+from tierckpt.errors import MemoryBudgetExceeded, TierckptError
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
 
@@ -223,7 +224,11 @@ class TieredStorageWriter(FileSystemWriter):
         memo = _MemoizedBytesPlanner(planner)
         needed = memo.reservation(plan.items) + self.thread_count * _PER_ITEM_OVERHEAD
         # Before any byte is written: RESOURCE_EXHAUSTED here leaves memory untouched.
-        self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, needed)
+        try:
+            self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, needed)
+        except MemoryBudgetExceeded:
+            self._abort_quietly()  # release the other ranks' reservations now, not at the GC
+            raise
         with _torch_save_without_crc():
             return super().write_data(plan, cast(SavePlanner, memo))
 
@@ -246,6 +251,12 @@ class TieredStorageWriter(FileSystemWriter):
             info.file_count,
             info.size_bytes,
         )
+
+    def _abort_quietly(self) -> None:
+        try:
+            self.client.abort_checkpoint(self.namespace, self._require_id())
+        except TierckptError as e:  # another rank aborted first, or the daemon is gone
+            logger.debug("abort of %s/%s: %s", self.namespace, self._target.checkpoint_id, e)
 
     # --- async staging ----------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:

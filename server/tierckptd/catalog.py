@@ -135,8 +135,13 @@ class Catalog:
             if newest
             else f"{namespace} has no committed checkpoints"
         )
-        what = f"{namespace}/{checkpoint_id}" if checkpoint_id else f"a checkpoint of {namespace}"
-        return CheckpointNotFound(f"checkpoint {what} not found on node {self.node_id}; {tail}")
+        what = (
+            f"checkpoint {namespace}/{checkpoint_id}"
+            if checkpoint_id
+            else f"no checkpoint of {namespace}"
+        )
+        verb = "not found" if checkpoint_id else "found"
+        return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
 
     def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
         key = self._ref(namespace, checkpoint_id)
