@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 from collections import defaultdict
+from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -151,82 +152,88 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Tensor items are read concurrently (one item's framing is parsed while another's
+        bytes are copied); planner calls stay on this thread, in plan order."""
         per_file: dict[str, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
-        with ThreadPoolExecutor(
-            max(1, self.io_threads), thread_name_prefix="tierckpt-read"
-        ) as pool:
-            for name, items in per_file.items():
-                with self._open(name) as f:
+        workers = max(1, self.io_threads)
+        files: list[VerifiedFile] = []
+        try:
+            with (
+                ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-item") as items_pool,
+                ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-block") as blocks_pool,
+            ):
+                pending: list[tuple[ReadItem, torch.Tensor, CFuture[None]]] = []
+                for name, items in per_file.items():
+                    f = self._open(name)
+                    files.append(f)
                     for item in items:
-                        self._read_item(f, item, planner, pool)
+                        if item.type == LoadItemType.BYTE_IO:
+                            planner.load_bytes(item, io.BytesIO(self._item_bytes(f, item)))
+                            continue
+                        target = planner.resolve_tensor(item).detach()
+                        job = items_pool.submit(self._read_tensor, f, item, target, blocks_pool)
+                        pending.append((item, target, job))
+                for item, target, job in pending:
+                    job.result()
+                    planner.commit_tensor(item, target)
+        finally:
+            for f in files:
+                f.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     # --- one item -----------------------------------------------------------------------
-    def _read_item(
-        self, f: VerifiedFile, item: ReadItem, planner: LoadPlanner, pool: ThreadPoolExecutor
-    ) -> None:
+    def _item_bytes(self, f: VerifiedFile, item: ReadItem) -> bytes | bytearray:
+        """The item's stored bytes, verified, with any transform (compression) undone."""
         info = self.storage_data[item.storage_index]
-        if info.transform_descriptors:  # compressed or otherwise transformed: staged path
-            raw = self._untransform(item, info, f.read(info.offset, info.length))
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(raw))
-            else:
-                self._copy_loaded(
-                    item,
-                    planner,
-                    torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True),
-                )
-            return
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(f.read(info.offset, info.length)))
-            return
-        target = planner.resolve_tensor(item).detach()
-        layout = parse_saved_tensor(f.fileno(), info.offset, info.length)
-        span = layout.contiguous_range(tuple(item.storage_offsets), tuple(item.lengths))
-        fast = (
-            span is not None
-            and target.dtype == layout.meta.dtype
-            and tuple(target.shape) == tuple(item.lengths)
-        )
-        if fast:
-            assert span is not None
-            start, nbytes = span
-            direct = target.device.type == "cpu" and target.is_contiguous()
-            landing = target if direct else torch.empty(target.shape, dtype=target.dtype)
-            # The framing before and after the storage record is read too, so the header
-            # we parsed is verified by the same block checksums as the data.
-            head_len = layout.storage_offset_bytes
-            tail_at = layout.storage_offset_bytes + layout.storage_nbytes
-            segments = [
-                (info.offset, memoryview(bytearray(head_len))),
-                (info.offset + start, _writable_view(landing)[:nbytes]),
-                (info.offset + tail_at, memoryview(bytearray(info.length - tail_at))),
-            ]
-            f.read_segments(segments, pool if nbytes >= _PARALLEL_BYTES else None)
-            if not direct:
-                target.copy_(landing)
-            planner.commit_tensor(item, target)
-            return
-        staged = f.read(info.offset, info.length)
-        self._copy_loaded(
-            item, planner, torch.load(io.BytesIO(staged), map_location="cpu", weights_only=True)
-        )
+        raw = f.read(info.offset, info.length)
+        return self._untransform(item, info, raw) if info.transform_descriptors else raw
 
-    def _copy_loaded(self, item: ReadItem, planner: LoadPlanner, tensor: torch.Tensor) -> None:
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
+    def _read_tensor(
+        self, f: VerifiedFile, item: ReadItem, target: torch.Tensor, blocks: ThreadPoolExecutor
+    ) -> None:
+        """Fill `target` with the saved slice `item` names (runs on a worker thread)."""
+        info = self.storage_data[item.storage_index]
+        if not info.transform_descriptors:
+            layout = parse_saved_tensor(f.fileno(), info.offset, info.length)
+            span = layout.contiguous_range(tuple(item.storage_offsets), tuple(item.lengths))
+            if (
+                span is not None
+                and target.dtype == layout.meta.dtype
+                and tuple(target.shape) == tuple(item.lengths)
+            ):
+                start, nbytes = span
+                direct = target.device.type == "cpu" and target.is_contiguous()
+                landing = target if direct else torch.empty(target.shape, dtype=target.dtype)
+                # The framing before and after the storage record is read too, so the
+                # header we parsed is verified by the same block checksums as the data.
+                head_len = layout.storage_offset_bytes
+                tail_at = layout.storage_offset_bytes + layout.storage_nbytes
+                segments = [
+                    (info.offset, memoryview(bytearray(head_len))),
+                    (info.offset + start, _writable_view(landing)[:nbytes]),
+                    (info.offset + tail_at, memoryview(bytearray(info.length - tail_at))),
+                ]
+                f.read_segments(segments, blocks if nbytes >= _PARALLEL_BYTES else None)
+                if not direct:
+                    target.copy_(landing)
+                return
+        # Staged: non-contiguous slice, transformed item, or a dtype/shape DCP converts.
+        saved = torch.load(
+            io.BytesIO(self._item_bytes(f, item)), map_location="cpu", weights_only=True
+        )
+        piece = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+        if target.size() != piece.size():
             raise CheckpointIncomplete(
-                f"{item.storage_index}: saved slice has shape {tuple(tensor.size())}, destination {tuple(target.size())}"
+                f"{item.storage_index}: saved slice has shape {tuple(piece.size())}, "
+                f"destination {tuple(target.size())}"
             )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
+        target.copy_(piece)
 
-    def _untransform(self, item: ReadItem, info: Any, raw: bytearray) -> bytes:
+    def _untransform(self, item: ReadItem, info: Any, raw: bytes | bytearray) -> bytes:
         transforms = dcp_filesystem._StorageReaderTransforms(self._extensions)
         stream = transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(raw))
         data: bytes = stream.read(-1)
