@@ -21,6 +21,10 @@ MiB = 1 << 20
 
 
 def tmpfs_root() -> str:
+    """Where tmpfs files go: $TIERCKPT_BENCH_TMPFS (e.g. a huge-page tmpfs), else /dev/shm."""
+    chosen = os.environ.get("TIERCKPT_BENCH_TMPFS")
+    if chosen:
+        return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 

@@ -281,7 +281,15 @@ def main() -> None:
         help="GiB of tensors in the 1-rank case (2-rank: half each)",
     )
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--tmpfs",
+        help="tmpfs directory for the memory tier and the tmpfs baselines (default /dev/shm); "
+        "e.g. a mount with huge=within_size",
+    )
     args = parser.parse_args()
+    if args.tmpfs:
+        os.environ["TIERCKPT_BENCH_TMPFS"] = args.tmpfs  # inherited by the spawned ranks
+    print(f"tmpfs for the memory tier and baselines: {tmpfs_root()}", flush=True)
     nbytes = int(args.gib * GiB)
     torch.set_num_threads(max(1, (os.cpu_count() or 2)))
     disk = tempfile.mkdtemp(prefix="tierckpt-bench-disk-")
