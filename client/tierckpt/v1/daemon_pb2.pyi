@@ -23,6 +23,33 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class EnsureLocalRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    FILE_NAME_FIELD_NUMBER: _builtins.int
+    REPAIR_FIELD_NUMBER: _builtins.int
+    file_name: _builtins.str
+    repair: _builtins.bool
+    """the local copy is corrupt: replace it, and count the event"""
+    @_builtins.property
+    def ref(self) -> _common_pb2.CheckpointRef: ...
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.CheckpointRef | None = ...,
+        file_name: _builtins.str = ...,
+        repair: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_name", b"file_name", "ref", b"ref", "repair", b"repair"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnsureLocalRequest: _TypeAlias = EnsureLocalRequest  # noqa: Y015
+
+@_typing.final
 class BeginCheckpointRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -90,6 +90,11 @@ class DaemonServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_daemon__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_daemon__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.EnsureLocal = channel.unary_unary(
+                '/tierckpt.v1.DaemonService/EnsureLocal',
+                request_serializer=tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_common__pb2.FileEntry.FromString,
+                _registered_method=True)
 
 
 class DaemonServiceServicer:
@@ -170,6 +175,16 @@ class DaemonServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EnsureLocal(self, request, context):
+        """Makes one file of a committed checkpoint local: a file this node lacks (a
+        replacement node, a resharded load) or whose local copy failed verification
+        (repair = true) is fetched from a node that holds a valid copy, checked, and
+        kept in this node's memory tier. Returns the entry with local_path set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +242,11 @@ def add_DaemonServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.GetStatusRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_daemon__pb2.NodeStatus.SerializeToString,
+            ),
+            'EnsureLocal': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnsureLocal,
+                    request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_common__pb2.FileEntry.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +546,33 @@ class DaemonService:
             '/tierckpt.v1.DaemonService/GetStatus',
             tierckpt_dot_v1_dot_daemon__pb2.GetStatusRequest.SerializeToString,
             tierckpt_dot_v1_dot_daemon__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnsureLocal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.DaemonService/EnsureLocal',
+            tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.SerializeToString,
+            tierckpt_dot_v1_dot_common__pb2.FileEntry.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,12 @@ class DaemonServiceStub:
     VerifyCheckpoint: _grpc.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.VerifyCheckpointResponse]
     """Re-reads every file of a checkpoint and checks it against its checksums."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.GetStatusRequest, _daemon_pb2.NodeStatus]
+    EnsureLocal: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.EnsureLocalRequest, _common_pb2.FileEntry]
+    """Makes one file of a committed checkpoint local: a file this node lacks (a
+    replacement node, a resharded load) or whose local copy failed verification
+    (repair = true) is fetched from a node that holds a valid copy, checked, and
+    kept in this node's memory tier. Returns the entry with local_path set.
+    """
 
 @_typing.type_check_only
 class DaemonServiceAsyncStub(DaemonServiceStub):
@@ -81,6 +87,12 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     VerifyCheckpoint: _aio.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.VerifyCheckpointResponse]  # type: ignore[assignment]
     """Re-reads every file of a checkpoint and checks it against its checksums."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_daemon_pb2.GetStatusRequest, _daemon_pb2.NodeStatus]  # type: ignore[assignment]
+    EnsureLocal: _aio.UnaryUnaryMultiCallable[_daemon_pb2.EnsureLocalRequest, _common_pb2.FileEntry]  # type: ignore[assignment]
+    """Makes one file of a committed checkpoint local: a file this node lacks (a
+    replacement node, a resharded load) or whose local copy failed verification
+    (repair = true) is fetched from a node that holds a valid copy, checked, and
+    kept in this node's memory tier. Returns the entry with local_path set.
+    """
 
 class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -169,5 +181,17 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _daemon_pb2.GetStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_daemon_pb2.NodeStatus, _abc.Awaitable[_daemon_pb2.NodeStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def EnsureLocal(
+        self,
+        request: _daemon_pb2.EnsureLocalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.FileEntry, _abc.Awaitable[_common_pb2.FileEntry]]:
+        """Makes one file of a committed checkpoint local: a file this node lacks (a
+        replacement node, a resharded load) or whose local copy failed verification
+        (repair = true) is fetched from a node that holds a valid copy, checked, and
+        kept in this node's memory tier. Returns the entry with local_path set.
+        """
 
 def add_DaemonServiceServicer_to_server(servicer: DaemonServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
