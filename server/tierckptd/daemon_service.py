@@ -206,6 +206,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             ok=result.ok, verified_bytes=result.verified_bytes, corrupt_files=result.corrupt_files
         )
 
+    def EnsureLocal(
+        self, request: daemon_pb2.EnsureLocalRequest, context: Any
+    ) -> common_pb2.FileEntry:
+        return _ensure_local_unavailable(request, context)
+
     def GetStatus(
         self, request: daemon_pb2.GetStatusRequest, context: Any
     ) -> daemon_pb2.NodeStatus:
@@ -222,6 +227,17 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             namespaces=list(s.namespaces),
             version=s.version,
         )
+
+
+def _ensure_local_unavailable(
+    request: daemon_pb2.EnsureLocalRequest, context: Any
+) -> common_pb2.FileEntry:
+    context.abort(
+        grpc.StatusCode.NOT_FOUND,
+        f"{request.ref.namespace}/{request.ref.checkpoint_id}/{request.file_name}: no valid copy "
+        "on this node and no peer to fetch it from (configure [[peers]])",
+    )
+    raise AssertionError("context.abort returned")  # pragma: no cover
 
 
 def add_daemon_service(catalog: Catalog, server: Any) -> DaemonService:

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from tierckptd.auth import PeerServerSecurity
 from tierckptd.catalog import Catalog
 from tierckptd.daemon_service import add_daemon_service
 from tierckptd.health import Health
@@ -101,10 +103,30 @@ def _bind(server: Any, address: str, what: str) -> int:
     return port
 
 
+def _bind_peer(server: Any, address: str, security: PeerServerSecurity) -> int:
+    if security.credentials is None:
+        return _bind(server, address, "[listen] peer")
+    try:
+        port = int(server.add_secure_port(address, security.credentials))
+    except RuntimeError as e:
+        raise AddressInUse(f"cannot bind [listen] peer {address}: {e}") from e
+    if port == 0:
+        raise AddressInUse(f"cannot bind [listen] peer {address} (in use, or an invalid address)")
+    return port
+
+
 def start_servers(
-    catalog: Catalog, health: Health, local: str, peer: str, *, workers: int = 32
+    catalog: Catalog,
+    health: Health,
+    local: str,
+    peer: str,
+    *,
+    workers: int = 32,
+    register_peer: Callable[[Any], None] | None = None,
+    peer_security: PeerServerSecurity | None = None,
 ) -> Servers:
-    """Bind and start the servers; DaemonService on `local`, health on both."""
+    """Bind and start the servers; DaemonService on `local`, health on both, and what
+    `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token)."""
     grpc_local, socket_path = parse_local(local)
     if socket_path is not None:
         _claim_socket_path(socket_path, local)
@@ -117,12 +139,16 @@ def start_servers(
     _bind(local_server, grpc_local, "[listen] local")
     peer_server, peer_port = None, None
     if peer:
+        security = peer_security or PeerServerSecurity()
         peer_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tierckptd-peer"),
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierckptd-peer"),
             options=OPTIONS,
+            interceptors=list(security.interceptors),
         )
         health.add_to(peer_server)
-        peer_port = _bind(peer_server, peer, "[listen] peer")
+        if register_peer is not None:
+            register_peer(peer_server)
+        peer_port = _bind_peer(peer_server, peer, security)
     local_server.start()
     if peer_server is not None:
         peer_server.start()
@@ -130,5 +156,5 @@ def start_servers(
         os.chmod(socket_path, 0o660)
     logger.info("serving DaemonService on %s", grpc_local)
     if peer_port is not None:
-        logger.info("peer listener on %s (bound port %d; health only)", peer, peer_port)
+        logger.info("peer listener on %s (bound port %d)", peer, peer_port)
     return Servers(local_server, peer_server, grpc_local, socket_path, peer_port)
