@@ -253,6 +253,16 @@ class DaemonClient:
             self._call(self._service().GetCheckpoint, _ref(namespace, checkpoint_id or ""))
         )
 
+    def ensure_local(
+        self, namespace: str, checkpoint_id: str, file_name: str, *, repair: bool = False
+    ) -> FileEntry:
+        """Have the daemon make a valid local copy of one file (fetched from a peer when
+        this node lacks it, or replaced when `repair` says the local copy is corrupt)."""
+        req = daemon_pb2.EnsureLocalRequest(
+            ref=_ref(namespace, checkpoint_id), file_name=file_name, repair=repair
+        )
+        return _file_from_wire(self._call(self._service().EnsureLocal, req))
+
     def list_checkpoints(
         self, namespace: str, *, include_uncommitted: bool = False
     ) -> list[CheckpointInfo]:

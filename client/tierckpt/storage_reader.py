@@ -10,14 +10,16 @@ compressed items, non-CPU destinations) go through a staging buffer and ``torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import logging
 import os
 import pickle
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -29,7 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient
-from tierckpt.errors import CheckpointIncomplete
+from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, TierckptError
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
 from tierckpt.saved_tensor import parse_saved_tensor
@@ -37,6 +39,8 @@ from tierckpt.saved_tensor import parse_saved_tensor
 __all__ = ["TieredStorageReader"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _PARALLEL_BYTES = 16 << 20  # below this a second thread costs more than it saves
 
@@ -105,16 +109,41 @@ class TieredStorageReader(StorageReader):
             self._info = self.client.get_checkpoint(self.namespace, self._requested_id)
         return self._info
 
-    def _open(self, name: str) -> VerifiedFile:
+    def _open(self, name: str, *, repair: bool = False) -> VerifiedFile:
+        """A verified local copy of `name`. A file this node lacks (a replacement node, a
+        resharded load) or whose copy failed verification (`repair`) is first made local
+        by the daemon from a peer that holds a valid copy."""
         info = self._checkpoint()
         entry = info.file(name)
         what = f"{info.namespace}/{info.checkpoint_id}/{name}"
+        if not repair and entry.local_path and entry.checksums is not None:
+            try:
+                return entry.open_verified(what)
+            except FileNotFoundError:
+                pass  # evicted or lost since GetCheckpoint: fetch it like a missing file
+        entry = self.client.ensure_local(info.namespace, info.checkpoint_id, name, repair=repair)
         return entry.open_verified(what)
+
+    def _with_repair(self, name: str, read: Callable[[VerifiedFile], T]) -> T:
+        """Run `read` on the local copy; on a checksum mismatch have the daemon replace the
+        copy from a peer (counted and logged there) and read once more."""
+        with self._open(name) as f:
+            try:
+                return read(f)
+            except ChecksumMismatch as e:
+                logger.warning("%s; asking tierckptd to repair it from a peer", e)
+                mismatch = e
+        try:
+            repaired = self._open(name, repair=True)
+        except TierckptError as e:
+            raise ChecksumMismatch(f"{mismatch}; no valid copy could be fetched: {e}") from e
+        with repaired as f:
+            return read(f)
 
     # --- DCP protocol -----------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self._open(METADATA_FILE) as f:
-            metadata = cast(Metadata, pickle.loads(f.read(0, f.size)))
+        raw = self._with_repair(METADATA_FILE, lambda f: f.read(0, f.size))
+        metadata = cast(Metadata, pickle.loads(raw))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
@@ -158,32 +187,48 @@ class TieredStorageReader(StorageReader):
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
         workers = max(1, self.io_threads)
-        files: list[VerifiedFile] = []
-        try:
-            with (
-                ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-item") as items_pool,
-                ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-block") as blocks_pool,
-            ):
-                pending: list[tuple[ReadItem, torch.Tensor, CFuture[None]]] = []
-                for name, items in per_file.items():
-                    f = self._open(name)
-                    files.append(f)
-                    for item in items:
-                        if item.type == LoadItemType.BYTE_IO:
-                            planner.load_bytes(item, io.BytesIO(self._item_bytes(f, item)))
-                            continue
-                        target = planner.resolve_tensor(item).detach()
-                        job = items_pool.submit(self._read_tensor, f, item, target, blocks_pool)
-                        pending.append((item, target, job))
-                for item, target, job in pending:
-                    job.result()
-                    planner.commit_tensor(item, target)
-        finally:
-            for f in files:
-                f.close()
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-item") as items_pool,
+            ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-block") as blocks_pool,
+        ):
+            for name, items in per_file.items():
+                read = functools.partial(
+                    self._read_items,
+                    items=items,
+                    planner=planner,
+                    items_pool=items_pool,
+                    blocks_pool=blocks_pool,
+                )
+                self._with_repair(name, read)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_items(
+        self,
+        f: VerifiedFile,
+        items: list[ReadItem],
+        planner: LoadPlanner,
+        items_pool: ThreadPoolExecutor,
+        blocks_pool: ThreadPoolExecutor,
+    ) -> None:
+        pending: list[tuple[ReadItem, torch.Tensor, CFuture[None]]] = []
+        try:
+            for item in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(self._item_bytes(f, item)))
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                job = items_pool.submit(self._read_tensor, f, item, target, blocks_pool)
+                pending.append((item, target, job))
+            for item, target, job in pending:
+                job.result()
+                planner.commit_tensor(item, target)
+        finally:
+            for _, _, job in pending:  # never leave a worker writing into a target
+                job.cancel()
+                if not job.cancelled():
+                    job.exception()
 
     # --- one item -----------------------------------------------------------------------
     def _item_bytes(self, f: VerifiedFile, item: ReadItem) -> bytes | bytearray:
