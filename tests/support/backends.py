@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["Backend", "Directory", "Tiered"]
+__all__ = ["Backend", "Directory", "Nodes", "Tiered"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,4 +77,34 @@ class Directory:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
 
 
-Backend = Tiered | Directory
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Ranks spread over several nodes: rank r talks to the daemon of node r // ranks_per_node."""
+
+    namespace: str
+    addresses: tuple[str, ...]
+    ranks_per_node: int
+
+    def _tiered(self) -> Tiered:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return Tiered(self.namespace, self.addresses[rank // self.ranks_per_node])
+
+    def writer(self) -> Any:
+        return self._tiered().writer()
+
+    def reader(self) -> Any:
+        return self._tiered().reader()
+
+    def save(self, state: dict[str, Any], checkpoint_id: str) -> None:
+        self._tiered().save(state, checkpoint_id)
+
+    def async_save(self, state: dict[str, Any], checkpoint_id: str, executor: str) -> Any:
+        return self._tiered().async_save(state, checkpoint_id, executor)
+
+    def load(self, state: dict[str, Any], checkpoint_id: str | None) -> None:
+        self._tiered().load(state, checkpoint_id)
+
+
+Backend = Tiered | Directory | Nodes

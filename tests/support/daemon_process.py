@@ -51,19 +51,29 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def toml_document(config: dict[str, dict[str, Any]]) -> str:
-    """A TOML text for a config of tables of scalars (all the tests need)."""
+def toml_document(config: dict[str, Any]) -> str:
+    """A TOML text for a config of tables of scalars; a list of tables (`peers`) becomes
+    an array of tables (`[[peers]]`)."""
     lines: list[str] = []
     for table, keys in config.items():
+        if isinstance(keys, list):
+            for entry in keys:
+                lines.append(f"[[{table}]]")
+                lines.extend(f"{key} = {_toml_value(value)}" for key, value in entry.items())
+                lines.append("")
+            continue
         lines.append(f"[{table}]")
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in keys.items())
         lines.append("")
     return "\n".join(lines)
 
 
-def _merge(base: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]) -> None:
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> None:
     for table, keys in overrides.items():
-        base.setdefault(table, {}).update(keys)
+        if isinstance(keys, list):
+            base[table] = list(keys)
+        else:
+            base.setdefault(table, {}).update(keys)
 
 
 class DaemonProcess:
@@ -77,7 +87,7 @@ class DaemonProcess:
 
     def __init__(
         self,
-        config_overrides: dict[str, dict[str, Any]] | None = None,
+        config_overrides: dict[str, Any] | None = None,
         *,
         name: str = "n0",
         start: bool = True,
@@ -89,7 +99,7 @@ class DaemonProcess:
         self.memory_dir = self.base_dir / "mem"
         self.config_path = self.base_dir / "tierckptd.toml"
         self.log_path = self.base_dir / "tierckptd.log"
-        self.config: dict[str, dict[str, Any]] = {
+        self.config: dict[str, Any] = {
             "node": {"id": name},
             "listen": {"local": self.address, "peer": ""},
             "memory": {"dir": str(self.memory_dir), "budget": "2GiB"},

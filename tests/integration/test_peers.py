@@ -1,0 +1,210 @@
+"""Peer tier end to end: real daemons as nodes on 127.0.0.1, real gloo jobs whose ranks
+talk to their own node's daemon, and no persistent tier: after a node is lost with its
+memory, only a peer can serve its files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import jobs
+from tests.support.backends import Nodes
+from tests.support.cli import cli, ls_json
+from tests.support.daemon_process import DaemonProcess
+from tests.support.dist_job import run_job
+
+pytestmark = pytest.mark.integration
+
+NS = "peer-run"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Cluster:
+    """`n` tierckptd nodes, each in its own failure domain, peering with all others."""
+
+    def __init__(
+        self, stack: ExitStack, n: int, *, copies: int = 1, heal_interval: float = 3600.0
+    ) -> None:
+        ports = _free_ports(n + 1)
+        self.metrics_port = ports[n]
+        ids = [f"node{i}" for i in range(n)]
+        self.nodes: list[DaemonProcess] = []
+        for i in range(n):
+            peers = [
+                {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
+                for j in range(n)
+                if j != i
+            ]
+            overrides: dict[str, Any] = {
+                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
+                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
+                "replication": {"copies": copies, "heal_interval": heal_interval},
+                "peers": peers,
+            }
+            if i == 0:
+                overrides["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
+            daemon = DaemonProcess(overrides, name=ids[i], start=False)
+            stack.callback(daemon.cleanup)
+            self.nodes.append(daemon)
+        for daemon in self.nodes:
+            daemon.start()
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(d.address for d in self.nodes)
+
+    def lose(self, *indices: int) -> None:
+        """kill -9 nodes and wipe their memory tier (the node died with its RAM)."""
+        for i in indices:
+            self.nodes[i].kill9()
+            shutil.rmtree(self.nodes[i].memory_dir, ignore_errors=True)
+
+    def replace(self, *indices: int) -> None:
+        """Start an empty replacement with the same node id."""
+        for i in indices:
+            self.nodes[i].start()
+
+    def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
+        """Until every node's `ls` shows the checkpoint in `state`."""
+        deadline = time.monotonic() + timeout
+        seen: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            for daemon in self.nodes:
+                rows = {r["id"]: r for r in ls_json(daemon.address, NS)}
+                seen[daemon.name] = rows.get(checkpoint_id, {}).get("state")
+            if all(s == state for s in seen.values()):
+                return
+            time.sleep(0.3)
+        raise AssertionError(
+            f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}"
+        )
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ) as r:
+            return str(r.read().decode())
+
+
+@contextmanager
+def cluster(n: int, **kwargs: Any) -> Iterator[Cluster]:
+    with ExitStack() as stack:
+        yield Cluster(stack, n, **kwargs)
+
+
+def _save(
+    c: Cluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path, seed: int
+) -> None:
+    backend = Nodes(NS, c.addresses, ranks_per_node)
+    run_job(jobs.save_only, world, backend, [checkpoint_id], str(expected), seed, timeout=120)
+
+
+def _load(c: Cluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path) -> None:
+    backend = Nodes(NS, c.addresses, ranks_per_node)
+    results = run_job(
+        jobs.load_and_verify,
+        world,
+        backend,
+        checkpoint_id,
+        str(expected / checkpoint_id),
+        timeout=120,
+    )
+    assert [r["world"] for r in results] == [world] * world
+
+
+def _local_files(daemon: DaemonProcess, checkpoint_id: str) -> set[str]:
+    directory = daemon.data_dir(NS, checkpoint_id)
+    return {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
+    with cluster(n) as c:
+        _save(c, 2 * n, 2, "step-000100", tmp_path, seed=5)
+        c.wait_state("step-000100", "REPLICATED")
+        owned_by_node0 = {
+            f for f in _local_files(c.nodes[0], "step-000100") if f.startswith(("__0_", "__1_"))
+        }
+        assert owned_by_node0, "node0 should own its ranks' files"
+        c.lose(0)
+        c.replace(0)
+        assert not (_local_files(c.nodes[0], "step-000100") & owned_by_node0)
+        # The replacement knows the checkpoint (manifests from peers) before any load.
+        assert [r["id"] for r in ls_json(c.nodes[0].address, NS)] == ["step-000100"]
+        _load(c, 2 * n, 2, "step-000100", tmp_path)
+        # It fetched what its ranks needed into its own memory tier.
+        assert owned_by_node0 <= _local_files(c.nodes[0], "step-000100")
+
+
+def test_replacement_node_restores_at_another_world_size(tmp_path: Path) -> None:
+    with cluster(2) as c:
+        _save(c, 4, 2, "step-000200", tmp_path, seed=6)
+        c.wait_state("step-000200", "REPLICATED")
+        c.lose(1)
+        c.replace(1)
+        _load(c, 2, 1, "step-000200", tmp_path)  # 4 ranks -> 2, one per node
+
+
+def test_two_copies_survive_losing_two_nodes_at_once(tmp_path: Path) -> None:
+    with cluster(4, copies=2) as c:
+        _save(c, 4, 1, "step-000300", tmp_path, seed=7)
+        c.wait_state("step-000300", "REPLICATED")
+        c.lose(0, 1)
+        c.replace(0, 1)
+        _load(c, 4, 1, "step-000300", tmp_path)
+
+
+def test_healing_brings_lost_copies_back(tmp_path: Path) -> None:
+    with cluster(2, heal_interval=0.5) as c:
+        _save(c, 2, 1, "step-000400", tmp_path, seed=8)
+        c.wait_state("step-000400", "REPLICATED")
+        before = _local_files(c.nodes[1], "step-000400")
+        c.lose(1)
+        c.replace(1)
+        # Node 1 came back empty: its own files and its replicas of node 0's are gone,
+        # until the survivors re-replicate.
+        c.wait_state("step-000400", "REPLICATED", timeout=60)
+        deadline = time.monotonic() + 30
+        while _local_files(c.nodes[1], "step-000400") != before and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert _local_files(c.nodes[1], "step-000400") == before
+        assert cli(c.nodes[1].address, "verify", NS, "step-000400").returncode == 0
+
+
+def test_a_flipped_byte_is_never_served_and_is_repaired(tmp_path: Path) -> None:
+    with cluster(2) as c:
+        _save(c, 2, 1, "step-000500", tmp_path, seed=9)
+        c.wait_state("step-000500", "REPLICATED")
+        victim = c.nodes[0].data_dir(NS, "step-000500") / "__0_0.distcp"
+        good = victim.read_bytes()
+        os.chmod(victim, 0o600)
+        with open(victim, "r+b") as f:
+            f.seek(len(good) // 2)
+            byte = f.read(1)
+            f.seek(len(good) // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        assert cli(c.nodes[0].address, "verify", NS, "step-000500", check=False).returncode != 0
+        _load(c, 2, 1, "step-000500", tmp_path)  # bit-exact: the bad copy was not used
+        assert victim.read_bytes() == good  # and it was replaced by a verified copy
+        assert cli(c.nodes[0].address, "verify", NS, "step-000500").returncode == 0
+        assert "corrupt" in c.metrics()
