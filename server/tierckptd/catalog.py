@@ -12,7 +12,9 @@ never runs under the lock; renames and small manifest writes do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -82,13 +84,23 @@ class Catalog:
         self._next_sequence = 1
         self._prewarm_pending = 0
         self._quarantined_bytes = 0
+        # Peer tier: extra copies wanted per file (0 = no peers), bytes of files being
+        # received from peers (counted like reservations), per-checkpoint health marks
+        # set by the healer ("under-replicated", "lost"), and checkpoints deleted here
+        # (a peer's healer must not push them back).
+        self.replica_target = 0
+        self._incoming: dict[tuple[str, str, str], int] = {}
+        self._health: dict[Key, str] = {}
+        self._gone: set[Key] = set()
 
     # ---- accounting (call under the lock) ---------------------------------------------
     def _used(self) -> int:
-        return self._quarantined_bytes + sum(r.committed_bytes for r in self._records.values())
+        return self._quarantined_bytes + sum(r.held_bytes for r in self._records.values())
 
     def _reserved(self) -> int:
-        return sum(sum(r.reservations.values()) for r in self._records.values())
+        return sum(sum(r.reservations.values()) for r in self._records.values()) + sum(
+            self._incoming.values()
+        )
 
     def _pool(self) -> int:
         return self.tier.pool_bytes + self._prewarm_pending
@@ -126,7 +138,7 @@ class Catalog:
             for r in self._records.values()
             if r.namespace == namespace and r.state is State.COMMITTED
         ]
-        return max(committed, key=lambda r: r.sequence, default=None)
+        return max(committed, key=lambda r: r.order, default=None)
 
     def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
         newest = self._newest(namespace)
@@ -157,15 +169,43 @@ class Catalog:
         return rec
 
     def _view(self, rec: CheckpointRecord) -> CheckpointView:
-        files = tuple(sorted(rec.files.values(), key=lambda f: f.name))
+        files = tuple(
+            dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+            for f in sorted(rec.files.values(), key=lambda f: f.name)
+        )
         paths = {
             f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
+            if f.held
+            else ""
             for f in files
         }
+        state = rec.state
+        health = self._health.get(rec.key, "")
+        k = self.replica_target
+        if (
+            state is State.COMMITTED
+            and k > 0
+            and not health
+            and files
+            and all(len(set(f.replica_nodes) - {f.owner_node}) >= k for f in files)
+        ):
+            state = State.REPLICATED
+        tiers: list[str] = []
+        if rec.state is State.COMMITTED:
+            if all(f.held for f in files):
+                tiers.append("memory")
+            if any(
+                (f.owner_node and f.owner_node != self.node_id and not f.held)
+                or set(f.replica_nodes) - {self.node_id}
+                for f in files
+            ):
+                tiers.append("peer")
+            if health:
+                tiers.append(health)
         return CheckpointView(
             namespace=rec.namespace,
             checkpoint_id=rec.checkpoint_id,
-            state=rec.state,
+            state=state,
             size_bytes=rec.committed_bytes,
             created_unix=rec.created_unix,
             committed_unix=rec.committed_unix,
@@ -173,6 +213,7 @@ class Catalog:
             pinned=rec.pinned,
             files=files,
             local_paths=paths,
+            tiers=tuple(tiers),
         )
 
     def _collect(self, rec: CheckpointRecord) -> int:
@@ -352,10 +393,19 @@ class Catalog:
             metrics.BYTES_COMMITTED.inc(size)
 
     def commit(
-        self, namespace: str, checkpoint_id: str, required_files: list[str]
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        required_files: list[str],
+        remote: dict[str, FileRecord] | None = None,
     ) -> CheckpointView:
-        """Publish a checkpoint atomically (its manifest), then collect and apply retention."""
+        """Publish a checkpoint atomically (its manifest), then collect and apply retention.
+
+        `remote` are required files that peers hold (the cluster commit asked them with
+        Holdings); they enter the manifest with their owner and `held` False.
+        """
         key = self._ref(namespace, checkpoint_id)
+        remote = remote or {}
         with self._lock:
             rec = self._records.get(key)
             if (
@@ -366,7 +416,9 @@ class Catalog:
                 return self._view(rec)  # a retried commit
             rec = self._writing(namespace, checkpoint_id)
             missing = sorted(
-                r for r in required_files if r not in rec.files or not rec.files[r].committed
+                r
+                for r in required_files
+                if (r not in rec.files or not rec.files[r].committed) and r not in remote
             )
             still_open = sorted(f.name for f in rec.files.values() if not f.committed)
             if missing or still_open:
@@ -375,6 +427,9 @@ class Catalog:
                     f"missing files: {', '.join(missing) or 'none'}; "
                     f"open but not committed: {', '.join(still_open) or 'none'}"
                 )
+            for name, f in remote.items():
+                if name not in rec.files:
+                    rec.files[name] = dataclasses.replace(f, held=False)
             rec.reservations.clear()
             rec.sequence = self._next_sequence
             rec.state = State.COMMITTED
@@ -408,10 +463,16 @@ class Catalog:
             return view
 
     def _apply_retention(self, namespace: str) -> None:
+        committed = sorted(
+            (
+                r
+                for r in self._records.values()
+                if r.namespace == namespace and r.state is State.COMMITTED
+            ),
+            key=lambda r: r.order,
+        )
         candidates = [
-            Candidate(r.checkpoint_id, r.sequence, r.pinned)
-            for r in self._records.values()
-            if r.namespace == namespace and r.state is State.COMMITTED
+            Candidate(r.checkpoint_id, i, r.pinned) for i, r in enumerate(committed, start=1)
         ]
         for checkpoint_id in memory_evictions(candidates, self.memory_keep_last):
             rec = self._records[(namespace, checkpoint_id)]
@@ -429,6 +490,9 @@ class Catalog:
         # Manifest first: a crash after this point leaves a dir without manifest, which
         # adoption collects, never a manifest pointing at missing files.
         self.tier.manifest_path(rec.namespace, rec.checkpoint_id).unlink(missing_ok=True)
+        if rec.state is State.COMMITTED:
+            self._gone.add(rec.key)
+        self._health.pop(rec.key, None)
         return self._collect(rec)
 
     def abort(self, namespace: str, checkpoint_id: str) -> None:
@@ -454,6 +518,222 @@ class Catalog:
             freed = self._delete_committed(rec)
             logger.info("deleted %s/%s, %s freed", namespace, checkpoint_id, format_size(freed))
             return freed
+
+    # ---- peer tier ----------------------------------------------------------------------
+    def local_committed_files(self, namespace: str, checkpoint_id: str) -> dict[str, FileRecord]:
+        """Committed files this node holds of a save (WRITING or COMMITTED); {} if unknown."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return {}
+            return {
+                f.name: dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in rec.files.values()
+                if f.committed and f.held
+            }
+
+    def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
+        """(this node's state of the checkpoint or None, the committed files held here)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return None, []
+            files = [
+                dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in sorted(rec.files.values(), key=lambda f: f.name)
+                if f.committed and f.held
+            ]
+            return rec.state, files
+
+    def committed_keys(self) -> list[Key]:
+        with self._lock:
+            return [r.key for r in self._records.values() if r.state is State.COMMITTED]
+
+    def publish(self, published: CheckpointRecord) -> bool:
+        """Adopt the cluster manifest of a checkpoint the DCP coordinator committed.
+
+        Files of our own WRITING save that the manifest lists as ours become committed
+        (held); everything else is listed as held elsewhere. A checkpoint already known
+        only merges replica lists. Returns False when this node deleted the checkpoint
+        (it is not resurrected by a peer).
+        """
+        key = published.key
+        with self._lock:
+            if key in self._gone:
+                return False
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.COMMITTED:
+                changed = False
+                for f in published.files.values():
+                    mine = rec.files.get(f.name)
+                    if mine is None:
+                        continue
+                    merged = list(dict.fromkeys([*mine.replica_nodes, *f.replica_nodes]))
+                    if merged != mine.replica_nodes:
+                        mine.replica_nodes = merged
+                        changed = True
+                if changed:
+                    self._write_manifest(rec)
+                return True
+            local = rec.files if rec is not None and rec.state is State.WRITING else {}
+            new = dataclasses.replace(
+                published,
+                state=State.COMMITTED,
+                node_id=self.node_id,
+                files={},
+                reservations={},
+                last_activity=self._clock(),
+            )
+            for f in published.files.values():
+                mine = local.get(f.name)
+                held = (
+                    mine is not None
+                    and mine.committed
+                    and mine.held
+                    and mine.size == f.size
+                    and mine.checksums == f.checksums
+                )
+                new.files[f.name] = dataclasses.replace(
+                    f, replica_nodes=list(f.replica_nodes), held=held
+                )
+            for name in local:
+                if name not in new.files or not new.files[name].held:
+                    self.tier.file_path(*key, name).unlink(missing_ok=True)
+            self._write_manifest(new)
+            self._records[key] = new
+            self._next_sequence = max(self._next_sequence, new.sequence + 1)
+            logger.info(
+                "published %s/%s from the coordinator's daemon: %d files, %d held here",
+                *key,
+                len(new.files),
+                sum(f.held for f in new.files.values()),
+            )
+            self._apply_retention(key[0])
+            return True
+
+    def _write_manifest(self, rec: CheckpointRecord) -> None:
+        manifest = self.tier.manifest_path(rec.namespace, rec.checkpoint_id)
+        self.tier.make_dir(manifest.parent)
+        write_manifest(manifest, rec)
+
+    def _committed(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.COMMITTED:
+            raise self._not_found(namespace, checkpoint_id)
+        return rec
+
+    def file_view(self, namespace: str, checkpoint_id: str, name: str) -> tuple[FileRecord, str]:
+        """(a copy of one committed file's record, its local path or "" if not held)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name!r}; its files: "
+                    + ", ".join(sorted(rec.files))
+                )
+            path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
+            return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
+
+    def start_incoming(self, namespace: str, checkpoint_id: str, name: str) -> Path | None:
+        """Make room for a copy of a file arriving from a peer; None if already held.
+
+        The bytes count as reserved until `finish_incoming`; a copy that does not fit the
+        budget is refused (RESOURCE_EXHAUSTED) before any byte is written.
+        """
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name}"
+                )
+            if f.held:
+                return None
+            ikey = (namespace, checkpoint_id, name)
+            if ikey in self._incoming:
+                raise CheckpointExists(
+                    f"file {name} of {namespace}/{checkpoint_id} is already being received"
+                )
+            self._trim_pool(extra=f.size)
+            used, reserved = self._used(), self._reserved()
+            if used + reserved + self._pool() + f.size > self.budget:
+                metrics.REJECTED_SAVES.labels(reason="replica").inc()
+                raise MemoryBudgetExceeded(
+                    f"no room for a copy of {namespace}/{checkpoint_id}/{name} "
+                    f"({format_size(f.size)}): {format_size(used + reserved)} of "
+                    f"memory.budget={format_size(self.budget)} in use on node {self.node_id}"
+                )
+            self._incoming[ikey] = f.size
+            path = self.tier.file_path(namespace, checkpoint_id, f".{name}.incoming")
+            path.unlink(missing_ok=True)
+            self.tier.create_file(path)
+            return path
+
+    def finish_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool
+    ) -> bool:
+        """Install (ok) or drop a received copy; True when it is now held here."""
+        with self._lock:
+            self._incoming.pop((namespace, checkpoint_id, name), None)
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if not ok or rec is None or rec.state is not State.COMMITTED or f is None:
+                tmp.unlink(missing_ok=True)
+                return False
+            final = self.tier.file_path(namespace, checkpoint_id, name)
+            os.replace(tmp, final)
+            self.tier.seal_file(final)
+            f.held = True
+            if f.owner_node != self.node_id and self.node_id not in f.replica_nodes:
+                f.replica_nodes = [*f.replica_nodes, self.node_id]
+            self._write_manifest(rec)
+            return True
+
+    def drop_local_copy(self, namespace: str, checkpoint_id: str, name: str) -> bool:
+        """Forget a corrupt local copy (never served again); True if one was held."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or f is None or not f.held:
+                return False
+            self.tier.file_path(namespace, checkpoint_id, name).unlink(missing_ok=True)
+            f.held = False
+            if self.node_id in f.replica_nodes:
+                f.replica_nodes = [n for n in f.replica_nodes if n != self.node_id]
+            if rec.state is State.COMMITTED:
+                self._write_manifest(rec)
+            return True
+
+    def set_replicas(
+        self, namespace: str, checkpoint_id: str, name: str, replica_nodes: list[str]
+    ) -> bool:
+        """Record the nodes (other than the owner) holding verified copies of a file."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or rec.state is not State.COMMITTED or f is None:
+                return False
+            nodes = list(dict.fromkeys(replica_nodes))
+            if f.held and f.owner_node != self.node_id and self.node_id not in nodes:
+                nodes.append(self.node_id)  # we hold a verified copy whatever the peer says
+            if nodes != f.replica_nodes:
+                f.replica_nodes = nodes
+                self._write_manifest(rec)
+            return True
+
+    def set_health(self, namespace: str, checkpoint_id: str, mark: str) -> None:
+        """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers."""
+        with self._lock:
+            if (namespace, checkpoint_id) not in self._records:
+                return
+            if mark:
+                self._health[(namespace, checkpoint_id)] = mark
+            else:
+                self._health.pop((namespace, checkpoint_id), None)
 
     # ---- queries ----------------------------------------------------------------------
     def get(self, namespace: str, checkpoint_id: str = "") -> CheckpointView:
@@ -481,7 +761,7 @@ class Catalog:
                 if (not namespace or r.namespace == namespace)
                 and (include_uncommitted or r.state is State.COMMITTED)
             ]
-            recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.sequence, r.created_unix))
+            recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
             return [self._view(r) for r in recs]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
@@ -491,6 +771,8 @@ class Catalog:
         started = time.monotonic()
         for f in view.files:
             assert f.checksums is not None
+            if not f.held:
+                continue  # held by peers only; they verify their own copies
             ok, reason = self.tier.verify_file(Path(view.local_paths[f.name]), f.size, f.checksums)
             if ok:
                 ok_bytes += f.size
@@ -602,6 +884,8 @@ class Catalog:
                 if not problem:
                     for f in rec.files.values():
                         assert f.checksums is not None
+                        if not f.held:
+                            continue
                         ok, reason = tier.verify_file(
                             tier.file_path(*key, f.name), f.size, f.checksums
                         )
@@ -633,6 +917,10 @@ class Catalog:
             for ckpt_dir in sorted(ns_dir.iterdir()):
                 key = (ns_dir.name, ckpt_dir.name)
                 if key in adopted:
+                    held = {f.name for f in adopted[key].files.values() if f.held}
+                    for p in ckpt_dir.iterdir():
+                        if p.is_file() and p.name not in held:
+                            p.unlink()  # an interrupted peer transfer
                     continue
                 files = [p for p in ckpt_dir.rglob("*") if p.is_file()]
                 size = sum(p.stat().st_size for p in files)
@@ -652,6 +940,8 @@ class Catalog:
             self._next_sequence = max((r.sequence for r in adopted.values()), default=0) + 1
             for rec in adopted.values():
                 for f in rec.files.values():
+                    if not f.held:
+                        continue
                     tier.seal_file(tier.file_path(*rec.key, f.name))
             before = tier.pool_bytes
             self._trim_pool()

@@ -123,6 +123,7 @@ class PeerConfig:
 @dataclass(frozen=True)
 class ReplicationConfig:
     copies: int = 1
+    heal_interval: float = 5.0
 
 
 @dataclass(frozen=True)

@@ -17,53 +17,13 @@ from tierckpt.errors import TierckptError, status_of
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import Catalog
-from tierckptd.model import CheckpointView
+from tierckptd.wire import to_info
 
 __all__ = ["DaemonService", "add_daemon_service", "to_info"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_STATE = {
-    "WRITING": common_pb2.WRITING,
-    "COMMITTED": common_pb2.COMMITTED,
-    "ABORTED": common_pb2.ABORTED,
-}
-
-
-def to_info(view: CheckpointView) -> common_pb2.CheckpointInfo:
-    """A catalog snapshot as the wire CheckpointInfo (with each file's local path)."""
-    files = []
-    for f in view.files:
-        cs = f.checksums
-        files.append(
-            common_pb2.FileEntry(
-                name=f.name,
-                size=f.size,
-                checksums=common_pb2.BlockChecksums(
-                    algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
-                )
-                if cs is not None
-                else None,
-                rank=f.rank,
-                owner_node=f.owner_node,
-                replica_nodes=f.replica_nodes,
-                local_path=view.local_paths[f.name],
-            )
-        )
-    return common_pb2.CheckpointInfo(
-        ref=common_pb2.CheckpointRef(namespace=view.namespace, checkpoint_id=view.checkpoint_id),
-        state=_STATE[view.state.value],
-        size_bytes=view.size_bytes,
-        file_count=len(view.files),
-        created_unix=view.created_unix,
-        committed_unix=view.committed_unix,
-        sequence=view.sequence,
-        files=files,
-        tiers=["memory"] if view.state.value == "COMMITTED" else [],
-        pinned=view.pinned,
-    )
 
 
 class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):

@@ -74,6 +74,7 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
                 "block_digests": [cs.digest(i).hex() for i in range(cs.block_count)],
                 "owner_node": f.owner_node,
                 "replica_nodes": list(f.replica_nodes),
+                "held": f.held,
             }
         )
     return {
@@ -119,6 +120,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
                 checksums=checksums,
                 owner_node=str(f["owner_node"]),
                 replica_nodes=[str(n) for n in f["replica_nodes"]],
+                held=bool(f.get("held", True)),
             )
     except ManifestError:
         raise

@@ -15,9 +15,13 @@ __all__ = [
     "ABORTS",
     "BYTES_COMMITTED",
     "COMMITS",
+    "CORRUPT_COPIES",
+    "FETCHED_BYTES",
     "EVICTIONS",
     "RECYCLED_BYTES",
     "REJECTED_SAVES",
+    "REPLICATED_BYTES",
+    "UNDER_REPLICATED",
     "bind_gauges",
     "serve",
 ]
@@ -37,6 +41,15 @@ REJECTED_SAVES = Counter(
     "tierckpt_rejected_saves", "Reservations refused with RESOURCE_EXHAUSTED", ["reason"]
 )
 RECYCLED_BYTES = Counter("tierckpt_recycled_bytes", "Bytes of warm pool segments reused by saves")
+CORRUPT_COPIES = Counter(
+    "tierckpt_corrupt_copies", "Local copies that failed verification and were replaced", ["where"]
+)
+REPLICATED_BYTES = Counter("tierckpt_replicated_bytes", "Bytes pushed to buddies")
+FETCHED_BYTES = Counter("tierckpt_fetched_bytes", "Bytes fetched from peers into this node")
+UNDER_REPLICATED = Gauge(
+    "tierckpt_under_replicated_checkpoints",
+    "Checkpoints whose files have fewer than k extra copies (or none at all)",
+)
 
 
 def bind_gauges(

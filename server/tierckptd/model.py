@@ -19,12 +19,19 @@ class State(enum.Enum):
 
     WRITING = "WRITING"
     COMMITTED = "COMMITTED"
+    REPLICATED = "REPLICATED"  # a view of a COMMITTED record: every file has k extra copies
     ABORTED = "ABORTED"
 
 
 @dataclass
 class FileRecord:
-    """One DCP file of a checkpoint; `checksums` is None while the file is open."""
+    """One DCP file of a checkpoint; `checksums` is None while the file is open.
+
+    `held` says whether this node's memory tier has a verified copy (the owner after
+    commit, a replica holder after a push or fetch); a manifest published by a peer lists
+    files held elsewhere with `held` False. `replica_nodes` are the nodes other than the
+    owner holding a verified copy.
+    """
 
     name: str
     rank: int
@@ -32,6 +39,7 @@ class FileRecord:
     checksums: BlockChecksums | None = None
     owner_node: str = ""
     replica_nodes: list[str] = field(default_factory=list)
+    held: bool = True
 
     @property
     def committed(self) -> bool:
@@ -63,6 +71,16 @@ class CheckpointRecord:
     def committed_bytes(self) -> int:
         return sum(f.size for f in self.files.values() if f.committed)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this checkpoint's files in this node's memory tier (the budget's C)."""
+        return sum(f.size for f in self.files.values() if f.committed and f.held)
+
+    @property
+    def order(self) -> tuple[float, int]:
+        """Commit order that agrees across nodes (the coordinator's time and sequence)."""
+        return (self.committed_unix, self.sequence)
+
 
 @dataclass(frozen=True)
 class CheckpointView:
@@ -77,7 +95,8 @@ class CheckpointView:
     sequence: int
     pinned: bool
     files: tuple[FileRecord, ...]
-    local_paths: dict[str, str]
+    local_paths: dict[str, str]  # "" for a file this node does not hold
+    tiers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""Placement of replicas: which buddies hold the extra copies of a file.
+
+Rendezvous (highest random weight) hashing on "namespace/checkpoint_id/file": every node
+gets a score per file and the best-scoring nodes win, so every daemon computes the same
+buddies without talking, and adding or removing one node only moves the files whose
+choice involved that node. Nodes in a failure domain other than the owner's come first;
+the owner is never its own buddy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+__all__ = ["Member", "buddies", "file_key", "preference", "replica_count"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node of the cluster as placement sees it."""
+
+    id: str
+    failure_domain: str = ""
+
+    @property
+    def domain(self) -> str:
+        return self.failure_domain or self.id
+
+
+def file_key(namespace: str, checkpoint_id: str, name: str) -> str:
+    return f"{namespace}/{checkpoint_id}/{name}"
+
+
+def _score(node_id: str, key: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{node_id}\0{key}".encode())
+
+
+def preference(key: str, owner: str, members: Sequence[Member]) -> list[str]:
+    """Every member but the owner, best buddy first: other failure domains first, then
+    by rendezvous score (ties, impossible in practice, by id)."""
+    domains = {m.id: m.domain for m in members}
+    owner_domain = domains.get(owner, owner)
+    others = {m.id: m for m in members if m.id != owner}
+    return sorted(
+        others,
+        key=lambda n: (others[n].domain == owner_domain, -_score(n, key), n),
+    )
+
+
+def replica_count(copies: int, members: Sequence[Member]) -> int:
+    """k: the extra copies that can exist, min(copies, number of other nodes)."""
+    return max(0, min(copies, len({m.id for m in members}) - 1))
+
+
+def buddies(key: str, owner: str, members: Sequence[Member], copies: int) -> list[str]:
+    """The `k` buddies of a file (k capped by membership), best first."""
+    return preference(key, owner, members)[: replica_count(copies, members)]
