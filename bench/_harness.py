@@ -30,13 +30,33 @@ def tmpfs_root() -> str:
 
 @dataclass
 class Daemon:
+    """A real tierckptd on a unix socket with its memory tier in tmpfs."""
+
     root: str
     address: str
     memory_dir: str
-    proc: subprocess.Popen[bytes]
+    config_path: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        with open(os.path.join(self.root, "daemon.log"), "ab") as log:  # the child keeps a copy
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierckptd", "--config", self.config_path],
+                stdout=log,
+                stderr=log,
+            )
+        _wait_serving(self)
+        return self
+
+    def kill9_and_wipe(self) -> None:
+        """The node dies with its RAM: SIGKILL, then its memory tier is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.memory_dir, ignore_errors=True)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(15)
@@ -46,27 +66,35 @@ class Daemon:
         shutil.rmtree(self.memory_dir, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def daemon(budget: str = "16GiB", keep_last: int = 1, extra: str = "") -> Iterator[Daemon]:
-    """A real tierckptd on a unix socket with its memory tier in tmpfs."""
+def make_daemon(
+    *,
+    node_id: str = "bench",
+    budget: str = "16GiB",
+    keep_last: int = 1,
+    peer: str = "",
+    extra: str = "",
+) -> Daemon:
+    """Write a config and return an unstarted daemon (call .start())."""
     root = tempfile.mkdtemp(prefix="tcb")
     memory_dir = tempfile.mkdtemp(prefix="tierckpt-bench-", dir=tmpfs_root())
     sock = os.path.join(root, "d.sock")
     config = os.path.join(root, "tierckptd.toml")
     with open(config, "w") as f:
         f.write(
-            f'[node]\nid = "bench"\n[listen]\nlocal = "unix://{sock}"\npeer = ""\n'
+            f'[node]\nid = "{node_id}"\nfailure_domain = "{node_id}"\n'
+            f'[listen]\nlocal = "unix://{sock}"\npeer = "{peer}"\n'
             f'[memory]\ndir = "{memory_dir}"\nbudget = "{budget}"\n'
             f"[retention]\nmemory_keep_last = {keep_last}\n{extra}"
         )
-    with open(os.path.join(root, "daemon.log"), "wb") as log:  # the child keeps its own copy
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tierckptd", "--config", config], stdout=log, stderr=log
-        )
-    d = Daemon(root, f"unix://{sock}", memory_dir, proc)
+    return Daemon(root, f"unix://{sock}", memory_dir, config)
+
+
+@contextlib.contextmanager
+def daemon(budget: str = "16GiB", keep_last: int = 1, extra: str = "") -> Iterator[Daemon]:
+    """A started single-node daemon, stopped and wiped on exit."""
+    d = make_daemon(budget=budget, keep_last=keep_last, extra=extra)
     try:
-        _wait_serving(d)
-        yield d
+        yield d.start()
     finally:
         d.stop()
 
@@ -74,7 +102,7 @@ def daemon(budget: str = "16GiB", keep_last: int = 1, extra: str = "") -> Iterat
 def _wait_serving(d: Daemon, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if d.proc.poll() is not None:
+        if d.proc is not None and d.proc.poll() is not None:
             raise RuntimeError(
                 f"tierckptd exited with {d.proc.returncode}; see {d.root}/daemon.log"
             )
