@@ -1,23 +1,70 @@
-"""Peer security: mutual TLS and a shared token on daemon-to-daemon gRPC.
+r"""Peer security: mutual TLS and a shared token on daemon-to-daemon gRPC.
 
 `peer_server_security` gives the peer listener its credentials and token interceptor;
 `peer_channel_factory` gives the peer client channels with the matching credentials and
 token. With `[security]` empty both are plaintext and token-free (a trusted network).
+
+- `token_file`: every PeerService call must carry metadata `x-tierckpt-token` equal to the
+  file's content (whitespace stripped); `grpc.health.v1.Health` stays open for probes.
+  Without TLS the token travels in clear: it guards against a misconfigured node, not
+  against someone on the wire.
+- `tls_cert` + `tls_key`: the peer port speaks TLS, and peer channels present this cert.
+- `tls_ca`: peers are verified against this CA, both ways (mutual TLS). Without it the
+  server asks for no client cert and clients verify servers against the system roots.
+
+Every node may use one cert as both server and client, issued by the cluster's CA for the
+name or IP in the addresses that `[[peers]]` dial (`localhost`/`127.0.0.1` for tests):
+
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650 \
+        -subj /CN=tierckpt-ca -keyout ca.key -out ca.crt
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=node-a \
+        -keyout node.key -out node.csr
+    printf 'subjectAltName=DNS:node-a.example,IP:10.0.0.1\nextendedKeyUsage=%s\n' \
+        serverAuth,clientAuth > node.ext
+    openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 825 \
+        -extfile node.ext -out node.crt
+    head -c 32 /dev/urandom | base64 > token && chmod 600 token node.key
+
+Copy ca.crt, the node's cert and key, and the token to each node; keep ca.key offline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hmac
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
-from tierckptd.config import SecurityConfig
+from tierckptd.config import ConfigError, SecurityConfig
 
-__all__ = ["PeerServerSecurity", "peer_channel_factory", "peer_server_security"]
+__all__ = [
+    "HEALTH_PREFIX",
+    "TOKEN_METADATA",
+    "UNAUTHENTICATED_MESSAGE",
+    "PeerServerSecurity",
+    "TokenClientInterceptor",
+    "TokenServerInterceptor",
+    "peer_channel_factory",
+    "peer_server_security",
+    "read_token",
+]
+
+logger = logging.getLogger(__name__)
 
 ChannelFactory = Callable[[str], grpc.Channel]
+
+TOKEN_METADATA = "x-tierckpt-token"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+UNAUTHENTICATED_MESSAGE = (
+    "peer token missing or wrong: set [security] token_file to the cluster's shared token"
+)
+_WARNED_PEERS_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -26,17 +73,240 @@ class PeerServerSecurity:
     interceptors: Sequence[Any] = field(default_factory=tuple)
 
 
+def _read(key: str, path: str, *, secret: bool) -> bytes:
+    """The bytes of `[security] key` at `path`; a ConfigError naming both if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+            mode = os.fstat(f.fileno()).st_mode
+    except OSError as e:
+        raise ConfigError(f"[security] {key} {path}: cannot read: {e.strerror or e}") from e
+    if secret and mode & stat.S_IROTH:
+        logger.warning(
+            "[security] %s %s is readable by every user (mode %o): chmod 600 it",
+            key,
+            path,
+            stat.S_IMODE(mode),
+        )
+    return data
+
+
+def read_token(path: str) -> bytes:
+    """The shared token in `path`, whitespace stripped; refuses an empty or non-ASCII one."""
+    token = _read("token_file", path, secret=True).strip()
+    if not token:
+        raise ConfigError(f"[security] token_file {path} is empty: put the cluster's token in it")
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise ConfigError(
+            f"[security] token_file {path}: the token must be printable ASCII without spaces "
+            "(e.g. base64 of random bytes)"
+        )
+    return token
+
+
+class _Tls(NamedTuple):
+    cert: bytes
+    key: bytes
+    ca: bytes | None
+
+
+def _read_tls(security: SecurityConfig) -> _Tls | None:
+    if not (security.tls_cert or security.tls_key or security.tls_ca):
+        return None
+    given = [k for k in ("tls_cert", "tls_key", "tls_ca") if getattr(security, k)]
+    for key in ("tls_cert", "tls_key"):
+        if key not in given:
+            raise ConfigError(
+                f"[security] {key} is missing: TLS needs both tls_cert and tls_key "
+                f"(only {' and '.join(given)} set)"
+            )
+    return _Tls(
+        cert=_read_pem("tls_cert", security.tls_cert, secret=False),
+        key=_read_pem("tls_key", security.tls_key, secret=True),
+        ca=_read_pem("tls_ca", security.tls_ca, secret=False) if security.tls_ca else None,
+    )
+
+
+def _read_pem(key: str, path: str, *, secret: bool) -> bytes:
+    data = _read(key, path, secret=secret)
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"[security] {key} {path} is not a PEM file (-----BEGIN ... missing)")
+    return data
+
+
+def _abort_handler(
+    handler: grpc.RpcMethodHandler, note: Callable[[str], None]
+) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only answers UNAUTHENTICATED."""
+
+    def reject(context: grpc.ServicerContext) -> None:
+        note(context.peer())
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        reject(context)
+
+    def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        reject(context)
+        yield  # pragma: no cover - abort raises
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+class TokenServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Lets a call through only with the shared token; health is always open.
+
+    A rejected call never reaches its servicer: the request is not even deserialized.
+    """
+
+    def __init__(self, token: bytes) -> None:
+        self._token = token
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        ok = False
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA:
+                given = value.encode() if isinstance(value, str) else value
+                # No early exit: every value is compared, in constant time.
+                ok |= hmac.compare_digest(given, self._token)
+        return ok
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _abort_handler(handler, self._note_rejected)
+
+    def _note_rejected(self, peer: str) -> None:
+        """Warn once per peer host (a bounded set), then log its rejections at debug."""
+        host = peer.rsplit(":", 1)[0]
+        with self._lock:
+            first = host not in self._warned and len(self._warned) < _WARNED_PEERS_MAX
+            if first:
+                self._warned.add(host)
+        if first:
+            logger.warning("rejected a peer call from %s: %s", peer, UNAUTHENTICATED_MESSAGE)
+        else:
+            logger.debug("rejected a peer call from %s: missing or wrong token", peer)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Sequence[tuple[str, str | bytes]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Adds `x-tierckpt-token` to every call (also plaintext, unlike call credentials)."""
+
+    def __init__(self, token: bytes) -> None:
+        self._token = token.decode("ascii")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [(k, v) for k, v in (details.metadata or ()) if k != TOKEN_METADATA]
+        metadata.append((TOKEN_METADATA, self._token))
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
 def peer_server_security(security: SecurityConfig) -> PeerServerSecurity:
-    """Credentials and interceptors for the peer listener (plaintext until configured)."""
-    return PeerServerSecurity()
+    """Credentials and interceptors for the peer listener; reads the files once, now.
+
+    Raises ConfigError (naming the `[security]` key and path) for a partial TLS config, an
+    unreadable file or an empty token.
+    """
+    tls = _read_tls(security)
+    credentials = None
+    if tls is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)],
+            root_certificates=tls.ca,
+            require_client_auth=tls.ca is not None,
+        )
+    interceptors: tuple[Any, ...] = ()
+    if security.token_file:
+        interceptors = (TokenServerInterceptor(read_token(security.token_file)),)
+        if tls is None:
+            logger.warning(
+                "[security] token_file without TLS: the token crosses the network in clear; "
+                "set tls_cert/tls_key (and tls_ca for mutual TLS) on untrusted networks"
+            )
+    logger.info(
+        "peer listener security: %s, %s",
+        "plaintext" if tls is None else ("mutual TLS" if tls.ca else "TLS"),
+        "token required" if interceptors else "no token",
+    )
+    return PeerServerSecurity(credentials, interceptors)
 
 
 def peer_channel_factory(
     security: SecurityConfig, options: Sequence[tuple[str, Any]] = ()
 ) -> ChannelFactory:
-    """A function opening channels to peers with this node's credentials and token."""
+    """A function opening channels to peers with this node's credentials and token.
+
+    Reads the files once, now (ConfigError as in `peer_server_security`). `options` go to
+    every channel, e.g. `("grpc.ssl_target_name_override", "localhost")` when the peers'
+    certs do not name the address dialed.
+    """
+    tls = _read_tls(security)
+    credentials = None
+    if tls is not None:
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        )
+    interceptor = (
+        TokenClientInterceptor(read_token(security.token_file)) if security.token_file else None
+    )
+    channel_options = list(options)
 
     def open_channel(address: str) -> grpc.Channel:
-        return grpc.insecure_channel(address, options=list(options))
+        if credentials is None:
+            channel = grpc.insecure_channel(address, options=channel_options)
+        else:
+            channel = grpc.secure_channel(address, credentials, options=channel_options)
+        if interceptor is not None:
+            channel = grpc.intercept_channel(channel, interceptor)
+        return channel
 
     return open_channel
