@@ -1,0 +1,228 @@
+"""Peer-tier benchmark, with same-run baselines (the machine is shared: read ratios).
+
+1. Restore throughput from a peer (DaemonService.EnsureLocal of every data file on a
+   replacement node) next to raw grpcio streaming of the same number of bytes on loopback.
+2. Replacement-node recovery: `dcp.load` on a node whose memory was wiped (files come
+   from its buddy) next to `dcp.load` from the local memory tier.
+3. `dcp.save` with replication on (2 nodes, copies = 1) and off (1 node).
+
+    python bench/bench_peer_tier.py [--gib 1.0] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import Daemon, GiB, MiB, Table, best_of, daemon, make_daemon  # noqa: E402
+from tierckpt import TieredStorageReader, TieredStorageWriter  # noqa: E402
+from tierckpt.daemon_client import DaemonClient  # noqa: E402
+
+NS = "bench-peer"
+CHUNK = 1 * MiB
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def raw_grpc_stream(nbytes: int) -> float:
+    """Seconds to stream `nbytes` in 1 MiB messages over loopback TCP with plain grpcio."""
+    payload = memoryview(bytearray(torch.randn(CHUNK // 4).numpy().tobytes()))
+
+    def stream(request: bytes, context: Any) -> Any:
+        for _ in range(nbytes // CHUNK):
+            yield bytes(payload)  # one copy into the message, as a file server makes
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Stream", {"Get": grpc.unary_stream_rpc_method_handler(stream)}
+    )
+    options = [
+        ("grpc.max_send_message_length", 64 * MiB),
+        ("grpc.max_receive_message_length", 64 * MiB),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=options)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_stream("/bench.Stream/Get")
+            sink = bytearray(CHUNK)
+
+            def run() -> None:
+                for message in call(b""):
+                    sink[: len(message)] = message  # land the bytes, as a fetch does
+
+            return best_of(run, 3)
+    finally:
+        server.stop(0)
+
+
+def cluster(n: int) -> list[Daemon]:
+    ports = _free_ports(n)
+    nodes = []
+    for i in range(n):
+        peers = "".join(
+            f'[[peers]]\nid = "node{j}"\naddress = "127.0.0.1:{ports[j]}"\nfailure_domain = "node{j}"\n'
+            for j in range(n)
+            if j != i
+        )
+        extra = f"[replication]\ncopies = 1\nheal_interval = 3600.0\n{peers}"
+        nodes.append(
+            make_daemon(node_id=f"node{i}", keep_last=2, peer=f"127.0.0.1:{ports[i]}", extra=extra)
+        )
+    for node in nodes:
+        node.start()
+    return nodes
+
+
+def wait_state(address: str, checkpoint_id: str, state: str, timeout: float = 120.0) -> None:
+    client = DaemonClient(address)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = {c.checkpoint_id: c.state for c in client.list_checkpoints(NS)}
+        if rows.get(checkpoint_id) == state:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{checkpoint_id} did not become {state}")
+
+
+def make_state(nbytes: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        f"w{i}": torch.randn(64 * MiB // 4, generator=g)
+        for i in range(max(1, nbytes // (64 * MiB)))
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    nbytes = int(args.gib * GiB)
+    state = make_state(nbytes)
+    table = Table("peer tier, 1 rank", nbytes)
+    table.add("raw grpcio stream on loopback (1 MiB messages)", raw_grpc_stream(nbytes))
+
+    counter = iter(range(1_000_000))
+
+    def save_to(address: str) -> None:
+        dcp.save(
+            state,
+            checkpoint_id=f"step-{next(counter):06d}",
+            storage_writer=TieredStorageWriter(NS, daemon=address),
+        )
+
+    with daemon(keep_last=2) as single:
+        save_to(single.address)  # warm the pool
+        table.add(
+            "dcp.save, replication off (1 node)",
+            best_of(lambda: save_to(single.address), args.repeat),
+        )
+
+    nodes = cluster(2)
+    try:
+        a, b = nodes
+        save_to(a.address)
+        table.add(
+            "dcp.save, replication on (2 nodes, copies=1)",
+            best_of(lambda: save_to(a.address), args.repeat),
+        )
+        checkpoint_id = f"step-{next(counter):06d}"
+        dcp.save(
+            state,
+            checkpoint_id=checkpoint_id,
+            storage_writer=TieredStorageWriter(NS, daemon=a.address),
+        )
+        wait_state(a.address, checkpoint_id, "REPLICATED")
+
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        table.add(
+            "dcp.load from the local memory tier",
+            best_of(
+                lambda: dcp.load(
+                    target,
+                    checkpoint_id=checkpoint_id,
+                    storage_reader=TieredStorageReader(NS, daemon=a.address),
+                ),
+                args.repeat,
+            ),
+        )
+
+        # Restore throughput: EnsureLocal of every data file on an empty replacement.
+        a.kill9_and_wipe()
+        a.start()
+        client = DaemonClient(a.address)
+        info = client.get_checkpoint(NS, checkpoint_id)
+        data = [f.name for f in info.files if f.name.endswith(".distcp")]
+        started = time.perf_counter()
+        for name in data:
+            client.ensure_local(NS, checkpoint_id, name)
+        fetch_s = time.perf_counter() - started
+        fetched = sum(f.size for f in info.files if f.name in data)
+        table.add(
+            "peer restore: EnsureLocal of every data file", fetch_s * nbytes / max(1, fetched)
+        )
+
+        # Recovery time: dcp.load on a fresh replacement (fetches included).
+        a.kill9_and_wipe()
+        a.start()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        started = time.perf_counter()
+        dcp.load(
+            target,
+            checkpoint_id=checkpoint_id,
+            storage_reader=TieredStorageReader(NS, daemon=a.address),
+        )
+        table.add(
+            "replacement node: dcp.load (files from the buddy)", time.perf_counter() - started
+        )
+        if any(not torch.equal(target[k], v) for k, v in state.items()):
+            raise AssertionError("peer restore is not bit-exact")
+    finally:
+        for node in nodes:
+            node.stop()
+
+    print(
+        table.render(
+            [
+                (
+                    "peer restore vs raw grpcio stream (goal >= 0.7)",
+                    "peer restore: EnsureLocal of every data file",
+                    "raw grpcio stream on loopback (1 MiB messages)",
+                ),
+                (
+                    "save with replication on vs off (goal >= 1/1.1 = 0.91)",
+                    "dcp.save, replication on (2 nodes, copies=1)",
+                    "dcp.save, replication off (1 node)",
+                ),
+                (
+                    "replacement-node load vs local load",
+                    "replacement node: dcp.load (files from the buddy)",
+                    "dcp.load from the local memory tier",
+                ),
+            ]
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
