@@ -725,6 +725,10 @@ class Catalog:
                 self._write_manifest(rec)
             return True
 
+    def unhealthy_count(self) -> int:
+        with self._lock:
+            return len(self._health)
+
     def set_health(self, namespace: str, checkpoint_id: str, mark: str) -> None:
         """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers."""
         with self._lock:

@@ -17,7 +17,8 @@ from tierckpt.errors import TierckptError, status_of
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import Catalog
-from tierckptd.wire import to_info
+from tierckptd.peers import Cluster
+from tierckptd.wire import file_entry, to_info
 
 __all__ = ["DaemonService", "add_daemon_service", "to_info"]
 
@@ -29,8 +30,10 @@ T = TypeVar("T")
 class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     """Serves one node's catalog to its ranks and the CLI."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, cluster: Cluster | None = None) -> None:
         self.catalog = catalog
+        # Without peers the cluster only serves local copies (EnsureLocal of a held file).
+        self.cluster = cluster or Cluster(catalog, channel_factory=grpc.insecure_channel)
 
     @staticmethod
     def _call(context: Any, method: str, fn: Callable[[], T]) -> T:
@@ -108,7 +111,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         view = self._call(
             context,
             "CommitCheckpoint",
-            lambda: self.catalog.commit(
+            lambda: self.cluster.commit(
                 ref.namespace, ref.checkpoint_id, list(request.required_files)
             ),
         )
@@ -169,7 +172,15 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     def EnsureLocal(
         self, request: daemon_pb2.EnsureLocalRequest, context: Any
     ) -> common_pb2.FileEntry:
-        return _ensure_local_unavailable(request, context)
+        ref = request.ref
+        f, path = self._call(
+            context,
+            "EnsureLocal",
+            lambda: self.cluster.ensure_local(
+                ref.namespace, ref.checkpoint_id, request.file_name, request.repair
+            ),
+        )
+        return file_entry(f, path)
 
     def GetStatus(
         self, request: daemon_pb2.GetStatusRequest, context: Any
@@ -189,19 +200,10 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         )
 
 
-def _ensure_local_unavailable(
-    request: daemon_pb2.EnsureLocalRequest, context: Any
-) -> common_pb2.FileEntry:
-    context.abort(
-        grpc.StatusCode.NOT_FOUND,
-        f"{request.ref.namespace}/{request.ref.checkpoint_id}/{request.file_name}: no valid copy "
-        "on this node and no peer to fetch it from (configure [[peers]])",
-    )
-    raise AssertionError("context.abort returned")  # pragma: no cover
-
-
-def add_daemon_service(catalog: Catalog, server: Any) -> DaemonService:
+def add_daemon_service(
+    catalog: Catalog, server: Any, cluster: Cluster | None = None
+) -> DaemonService:
     """Register DaemonService for `catalog` on a grpc server (never the peer server)."""
-    servicer = DaemonService(catalog)
+    servicer = DaemonService(catalog, cluster)
     daemon_pb2_grpc.add_DaemonServiceServicer_to_server(servicer, server)
     return servicer

@@ -19,11 +19,13 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from tierckptd import __version__, metrics
+from tierckptd import __version__, auth, metrics
 from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.config import Config, ConfigError, config_changes, format_size, load_config
 from tierckptd.health import Health
 from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
+from tierckptd.peer_service import add_peer_service
+from tierckptd.peers import PEER_CHANNEL_OPTIONS, Cluster
 from tierckptd.servers import AddressInUse, Servers, start_servers
 from tierckptd.systemd import sd_notify
 
@@ -43,6 +45,7 @@ class Daemon:
         self.config_path = config_path
         self._signals: collections.deque[int] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
+        self.cluster: Cluster | None = None
         os.set_blocking(self._wake_w, False)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -86,12 +89,32 @@ class Daemon:
             )
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
+            cluster = Cluster(
+                catalog,
+                peers=cfg.peers,
+                copies=cfg.replication.copies,
+                channel_factory=auth.peer_channel_factory(cfg.security, PEER_CHANNEL_OPTIONS),
+                heal_interval=cfg.replication.heal_interval,
+            )
+            self.cluster = cluster
             health = Health()
-            servers = start_servers(catalog, health, cfg.listen.local, cfg.listen.peer)
+            servers = start_servers(
+                catalog,
+                health,
+                cfg.listen.local,
+                cfg.listen.peer,
+                register_peer=lambda server: add_peer_service(cluster, server),
+                peer_security=auth.peer_server_security(cfg.security),
+                cluster=cluster,
+            )
         except (AddressInUse, OSError) as e:
             logger.error("%s", e)
             tier.close()
             return 1
+        # A replacement node (empty memory tier) learns the checkpoints peers know before
+        # READY, so GetCheckpoint/ls work at once; the peer listener already answers.
+        cluster.pull_manifests()
+        cluster.start()
         health.serving()
         status = catalog.status()
         sd_notify(
@@ -117,6 +140,7 @@ class Daemon:
         try:
             self._loop()
         finally:
+            cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
 
@@ -149,8 +173,13 @@ class Daemon:
         if not changes:
             logger.info("SIGHUP: %s unchanged", self.config_path)
         for line in changes:
-            live = line.startswith(("peers", "log."))
+            live = line.startswith(("peers", "log.", "replication."))
             logger.info("SIGHUP: %s%s", line, "" if live else " (takes effect on restart)")
+        if self.cluster is not None and (
+            new.peers != self.config.peers or new.replication != self.config.replication
+        ):
+            self.cluster.configure(new.peers, new.replication.copies)
+            self.cluster.heal_interval = new.replication.heal_interval
         if new.log.level != self.config.log.level:
             logging.getLogger().setLevel(new.log.level.upper())
         self.config = new

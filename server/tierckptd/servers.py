@@ -23,6 +23,7 @@ from tierckptd.auth import PeerServerSecurity
 from tierckptd.catalog import Catalog
 from tierckptd.daemon_service import add_daemon_service
 from tierckptd.health import Health
+from tierckptd.peers import Cluster
 
 __all__ = ["AddressInUse", "Servers", "parse_local", "start_servers"]
 
@@ -122,8 +123,9 @@ def start_servers(
     peer: str,
     *,
     workers: int = 32,
-    register_peer: Callable[[Any], None] | None = None,
+    register_peer: Callable[[Any], object] | None = None,
     peer_security: PeerServerSecurity | None = None,
+    cluster: Cluster | None = None,
 ) -> Servers:
     """Bind and start the servers; DaemonService on `local`, health on both, and what
     `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token)."""
@@ -134,7 +136,7 @@ def start_servers(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierckptd-rpc"),
         options=OPTIONS,
     )
-    add_daemon_service(catalog, local_server)
+    add_daemon_service(catalog, local_server, cluster)
     health.add_to(local_server)
     _bind(local_server, grpc_local, "[listen] local")
     peer_server, peer_port = None, None

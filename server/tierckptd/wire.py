@@ -22,7 +22,7 @@ def ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
     return common_pb2.CheckpointRef(namespace=namespace, checkpoint_id=checkpoint_id)
 
 
-def state_of(state: State | None) -> int:
+def state_of(state: State | None) -> common_pb2.CheckpointState.ValueType:
     return _STATE[state.value] if state is not None else common_pb2.CHECKPOINT_STATE_UNSPECIFIED
 
 
