@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]
 ChannelFactory = Callable[[str], grpc.Channel]
 
-CONTROL_TIMEOUT = 3.0
+CONTROL_TIMEOUT = 2.0
 TRANSFER_TIMEOUT = 600.0
 PEER_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -252,7 +252,9 @@ class Cluster:
             if stub is None:
                 continue
             try:
-                resp = stub.ListManifests(peer_pb2.ListManifestsRequest(), timeout=CONTROL_TIMEOUT)
+                resp = stub.ListManifests(
+                    peer_pb2.ListManifestsRequest(), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+                )
             except grpc.RpcError as e:
                 logger.info("no manifests from %s: %s", node, e.code())
                 continue
@@ -278,7 +280,9 @@ class Cluster:
                 if stub is None:
                     continue
                 try:
-                    resp = stub.Holdings(ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT)
+                    resp = stub.Holdings(
+                        ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+                    )
                 except grpc.RpcError as e:
                     logger.warning(
                         "commit %s/%s: no holdings from %s: %s",
@@ -301,7 +305,7 @@ class Cluster:
                 if stub is None:
                     continue
                 try:
-                    stub.PublishCheckpoint(info, timeout=CONTROL_TIMEOUT)
+                    stub.PublishCheckpoint(info, timeout=CONTROL_TIMEOUT, wait_for_ready=True)
                 except grpc.RpcError as e:
                     logger.warning(
                         "commit %s/%s: cannot publish to %s (%s); it adopts the manifest "
@@ -440,6 +444,14 @@ class Cluster:
                     continue
                 tried.append(node)
                 try:
+                    # Ask first (waits for a restarting peer's channel, skips non-holders).
+                    held = stub.Holdings(
+                        ref(namespace, checkpoint_id),
+                        timeout=CONTROL_TIMEOUT,
+                        wait_for_ready=True,
+                    )
+                    if name not in {e_.name for e_ in held.files}:
+                        continue
                     chunks = stub.FetchFile(
                         peer_pb2.FetchFileRequest(
                             ref=ref(namespace, checkpoint_id), file_name=name
@@ -505,7 +517,7 @@ class Cluster:
             if stub is None:
                 continue
             try:
-                stub.UpdateReplicas(req, timeout=CONTROL_TIMEOUT)
+                stub.UpdateReplicas(req, timeout=CONTROL_TIMEOUT, wait_for_ready=True)
             except grpc.RpcError as e:
                 logger.debug("UpdateReplicas to %s: %s", node, e.code())
 
@@ -517,7 +529,7 @@ class Cluster:
         what = f"{view.namespace}/{view.checkpoint_id}/{f.name}"
         try:
             if not knows:
-                stub.PublishCheckpoint(to_info(view), timeout=CONTROL_TIMEOUT)
+                stub.PublishCheckpoint(to_info(view), timeout=CONTROL_TIMEOUT, wait_for_ready=True)
         except grpc.RpcError as e:
             logger.warning(
                 "cannot publish %s/%s to %s: %s",
@@ -590,7 +602,9 @@ class Cluster:
             if stub is None:
                 continue
             try:
-                resp = stub.Holdings(ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT)
+                resp = stub.Holdings(
+                    ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+                )
             except grpc.RpcError as e:
                 logger.debug(
                     "heal %s/%s: %s unreachable: %s", namespace, checkpoint_id, node, e.code()

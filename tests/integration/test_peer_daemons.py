@@ -1,0 +1,254 @@
+"""Peer tier at the daemon level: real tierckptd processes on 127.0.0.1 driven with
+DaemonClient exactly as the writer does (begin, reserve, open, write, commit)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient
+from tierckpt.errors import ChecksumMismatch
+from tierckpt.memory_files import ChecksummingWriter
+
+from tests.support.daemon_process import DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+NS = "peerd"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Nodes:
+    def __init__(self, stack: ExitStack, n: int, *, heal_interval: float, copies: int = 1):
+        ports = _free_ports(n + 1)
+        self.metrics_port = ports[n]
+        self.daemons: list[DaemonProcess] = []
+        for i in range(n):
+            overrides: dict[str, Any] = {
+                "node": {"id": f"n{i}", "failure_domain": f"rack{i}"},
+                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
+                "replication": {"copies": copies, "heal_interval": heal_interval},
+                "peers": [
+                    {
+                        "id": f"n{j}",
+                        "address": f"127.0.0.1:{ports[j]}",
+                        "failure_domain": f"rack{j}",
+                    }
+                    for j in range(n)
+                    if j != i
+                ],
+            }
+            if i == 0:
+                overrides["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
+            d = DaemonProcess(overrides, name=f"n{i}", start=False)
+            stack.callback(d.cleanup)
+            self.daemons.append(d)
+        for d in self.daemons:
+            d.start()
+        self.clients = [DaemonClient(d.address, timeout_s=30) for d in self.daemons]
+        for c in self.clients:
+            stack.callback(c.close)
+
+    def save(self, checkpoint_id: str, files: dict[int, dict[str, bytes]]) -> CheckpointInfo:
+        """Node i's rank i writes files[i]; node 0 is the coordinator."""
+        for node, named in files.items():
+            c = self.clients[node]
+            c.begin_checkpoint(NS, checkpoint_id, node)
+            c.reserve_space(NS, checkpoint_id, node, sum(len(d) for d in named.values()))
+            for name, data in named.items():
+                opened = c.open_file(NS, checkpoint_id, name, node)
+                fd = os.open(opened.path, os.O_WRONLY)
+                try:
+                    writer = ChecksummingWriter(fd)
+                    writer.write(data)
+                    size, checksums = writer.finish()
+                finally:
+                    os.close(fd)
+                c.commit_file(NS, checkpoint_id, name, node, size, checksums)
+        required = [name for named in files.values() for name in named]
+        return self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                logs = "\n".join(d.log_tail(30) for d in self.daemons)
+                raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            time.sleep(0.2)
+
+    def states(self, checkpoint_id: str) -> list[str]:
+        out = []
+        for c in self.clients:
+            rows = {i.checkpoint_id: i.state for i in c.list_checkpoints(NS)}
+            out.append(rows.get(checkpoint_id, "-"))
+        return out
+
+    def wait_replicated(self, checkpoint_id: str, timeout: float = 30.0) -> None:
+        self.wait(
+            f"{checkpoint_id} REPLICATED everywhere",
+            lambda: set(self.states(checkpoint_id)) == {"REPLICATED"},
+            timeout,
+        )
+
+    def lose_and_replace(self, i: int) -> None:
+        self.daemons[i].kill9()
+        shutil.rmtree(self.daemons[i].memory_dir, ignore_errors=True)
+        self.daemons[i].start()
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return str(r.read().decode())
+
+
+@pytest.fixture
+def nodes_factory() -> Iterator[Callable[..., Nodes]]:
+    with ExitStack() as stack:
+        yield lambda n, **kw: Nodes(stack, n, **kw)
+
+
+def _payload(seed: int, size: int) -> bytes:
+    return bytes((seed * 131 + i * 7) & 0xFF for i in range(251)) * (size // 251) + os.urandom(
+        size % 251
+    )
+
+
+FILES = {
+    0: {"__0_0.distcp": _payload(1, (3 << 20) + 17), ".metadata": b"meta" * 100},
+    1: {"__1_0.distcp": _payload(2, 5000)},
+    2: {"__2_0.distcp": _payload(3, (1 << 20) * 2)},
+}
+
+
+def test_commit_publishes_and_replicates(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(3, heal_interval=3600.0)
+    info = nodes.save("step-1", FILES)
+    assert info.state in ("COMMITTED", "REPLICATED")
+    owners = {f.name: f.owner_node for f in info.files}
+    assert owners == {
+        "__0_0.distcp": "n0",
+        ".metadata": "n0",
+        "__1_0.distcp": "n1",
+        "__2_0.distcp": "n2",
+    }
+    nodes.wait_replicated("step-1")
+    for c in nodes.clients:
+        got = c.get_checkpoint(NS, "step-1")
+        assert got.tiers[-1] == "peer" or "peer" in got.tiers
+        for f in got.files:
+            assert len(f.replica_nodes) == 1 and f.owner_node not in f.replica_nodes
+    # Every copy on disk is bit-exact.
+    for f in nodes.clients[0].get_checkpoint(NS, "step-1").files:
+        data = next(d[f.name] for d in FILES.values() if f.name in d)
+        for holder in (f.owner_node, *f.replica_nodes):
+            path = nodes.daemons[int(holder[1:])].data_dir(NS, "step-1") / f.name
+            assert path.read_bytes() == data
+
+
+def test_missing_file_refuses_commit(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(2, heal_interval=3600.0)
+    with pytest.raises(Exception, match="missing files: __9_0.distcp"):
+        nodes.clients[0].begin_checkpoint(NS, "step-x", 0)
+        nodes.clients[0].commit_checkpoint(NS, "step-x", ["__9_0.distcp"])
+
+
+def test_replacement_fetches_then_heals(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(2, heal_interval=0.5)
+    files = {0: FILES[0], 1: FILES[1]}
+    nodes.save("step-2", files)
+    nodes.wait_replicated("step-2")
+    nodes.lose_and_replace(1)
+    # The replacement knows the checkpoint from its peer's manifests.
+    info = nodes.clients[1].get_checkpoint(NS, "step-2")
+    assert {f.name for f in info.files} == {"__0_0.distcp", ".metadata", "__1_0.distcp"}
+    entry = nodes.clients[1].ensure_local(NS, "step-2", "__1_0.distcp")
+    assert entry.local_path and Path(entry.local_path).read_bytes() == files[1]["__1_0.distcp"]
+    # Healing: node 1 gets every copy back and the checkpoint is REPLICATED again.
+    nodes.wait_replicated("step-2")
+    nodes.wait(
+        "node 1 holds all files",
+        lambda: all(f.local_path for f in nodes.clients[1].get_checkpoint(NS, "step-2").files),
+    )
+    ok, _, corrupt = nodes.clients[1].verify_checkpoint(NS, "step-2")
+    assert ok and not corrupt
+
+
+def test_lost_buddy_shows_under_replicated(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(2, heal_interval=0.3)
+    nodes.save("step-3", {0: FILES[0], 1: FILES[1]})
+    nodes.wait_replicated("step-3")
+    nodes.daemons[1].kill9()
+    nodes.wait(
+        "under-replicated on node 0",
+        lambda: "under-replicated" in nodes.clients[0].get_checkpoint(NS, "step-3").tiers,
+    )
+    assert nodes.clients[0].get_checkpoint(NS, "step-3").state == "COMMITTED"
+    nodes.daemons[1].start()  # same memory: its copies are still there
+    nodes.wait_replicated("step-3")
+
+
+def test_flipped_byte_is_repaired_and_counted(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(2, heal_interval=3600.0)
+    nodes.save("step-4", {0: FILES[0], 1: FILES[1]})
+    nodes.wait_replicated("step-4")
+    victim = nodes.daemons[0].data_dir(NS, "step-4") / "__0_0.distcp"
+    good = victim.read_bytes()
+    os.chmod(victim, 0o600)
+    with open(victim, "r+b") as f:
+        f.seek(len(good) - 10)
+        f.write(bytes([good[-10] ^ 0x01]))
+    entry = nodes.clients[0].ensure_local(NS, "step-4", "__0_0.distcp", repair=True)
+    assert Path(entry.local_path).read_bytes() == good
+    assert nodes.clients[0].verify_checkpoint(NS, "step-4")[0]
+    assert 'tierckpt_corrupt_copies_total{where="local"} 1.0' in nodes.metrics()
+    assert "corrupt copy of peerd/step-4/__0_0.distcp" in nodes.daemons[0].log_path.read_text()
+
+
+def test_corrupt_copy_is_not_served_and_fetch_falls_through(
+    nodes_factory: Callable[..., Nodes],
+) -> None:
+    nodes = nodes_factory(3, heal_interval=3600.0, copies=2)
+    nodes.save("step-5", {0: FILES[0], 1: FILES[1], 2: FILES[2]})
+    nodes.wait_replicated("step-5")
+    # Corrupt the owner's copy of node 0's file; node 1 (a replica holder) loses its own.
+    victim = nodes.daemons[0].data_dir(NS, "step-5") / "__0_0.distcp"
+    good = victim.read_bytes()
+    os.chmod(victim, 0o600)
+    with open(victim, "r+b") as f:
+        f.write(bytes([good[0] ^ 0xFF]))
+    nodes.lose_and_replace(1)
+    entry = nodes.clients[1].ensure_local(NS, "step-5", "__0_0.distcp")
+    assert Path(entry.local_path).read_bytes() == good  # from n2, not the corrupt n0
+    # n0 noticed while serving, counted it and repairs its copy in the background.
+    nodes.wait("n0 repaired", lambda: victim.exists() and victim.read_bytes() == good)
+    assert 'tierckpt_corrupt_copies_total{where="served"} 1.0' in nodes.metrics()
+
+
+def test_no_copy_anywhere_is_data_loss(nodes_factory: Callable[..., Nodes]) -> None:
+    nodes = nodes_factory(2, heal_interval=3600.0)
+    nodes.save("step-6", {0: {"__0_0.distcp": b"x" * 3000}, 1: FILES[1]})
+    nodes.wait_replicated("step-6")
+    for d in nodes.daemons:
+        path = d.data_dir(NS, "step-6") / "__0_0.distcp"
+        os.chmod(path, 0o600)
+        path.write_bytes(b"y" * 3000)
+    with pytest.raises(ChecksumMismatch, match="__0_0.distcp"):
+        nodes.clients[0].ensure_local(NS, "step-6", "__0_0.distcp", repair=True)
