@@ -1,0 +1,135 @@
+"""Catalog side of the peer tier and the verified receiver, without gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from tierckpt.checksum import checksum_bytes
+from tierckpt.errors import ChecksumMismatch, InvalidArgument, MemoryBudgetExceeded
+from tierckptd.catalog import Catalog
+from tierckptd.manifest import read_manifest
+from tierckptd.model import FileRecord, State
+from tierckptd.peers import IncomingFile
+
+from .conftest import MakeCatalog, Save
+
+
+def _remote(name: str, data: bytes, owner: str) -> FileRecord:
+    return FileRecord(
+        name=name,
+        rank=1,
+        size=len(data),
+        checksums=checksum_bytes(data, block_size=1024),
+        owner_node=owner,
+        held=False,
+    )
+
+
+def _receive(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes) -> None:
+    tmp = catalog.start_incoming(ns, ckpt, name)
+    assert tmp is not None
+    f, _ = catalog.file_view(ns, ckpt, name)
+    assert f.checksums is not None
+    incoming = IncomingFile(tmp, f.size, f.checksums, name)
+    ok = False
+    try:
+        for off in range(0, len(data), 1024):
+            incoming.write(off, data[off : off + 1024])
+        incoming.finish()
+        ok = True
+    finally:
+        incoming.close()
+        catalog.finish_incoming(ns, ckpt, name, tmp, ok)
+
+
+def test_commit_with_remote_files_then_replicated(catalog: Catalog, save: Save) -> None:
+    catalog.replica_target = 1
+    catalog.begin("run", "s1", 0)
+    remote = {"__1_0.distcp": _remote("__1_0.distcp", b"b" * 3000, "node-b")}
+    catalog.reserve("run", "s1", 0, 10)
+    from .conftest import write_file
+
+    write_file(catalog, "run", "s1", "__0_0.distcp", b"a" * 10)
+    view = catalog.commit("run", "s1", ["__0_0.distcp", "__1_0.distcp"], remote)
+    assert view.state is State.COMMITTED and view.tiers == ("peer",)
+    assert view.local_paths["__1_0.distcp"] == ""
+    assert catalog.used_bytes() == 10  # only held bytes count against the budget
+    catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-b"])
+    catalog.set_replicas("run", "s1", "__1_0.distcp", ["node-c"])
+    assert catalog.get("run", "s1").state is State.REPLICATED
+
+
+def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
+    make_catalog: MakeCatalog, save: Save, tmp_path: Path
+) -> None:
+    catalog = make_catalog(node_id="node-b", budget=1 << 20)
+    data = os.urandom(5000)
+    catalog.begin("run", "s2", 1)
+    catalog.reserve("run", "s2", 1, 100)
+    from .conftest import write_file
+
+    write_file(catalog, "run", "s2", "__1_0.distcp", b"m" * 100, rank=1)
+    record = catalog.holdings("run", "s2")[1][0]
+    published = {
+        "__1_0.distcp": dataclasses.replace(record, held=False),
+        "__0_0.distcp": _remote("__0_0.distcp", data, "node-a"),
+    }
+    from tierckptd.model import CheckpointRecord
+
+    rec = CheckpointRecord("run", "s2", State.COMMITTED, 1.0, "node-a", 2.0, 7, files=published)
+    assert catalog.publish(rec)
+    view = catalog.get("run", "s2")
+    assert view.sequence == 7 and view.local_paths["__1_0.distcp"]
+    assert not view.local_paths["__0_0.distcp"]
+    # A corrupt block is refused before the copy is installed.
+    tmp = catalog.start_incoming("run", "s2", "__0_0.distcp")
+    assert tmp is not None
+    f, _ = catalog.file_view("run", "s2", "__0_0.distcp")
+    assert f.checksums is not None
+    bad = IncomingFile(tmp, f.size, f.checksums, "copy")
+    with pytest.raises(ChecksumMismatch):
+        bad.write(0, b"\0" * 1024)
+    bad.close()
+    assert not catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
+    assert not tmp.exists() and catalog.reserved_bytes() == 0
+    with pytest.raises(InvalidArgument):
+        IncomingFile(
+            catalog.start_incoming("run", "s2", "__0_0.distcp"), f.size, f.checksums, "c"
+        ).write(5, b"x")  # type: ignore[arg-type]
+    catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
+    _receive(catalog, "run", "s2", "__0_0.distcp", data)
+    view = catalog.get("run", "s2")
+    assert Path(view.local_paths["__0_0.distcp"]).read_bytes() == data
+    assert catalog.used_bytes() == 5100
+    manifest = read_manifest(catalog.tier.manifest_path("run", "s2"))
+    assert manifest.files["__0_0.distcp"].held
+    assert manifest.files["__0_0.distcp"].replica_nodes == ["node-b"]
+    # Dropping a corrupt copy gives the bytes back and stops serving it.
+    assert catalog.drop_local_copy("run", "s2", "__0_0.distcp")
+    assert catalog.used_bytes() == 100
+    assert catalog.file_view("run", "s2", "__0_0.distcp")[1] == ""
+
+
+def test_incoming_copy_respects_the_budget(make_catalog: MakeCatalog) -> None:
+    catalog = make_catalog(budget=4096)
+    big = _remote("__0_0.distcp", b"z" * 8192, "node-x")
+    from tierckptd.model import CheckpointRecord
+
+    rec = CheckpointRecord(
+        "run", "s3", State.COMMITTED, 1.0, "node-x", 2.0, 1, files={big.name: big}
+    )
+    assert catalog.publish(rec)
+    with pytest.raises(MemoryBudgetExceeded, match="memory.budget"):
+        catalog.start_incoming("run", "s3", "__0_0.distcp")
+
+
+def test_deleted_checkpoint_is_not_taken_back(catalog: Catalog, save: Save) -> None:
+    save(catalog, "run", "s4", {"__0_0.distcp": b"q" * 10})
+    catalog.delete("run", "s4")
+    from tierckptd.model import CheckpointRecord
+
+    rec = CheckpointRecord("run", "s4", State.COMMITTED, 1.0, "node-x", 2.0, 1)
+    assert not catalog.publish(rec)
