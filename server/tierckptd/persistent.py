@@ -1,0 +1,672 @@
+"""The persistent tier: DCP checkpoints under any fsspec URL (s3:// through s3fs).
+
+Layout under ``url``::
+
+    <url>/<namespace>/<checkpoint_id>/__0_0.distcp ...   the DCP data files
+    <url>/<namespace>/<checkpoint_id>/.metadata          uploaded last: the commit marker
+    <url>/.tierckpt/<namespace>/<checkpoint_id>/files/<name>.json
+                                                         one upload marker per data file
+
+A checkpoint directory holds exactly the files stock DCP reads, so
+``dcp.load(sd, checkpoint_id="<url>/<ns>/<id>")`` works without tierckpt. Bookkeeping
+lives outside it. A data file's marker records what was uploaded (sizes, compression,
+the per-item zstd index); it is removed before the object is rewritten and written
+after the object is complete, so a marker never describes bytes that are not there.
+`upload_metadata_last` commits: it checks that every data file `.metadata` names has a
+marker and an object of that size, rewrites `.metadata` for the compressed files, and
+PUTs it (atomic per object). Without `.metadata` a checkpoint is not durable.
+
+Every remote operation runs under a declared `RetryPolicy`: transient failures
+(connection errors, timeouts, 5xx and SlowDown, which s3fs turns into plain `OSError`)
+are retried with capped, jittered exponential backoff and a warning per retry;
+permanent ones (403, 404 on write, bad arguments, a corrupt source) raise at once. When
+the policy is exhausted `PersistentTierUnavailable` is raised: the caller keeps the
+checkpoint pending and tries again later. Uploads are idempotent, so that is safe. s3fs
+and botocore retry underneath too; tighten their ``config_kwargs`` in
+``storage_options`` if a fast failure matters more than riding out blips.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import fsspec
+from tierckpt.checksum import BytesLike
+from tierckpt.errors import CheckpointIncomplete, InvalidName, TierckptError
+from tierckpt.names import (
+    METADATA_FILE,
+    check_checkpoint_id,
+    check_file_name,
+    check_namespace,
+    step_of,
+)
+
+from tierckptd.persistent_format import (
+    DEFAULT_CHUNK_SIZE,
+    BytesSource,
+    FileIndex,
+    Item,
+    RangeSource,
+    compress_items,
+    data_files,
+    rewrite_metadata,
+)
+
+if TYPE_CHECKING:
+    from tierckptd.config import PersistentConfig
+
+__all__ = [
+    "BOOKKEEPING_DIR",
+    "COMPRESSIONS",
+    "FileUpload",
+    "PersistentTier",
+    "PersistentTierUnavailable",
+    "RetryPolicy",
+    "UploadedFile",
+    "is_transient",
+    "retry_call",
+]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+BOOKKEEPING_DIR = ".tierckpt"
+COMPRESSIONS = ("zstd", "none")
+DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
+_MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
+
+T = TypeVar("T")
+
+
+class PersistentTierUnavailable(ConnectionError):
+    """The persistent tier kept failing for longer than the retry policy allows.
+
+    Nothing was lost: what was not confirmed is simply not there yet (no `.metadata`
+    without its data). Keep the checkpoint pending and retry the same call later.
+    A daemon-side error, not a `TierckptError`: it is never sent to clients as such
+    (those see the checkpoint as not yet durable). Picklable with its message.
+    """
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long to keep retrying a transient failure of one remote operation.
+
+    Attempt n (from 1) failing is followed by a sleep drawn uniformly from
+    ``[d/2, d]`` with ``d = min(cap, base * 2**(n-1))``. It gives up after
+    `max_attempts` attempts (0: no limit) or when the next attempt would start more
+    than `deadline` seconds after the first (None: no limit), whichever comes first.
+    """
+
+    max_attempts: int = 8
+    deadline: float | None = 300.0
+    base: float = 0.5
+    cap: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 0 or (self.max_attempts == 0 and self.deadline is None):
+            raise ValueError(
+                f"retry policy never gives up ({self.max_attempts=}, {self.deadline=}); "
+                "set max_attempts >= 1 or a deadline"
+            )
+        if self.base <= 0 or self.cap < self.base:
+            raise ValueError(f"retry backoff needs 0 < base <= cap ({self.base=}, {self.cap=})")
+        if self.deadline is not None and self.deadline <= 0:
+            raise ValueError(f"retry deadline must be positive ({self.deadline=})")
+
+    def backoff(self, attempt: int, draw: Callable[[], float] = random.random) -> float:
+        """Seconds to wait after failed attempt number `attempt` (1-based)."""
+        ceiling = min(self.cap, self.base * 2.0 ** min(attempt - 1, 62))
+        return float(ceiling / 2 + draw() * ceiling / 2)
+
+
+# OSErrors that describe the request, not the service: retrying cannot help.
+_PERMANENT_OS_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+# Transport failures that do not derive from a builtin (botocore, aiohttp), by class name
+# so that neither needs importing here.
+_TRANSIENT_NAMES = frozenset(
+    {
+        "HTTPClientError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+    }
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying `exc` may succeed: the one table of what the tier retries."""
+    if isinstance(exc, TierckptError | PersistentTierUnavailable):
+        return False  # ChecksumMismatch is an OSError, this one a ConnectionError: final
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, _PERMANENT_OS_ERRORS):
+        return False
+    if isinstance(exc, OSError):  # s3fs: 5xx, SlowDown (EBUSY), InternalError, ...
+        return True
+    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__)
+
+
+def retry_call(
+    fn: Callable[[], T],
+    what: str,
+    policy: RetryPolicy,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """Run `fn` under `policy`; return its result or raise.
+
+    Raises:
+        PersistentTierUnavailable: transient failures outlasted the policy (chained to
+            the last one).
+        Exception: the first permanent failure, unchanged.
+    """
+    start = clock()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            delay = policy.backoff(attempt)
+            elapsed = clock() - start
+            if (policy.max_attempts and attempt >= policy.max_attempts) or (
+                policy.deadline is not None and elapsed + delay > policy.deadline
+            ):
+                raise PersistentTierUnavailable(
+                    f"{what}: the persistent tier failed {attempt} times over {elapsed:.1f}s "
+                    f"({type(exc).__name__}: {exc}); the checkpoint stays pending, retry later"
+                ) from exc
+            limit = policy.max_attempts or "unlimited"
+            logger.warning(
+                "%s failed (attempt %d of %s): %s: %s; retrying in %.2fs",
+                what,
+                attempt,
+                limit,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
+            sleep(delay)
+
+
+@dataclass(frozen=True)
+class UploadedFile:
+    """The marker of one data file in the persistent tier.
+
+    `index` is the per-item zstd index (None: the object holds the source verbatim).
+    `fingerprint` is whatever the caller passed to identify the source (e.g. its
+    checksum summary), so a resumed drain can tell whether the object is still current.
+    """
+
+    name: str
+    source_size: int
+    size: int
+    compression: str
+    index: FileIndex | None = None
+    fingerprint: str = ""
+
+    def to_json(self) -> bytes:
+        index = None if self.index is None else [[o, n, s] for o, (n, s) in self.index.items()]
+        return json.dumps(
+            {
+                "name": self.name,
+                "source_size": self.source_size,
+                "size": self.size,
+                "compression": self.compression,
+                "index": index,
+                "fingerprint": self.fingerprint,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> UploadedFile:
+        raw = json.loads(data)
+        index = raw.get("index")
+        return cls(
+            name=str(raw["name"]),
+            source_size=int(raw["source_size"]),
+            size=int(raw["size"]),
+            compression=str(raw["compression"]),
+            index=None if index is None else {int(o): (int(n), int(s)) for o, n, s in index},
+            fingerprint=str(raw.get("fingerprint", "")),
+        )
+
+
+Source = RangeSource | BytesLike
+"""What `upload_file` reads: a `RangeSource` (e.g. a `VerifiedFile`) or a buffer."""
+
+
+@dataclass(frozen=True)
+class FileUpload:
+    """One data file for `PersistentTier.upload_files`; fields as in `upload_file`."""
+
+    name: str
+    source: Source
+    size: int | None = None
+    items: Sequence[Item] | None = None
+    fingerprint: str = ""
+
+
+@dataclass
+class _Counter:
+    written: int = 0
+    index: FileIndex | None = field(default=None)
+
+
+def _as_range_source(source: Source) -> RangeSource:
+    if isinstance(source, bytes | bytearray | memoryview):
+        return BytesSource(source)
+    return source
+
+
+def _check_relative_path(name: str, *, data_only: bool = True) -> str:
+    for part in name.split("/"):
+        check_file_name(part)
+    if data_only and name == METADATA_FILE:
+        raise InvalidName(f"{name!r} is the commit marker: upload it with upload_metadata_last")
+    return name
+
+
+class PersistentTier:
+    """One persistent-tier root (an fsspec URL) and the operations a drain needs.
+
+    Thread-safe: uploads from many threads share one bounded set of upload slots
+    (`max_concurrency` files in flight); s3fs multiplexes them on its own event loop.
+
+    Args:
+        url: any fsspec URL (``s3://bucket/prefix``, ``file:///dir``, ...).
+        storage_options: passed to ``fsspec.core.url_to_fs`` (``endpoint_url``,
+            ``key``/``secret``, ``config_kwargs``, ...).
+        compression: "zstd" (per-item frames, see `persistent_format`) or "none".
+        level: zstd level.
+        max_concurrency: data files uploaded at once.
+        retry: the policy for every remote operation.
+        block_size: multipart part size (grown for huge files to stay under S3's part
+            limit); each upload in flight buffers one part.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        compression: str = "zstd",
+        level: int = 3,
+        max_concurrency: int = 4,
+        retry: RetryPolicy | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1 ({max_concurrency=})")
+        self.url = url
+        self.compression = compression
+        self.level = level
+        self.max_concurrency = max_concurrency
+        self.retry = retry or RetryPolicy()
+        self.block_size = block_size
+        self._sleep = sleep
+        self._clock = clock
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs: Any = fs
+        self.root: str = root.rstrip("/")
+        self._local = "file" in _protocols(fs)
+
+    @classmethod
+    def from_config(cls, config: PersistentConfig, **kwargs: Any) -> PersistentTier:
+        """A tier for ``[persistent]``; `kwargs` as in the constructor."""
+        return cls(
+            config.url,
+            dict(config.storage_options),
+            compression=config.compression,
+            level=config.level,
+            **kwargs,
+        )
+
+    # ---- paths -------------------------------------------------------------------
+
+    def checkpoint_path(self, namespace: str, checkpoint_id: str) -> str:
+        """The checkpoint's directory as the filesystem names it (no protocol)."""
+        check_namespace(namespace)
+        check_checkpoint_id(checkpoint_id)
+        if namespace == BOOKKEEPING_DIR:
+            raise InvalidName(f"namespace {namespace!r} is reserved for tierckpt's bookkeeping")
+        return f"{self.root}/{namespace}/{checkpoint_id}"
+
+    def checkpoint_url(self, namespace: str, checkpoint_id: str) -> str:
+        """The URL stock DCP loads: ``dcp.load(sd, checkpoint_id=tier.checkpoint_url(...))``."""
+        return str(self.fs.unstrip_protocol(self.checkpoint_path(namespace, checkpoint_id)))
+
+    def _bookkeeping_path(self, namespace: str, checkpoint_id: str) -> str:
+        self.checkpoint_path(namespace, checkpoint_id)
+        return f"{self.root}/{BOOKKEEPING_DIR}/{namespace}/{checkpoint_id}"
+
+    def _marker_path(self, namespace: str, checkpoint_id: str, name: str) -> str:
+        return f"{self._bookkeeping_path(namespace, checkpoint_id)}/files/{name}.json"
+
+    # ---- plumbing ----------------------------------------------------------------
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        return retry_call(fn, what, self.retry, sleep=self._sleep, clock=self._clock)
+
+    def _mkdirs(self, path: str) -> None:
+        if self._local:  # object stores have no directories to create
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+
+    def _put_bytes(self, path: str, data: bytes) -> None:
+        self._mkdirs(path)
+        self.fs.pipe_file(path, data)
+        self.fs.invalidate_cache(path)
+
+    def _remove(self, path: str, *, recursive: bool = False) -> None:
+        self.fs.invalidate_cache(path)
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
+    # ---- uploads -----------------------------------------------------------------
+
+    def upload_file(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        source: Source,
+        size: int | None = None,
+        *,
+        items: Sequence[Item] | None = None,
+        fingerprint: str = "",
+    ) -> UploadedFile:
+        """Upload one data file (streaming, multipart), then its marker.
+
+        With compression "zstd" and `items` given (from `persistent_format.data_files`),
+        each item is compressed into its own frame on the way up and the frame index
+        goes into the marker for `upload_metadata_last`; otherwise the bytes go up
+        verbatim. Reading a `VerifiedFile` source verifies every block; a mismatch
+        (`ChecksumMismatch`) raises at once. Idempotent: uploading the same file again
+        rewrites the same object. Never call it for a checkpoint that is durable.
+
+        Args:
+            size: the source's size, checked when given.
+
+        Raises:
+            PersistentTierUnavailable: the tier stayed down past the retry policy.
+        """
+        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{_check_relative_path(name)}"
+        marker = self._marker_path(namespace, checkpoint_id, name)
+        src = _as_range_source(source)
+        if size is not None and src.size != size:
+            raise ValueError(f"{name}: the source has {src.size} bytes, expected {size}")
+        compress = self.compression == "zstd" and items is not None
+        what = f"upload {namespace}/{checkpoint_id}/{name}"
+        with self._slots:
+            started = time.monotonic()
+            # The old marker goes first: it must never describe a half-rewritten object.
+            self._retry(lambda: self._remove(marker), f"{what} (clear marker)")
+            counter = self._retry(
+                lambda: self._write_object(path, src, items if compress else None), what
+            )
+        uploaded = UploadedFile(
+            name=name,
+            source_size=src.size,
+            size=counter.written,
+            compression="zstd" if compress else "none",
+            index=counter.index,
+            fingerprint=fingerprint,
+        )
+        self._retry(lambda: self._put_bytes(marker, uploaded.to_json()), f"{what} (marker)")
+        logger.info(
+            "uploaded %s: %d bytes as %d (%s) in %.2fs",
+            path,
+            src.size,
+            counter.written,
+            uploaded.compression,
+            time.monotonic() - started,
+        )
+        return uploaded
+
+    def _write_object(self, path: str, src: RangeSource, items: Sequence[Item] | None) -> _Counter:
+        self._mkdirs(path)
+        block = max(self.block_size, -(-src.size // _MAX_PARTS))
+        counter = _Counter()
+        f = self.fs.open(path, "wb", block_size=block)
+        try:
+            if items is not None:
+                counter.index = compress_items(src, items, f, level=self.level)
+                counter.written = sum(length for _, length in counter.index.values())
+            else:
+                for start in range(0, src.size, DEFAULT_CHUNK_SIZE):
+                    data = src.read(start, min(DEFAULT_CHUNK_SIZE, src.size - start))
+                    f.write(data)
+                    counter.written += len(data)
+            f.close()
+        except BaseException:
+            _discard(f, path)
+            raise
+        self.fs.invalidate_cache(path)
+        stored = int(self.fs.size(path))
+        if stored != counter.written:  # retried: the next attempt rewrites the object
+            raise OSError(f"{path}: wrote {counter.written} bytes but the store has {stored}")
+        return counter
+
+    def upload_files(
+        self, namespace: str, checkpoint_id: str, uploads: Iterable[FileUpload]
+    ) -> list[UploadedFile]:
+        """`upload_file` for many files, `max_concurrency` at a time, in input order.
+
+        Every upload runs to its end; then the first failure, if any, is raised.
+        """
+        with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="upload") as pool:
+            futures = [
+                pool.submit(
+                    self.upload_file,
+                    namespace,
+                    checkpoint_id,
+                    u.name,
+                    u.source,
+                    u.size,
+                    items=u.items,
+                    fingerprint=u.fingerprint,
+                )
+                for u in uploads
+            ]
+        return [f.result() for f in futures]
+
+    def uploaded(self, namespace: str, checkpoint_id: str) -> dict[str, UploadedFile]:
+        """The markers of the data files already uploaded for a checkpoint, by name."""
+        files_dir = f"{self._bookkeeping_path(namespace, checkpoint_id)}/files"
+
+        def read() -> dict[str, UploadedFile]:
+            self.fs.invalidate_cache(files_dir)
+            try:
+                paths = sorted(self.fs.find(files_dir))
+            except FileNotFoundError:
+                return {}
+            if not paths:
+                return {}
+            blobs = self.fs.cat(paths)
+            markers = (UploadedFile.from_json(blobs[p]) for p in paths)
+            return {m.name: m for m in markers}
+
+        return self._retry(read, f"list uploads of {namespace}/{checkpoint_id}")
+
+    def upload_metadata_last(self, namespace: str, checkpoint_id: str, metadata: bytes) -> bytes:
+        """Commit the checkpoint: PUT `.metadata` once every data file it names is there.
+
+        `metadata` is the memory tier's `.metadata`; for compressed files it is
+        rewritten with their frame indexes (`persistent_format.rewrite_metadata`).
+        Returns the bytes uploaded.
+
+        Raises:
+            CheckpointIncomplete: a data file has no marker, or its object is missing or
+                has another size; nothing was committed.
+            PersistentTierUnavailable: the tier stayed down past the retry policy.
+        """
+        ckpt = self.checkpoint_path(namespace, checkpoint_id)
+        needed = sorted(data_files(metadata))
+        for name in needed:
+            _check_relative_path(name)
+        markers = self.uploaded(namespace, checkpoint_id)
+
+        def stored_sizes() -> dict[str, int]:
+            self.fs.invalidate_cache(ckpt)
+            try:
+                found = self.fs.find(ckpt, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
+
+        sizes = self._retry(stored_sizes, f"list {namespace}/{checkpoint_id}")
+        problems = [
+            name for name in needed if name not in markers or sizes.get(name) != markers[name].size
+        ]
+        if problems:
+            shown = ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+            raise CheckpointIncomplete(
+                f"{namespace}/{checkpoint_id}: {len(problems)} data file(s) not (fully) in the "
+                f"persistent tier: {shown}; upload them before .metadata"
+            )
+        mappings: dict[str, FileIndex] = {}
+        for name in needed:
+            index = markers[name].index
+            if index is not None:
+                mappings[name] = index
+        body = rewrite_metadata(metadata, mappings)
+        path = f"{ckpt}/{METADATA_FILE}"
+        self._retry(
+            lambda: self._put_bytes(path, body), f"commit {namespace}/{checkpoint_id}/.metadata"
+        )
+        logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
+        return body
+
+    # ---- queries -----------------------------------------------------------------
+
+    def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        """Whether the checkpoint's `.metadata` is in the tier (an outage raises)."""
+        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+
+        def probe() -> bool:
+            self.fs.invalidate_cache(path)
+            try:
+                self.fs.info(path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._retry(probe, f"probe {namespace}/{checkpoint_id}")
+
+    def list_durable(self, namespace: str) -> list[str]:
+        """Ids of the namespace's durable checkpoints, by step, then id."""
+        check_namespace(namespace)
+        pattern = f"{self.root}/{namespace}/*/{METADATA_FILE}"
+
+        def scan() -> list[str]:
+            self.fs.invalidate_cache()
+            return [str(p) for p in self.fs.glob(pattern)]
+
+        ids = {p.rsplit("/", 2)[-2] for p in self._retry(scan, f"list {namespace}")}
+        return sorted(ids, key=_step_order)
+
+    def read_range(
+        self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
+    ) -> bytes:
+        """Bytes ``[offset, offset+length)`` of a file as stored (compressed if it is)."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad range ({offset=}, {length=})")
+        path = (
+            f"{self.checkpoint_path(namespace, checkpoint_id)}/"
+            f"{_check_relative_path(name, data_only=False)}"
+        )
+        if length == 0:
+            return b""
+
+        def read() -> bytes:
+            data = bytes(self.fs.cat_file(path, start=offset, end=offset + length))
+            if len(data) != length:
+                raise EOFError(
+                    f"{path}: range {offset}..{offset + length} is past its end "
+                    f"({len(data)} bytes there)"
+                )
+            return data
+
+        return self._retry(read, f"read {namespace}/{checkpoint_id}/{name}")
+
+    def read_metadata(self, namespace: str, checkpoint_id: str) -> bytes:
+        """The stored `.metadata` (FileNotFoundError if the checkpoint is not durable)."""
+        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+        return self._retry(
+            lambda: bytes(self.fs.cat_file(path)), f"read {namespace}/{checkpoint_id}/.metadata"
+        )
+
+    # ---- deletion ----------------------------------------------------------------
+
+    def delete(self, namespace: str, checkpoint_id: str) -> None:
+        """Remove a checkpoint: `.metadata` first, so it stops being durable at once.
+
+        Then the data files, then the bookkeeping. Idempotent; an interrupted delete
+        leaves a non-durable remainder that the next call finishes.
+        """
+        ckpt = self.checkpoint_path(namespace, checkpoint_id)
+        what = f"delete {namespace}/{checkpoint_id}"
+        self._retry(lambda: self._remove(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)")
+        self._retry(lambda: self._remove(ckpt, recursive=True), f"{what} (data)")
+        book = self._bookkeeping_path(namespace, checkpoint_id)
+        self._retry(lambda: self._remove(book, recursive=True), f"{what} (bookkeeping)")
+        logger.info("deleted %s/%s from %s", namespace, checkpoint_id, self.url)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _step_order(checkpoint_id: str) -> tuple[int, int, str]:
+    step = step_of(checkpoint_id)
+    return (0, step, checkpoint_id) if step is not None else (1, 0, checkpoint_id)
+
+
+def _discard(f: Any, path: str) -> None:
+    """Abandon a failed write without committing it (aborts an S3 multipart upload)."""
+    buffered = callable(getattr(f, "discard", None)) and hasattr(f, "buffer")
+    try:
+        if buffered:
+            f.discard()
+        else:
+            f.close()  # local files: a partial object is harmless without its marker
+    except Exception:
+        logger.warning("could not abandon the partial upload of %s", path, exc_info=True)
+    finally:
+        if buffered:
+            # Never let close() or __del__ complete this upload later: a stale partial
+            # object could overwrite the one a successful retry wrote meanwhile.
+            f.closed = True
