@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,26 +18,16 @@ from tierckpt.errors import ChecksumMismatch
 from tierckpt.memory_files import ChecksummingWriter
 
 from tests.support.daemon_process import DaemonProcess
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
 NS = "peerd"
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Nodes:
     def __init__(self, stack: ExitStack, n: int, *, heal_interval: float, copies: int = 1):
-        ports = _free_ports(n + 1)
+        ports = free_ports(n + 1)
         self.metrics_port = ports[n]
         self.daemons: list[DaemonProcess] = []
         for i in range(n):

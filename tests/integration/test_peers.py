@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,21 +21,11 @@ from tests.support.backends import Nodes
 from tests.support.cli import cli, ls_json
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
 NS = "peer-run"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class Cluster:
@@ -45,7 +34,7 @@ class Cluster:
     def __init__(
         self, stack: ExitStack, n: int, *, copies: int = 1, heal_interval: float = 3600.0
     ) -> None:
-        ports = _free_ports(n + 1)
+        ports = free_ports(n + 1)
         self.metrics_port = ports[n]
         ids = [f"node{i}" for i in range(n)]
         self.nodes: list[DaemonProcess] = []
