@@ -174,8 +174,8 @@ def main() -> None:
         info = client.get_checkpoint(NS, checkpoint_id)
         data = [f.name for f in info.files if f.name.endswith(".distcp")]
         started = time.perf_counter()
-        for name in data:
-            client.ensure_local(NS, checkpoint_id, name)
+        with futures.ThreadPoolExecutor(4) as pool:  # as the reader does: all missing files at once
+            list(pool.map(lambda name: client.ensure_local(NS, checkpoint_id, name), data))
         fetch_s = time.perf_counter() - started
         fetched = sum(f.size for f in info.files if f.name in data)
         table.add(

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.daemon_client import CheckpointInfo, DaemonClient
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
 from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, TierckptError
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
@@ -73,6 +73,7 @@ class TieredStorageReader(StorageReader):
         self.io_threads = io_threads
         self._requested_id: str | None = None
         self._info: CheckpointInfo | None = None
+        self._fetched: dict[str, FileEntry] = {}  # entries the daemon made local for us
         self.storage_data: dict[Any, Any] = {}
         self.load_id = dcp_filesystem._generate_uuid()
         self._extensions = ExtensionRegistry()
@@ -80,12 +81,14 @@ class TieredStorageReader(StorageReader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_info"] = None
+        state["_fetched"] = {}
         return state
 
     # --- identity ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         self._info = None
+        self._fetched = {}
         self._requested_id = check_checkpoint_id(str(checkpoint_id)) if checkpoint_id else None
         self.load_id = dcp_filesystem._generate_uuid()
 
@@ -114,7 +117,7 @@ class TieredStorageReader(StorageReader):
         resharded load) or whose copy failed verification (`repair`) is first made local
         by the daemon from a peer that holds a valid copy."""
         info = self._checkpoint()
-        entry = info.file(name)
+        entry = self._fetched.get(name) or info.file(name)
         what = f"{info.namespace}/{info.checkpoint_id}/{name}"
         if not repair and entry.local_path and entry.checksums is not None:
             try:
@@ -191,6 +194,7 @@ class TieredStorageReader(StorageReader):
             ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-item") as items_pool,
             ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-block") as blocks_pool,
         ):
+            self._fetch_missing(list(per_file), items_pool)
             for name, items in per_file.items():
                 read = functools.partial(
                     self._read_items,
@@ -203,6 +207,20 @@ class TieredStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _fetch_missing(self, names: list[str], pool: ThreadPoolExecutor) -> None:
+        """Files this node lacks (a replacement node, a resharded load) are fetched by the
+        daemon from peers all at once, in parallel, before the reads start."""
+        info = self._checkpoint()
+        missing = [
+            n
+            for n in names
+            if n not in self._fetched
+            and (not info.file(n).local_path or info.file(n).checksums is None)
+        ]
+        fetch = functools.partial(self.client.ensure_local, info.namespace, info.checkpoint_id)
+        for name, entry in zip(missing, pool.map(fetch, missing), strict=True):
+            self._fetched[name] = entry
 
     def _read_items(
         self,

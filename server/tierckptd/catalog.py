@@ -811,6 +811,16 @@ class Catalog:
             )
 
     # ---- background work ----------------------------------------------------------------
+    def saving(self, within: float = 5.0) -> bool:
+        """Whether a save is writing on this node right now (RPC activity in the last
+        `within` seconds); background copies step aside for it."""
+        now = self._clock()
+        with self._lock:
+            return any(
+                r.state is State.WRITING and now - r.last_activity <= within
+                for r in self._records.values()
+            )
+
     def sweep(self) -> list[Key]:
         """Abort WRITING saves idle longer than abandon_after (a rank died mid-save)."""
         now = self._clock()
