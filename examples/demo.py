@@ -1,11 +1,14 @@
-"""tierckpt demo: a real 2-rank FSDP2 job checkpointing through a tierckptd it starts.
+"""tierckpt demo: a real 2-rank FSDP2 job checkpointing through two tierckptd nodes.
 
-1. starts tierckptd (memory tier in tmpfs) on a private unix socket;
-2. trains a small FSDP2 model with AdamW on 2 gloo ranks, saving every step with
-   dcp.save (the last step with dcp.async_save);
-3. kill -9s the daemon and restarts it: the committed checkpoints are re-adopted;
-4. a fresh 2-rank job restores the newest checkpoint (checkpoint_id=None) and checks
-   it bit-exactly; a 1-process job restores it at a different world size;
+1. starts two daemons on this machine as two nodes ("node-a", "node-b", each its own
+   failure domain, memory tier in tmpfs), peering over 127.0.0.1;
+2. trains a small FSDP2 model with AdamW on 2 gloo ranks, rank r on node r, saving every
+   step with dcp.save (the last step with dcp.async_save); each node replicates its
+   ranks' files to the other;
+3. kill -9s node-a and restarts it: its memory tier is re-adopted;
+4. loses node-b for good (kill -9, memory wiped) and starts an empty replacement with the
+   same id: a fresh 2-rank job restores the newest checkpoint bit-exactly, node-b's
+   files coming from its buddy; a 1-process job restores it at another world size;
 5. `tierckpt pull` exports it and stock FileSystemReader loads the copy.
 
 Everything runs on embedded defaults: `python examples/demo.py` (or `make demo`).
@@ -13,9 +16,11 @@ Everything runs on embedded defaults: `python examples/demo.py` (or `make demo`)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 NAMESPACE = "demo-run"
 STEPS = 5
 WORLD = 2
+NODES = ("node-a", "node-b")  # rank r runs on node r
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -62,7 +68,7 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torc
     return {k: v.detach().clone() for k, v in flat.items()}
 
 
-def train_job(rank: int, store: str, address: str, out: str) -> None:
+def train_job(rank: int, store: str, addresses: tuple[str, ...], out: str) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -70,7 +76,7 @@ def train_job(rank: int, store: str, address: str, out: str) -> None:
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(100 + rank)
-    writer = TieredStorageWriter(NAMESPACE, daemon=address)
+    writer = TieredStorageWriter(NAMESPACE, daemon=addresses[rank])  # this rank's node
     pending = None
     for step in range(1, STEPS + 1):
         loss = model(torch.randn(32, 512, generator=gen)).square().mean()
@@ -103,7 +109,7 @@ def train_job(rank: int, store: str, address: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def restore_job(rank: int, store: str, address: str, expected_path: str) -> None:
+def restore_job(rank: int, store: str, addresses: tuple[str, ...], expected_path: str) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -118,11 +124,15 @@ def restore_job(rank: int, store: str, address: str, expected_path: str) -> None
         "optim": osd,
         f"dataloader.rank_{rank}": {"step": -1, "rank": -1},
     }
+    reader = TieredStorageReader(NAMESPACE, daemon=addresses[rank])
     started = time.perf_counter()
-    dcp.load(
-        state, checkpoint_id=None, storage_reader=TieredStorageReader(NAMESPACE, daemon=address)
-    )
+    dcp.load(state, checkpoint_id=None, storage_reader=reader)
     elapsed = time.perf_counter() - started
+    how = {"memory": "in this node's memory", "fetched": "fetched from the buddy"}
+    served = ", ".join(
+        f"{name} {how.get(src, src)}" for name, src in sorted(reader.sources.items())
+    )
+    print(f"  rank {rank} on {NODES[rank]}: {served}", flush=True)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     got = full_state(model, optim)
     expected = torch.load(expected_path)
@@ -163,21 +173,33 @@ def restore_single_process(address: str, expected_path: str) -> None:
 
 
 class Daemon:
-    def __init__(self, root: Path) -> None:
+    """One node's tierckptd: its own socket, memory tier in tmpfs, and a peer port."""
+
+    def __init__(self, root: Path, node: str, peer_port: int, peers: dict[str, int]) -> None:
         self.root = root
+        self.node = node
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.memory_dir = tempfile.mkdtemp(prefix="tierckpt-demo-", dir=shm)
-        self.address = f"unix://{root / 'tierckptd.sock'}"
-        self.config = root / "tierckptd.toml"
+        self.memory_dir = tempfile.mkdtemp(prefix=f"tierckpt-demo-{node}-", dir=shm)
+        self.address = f"unix://{root / f'{node}.sock'}"
+        self.config = root / f"{node}.toml"
+        self.log = root / f"{node}.log"
+        peer_tables = "".join(
+            f'[[peers]]\nid = "{p}"\naddress = "127.0.0.1:{port}"\nfailure_domain = "{p}"\n'
+            for p, port in peers.items()
+        )
         self.config.write_text(
-            f'[node]\nid = "demo-node"\n[listen]\nlocal = "{self.address}"\npeer = ""\n'
+            f'[node]\nid = "{node}"\nfailure_domain = "{node}"\n'
+            f'[listen]\nlocal = "{self.address}"\npeer = "127.0.0.1:{peer_port}"\n'
             f'[memory]\ndir = "{self.memory_dir}"\nbudget = "2GiB"\n'
             "[retention]\nmemory_keep_last = 3\n"
+            "[replication]\ncopies = 1\nheal_interval = 15.0\n" + peer_tables
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        with open(self.root / "tierckptd.log", "ab") as log:
+    def start(self) -> float:
+        """Start and wait until SERVING; returns the seconds it took."""
+        started = time.perf_counter()
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tierckptd", "--config", str(self.config)],
                 stdout=log,
@@ -186,9 +208,7 @@ class Daemon:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(
-                    f"tierckptd exited; log:\n{(self.root / 'tierckptd.log').read_text()}"
-                )
+                raise SystemExit(f"tierckptd {self.node} exited; log:\n{self.log.read_text()}")
             try:
                 with grpc.insecure_channel(self.address) as ch:
                     status = (
@@ -197,22 +217,44 @@ class Daemon:
                         .status
                     )
                 if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    return time.perf_counter() - started
             except grpc.RpcError:
                 pass
             time.sleep(0.1)
-        raise SystemExit("tierckptd did not become ready")
+        raise SystemExit(f"tierckptd {self.node} did not become ready")
 
-    def kill9(self) -> None:
+    def kill9(self, *, wipe_memory: bool = False) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+        if wipe_memory:  # the node died with its RAM
+            shutil.rmtree(self.memory_dir, ignore_errors=True)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(30)
         shutil.rmtree(self.memory_dir, ignore_errors=True)
+
+
+def free_ports(count: int) -> list[int]:
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_replicated(address: str, checkpoint_id: str, timeout: float = 60.0) -> float:
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        rows = json.loads(cli(address, "ls", NAMESPACE, "--json"))
+        if any(r["id"] == checkpoint_id and r["state"] == "REPLICATED" for r in rows):
+            return time.perf_counter() - started
+        time.sleep(0.2)
+    raise SystemExit(f"{checkpoint_id} did not become REPLICATED")
 
 
 def cli(address: str, *args: str) -> str:
@@ -226,43 +268,59 @@ def cli(address: str, *args: str) -> str:
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="tcdemo"))
-    daemon = Daemon(root)
+    ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
+    nodes = [Daemon(root, n, ports[n], {p: ports[p] for p in NODES if p != n}) for n in NODES]
+    addresses = tuple(d.address for d in nodes)
+    node_a, node_b = nodes
+    newest = f"step-{STEPS:06d}"
     try:
-        print("1. starting tierckptd (memory tier in tmpfs)")
-        daemon.start()
+        print("1. starting tierckptd on two nodes (memory tier in tmpfs, peers on 127.0.0.1)")
+        for d in nodes:
+            d.start()
         expected = str(root / "expected.pt")
         print(
-            f"2. training {STEPS} steps on {WORLD} gloo ranks (FSDP2 + AdamW), checkpointing every step"
+            f"2. training {STEPS} steps on {WORLD} gloo ranks (FSDP2 + AdamW), rank r on node r, "
+            "checkpointing every step"
         )
         mp.start_processes(
             train_job,
-            args=(str(root / "store-a"), daemon.address, expected),
+            args=(str(root / "store-a"), addresses, expected),
             nprocs=WORLD,
             start_method="spawn",
         )
-        print(cli(daemon.address, "ls", NAMESPACE))
-        print("3. kill -9 tierckptd, restart it on the same memory tier")
-        daemon.kill9()
-        daemon.start()
-        print(cli(daemon.address, "ls", NAMESPACE))
-        print("4. restoring the newest checkpoint")
+        took = wait_replicated(node_a.address, newest)
+        print(
+            f"  {newest} REPLICATED {1000 * took:.0f} ms after the job ended; `tierckpt ls` on node-b:"
+        )
+        print(cli(node_b.address, "ls", NAMESPACE))
+        print("3. kill -9 node-a's daemon and restart it on the same memory tier")
+        node_a.kill9()
+        print(f"  node-a back in {node_a.start():.2f} s, memory tier re-adopted:")
+        print(cli(node_a.address, "ls", NAMESPACE))
+        print("4. node-b is lost with its memory; an empty replacement takes its id")
+        node_b.kill9(wipe_memory=True)
+        print(
+            f"  replacement node-b ready in {node_b.start():.2f} s (manifests pulled from node-a)"
+        )
         mp.start_processes(
             restore_job,
-            args=(str(root / "store-b"), daemon.address, expected),
+            args=(str(root / "store-b"), addresses, expected),
             nprocs=WORLD,
             start_method="spawn",
         )
-        restore_single_process(daemon.address, expected)
+        restore_single_process(node_a.address, expected)
+        took = wait_replicated(node_b.address, newest)
+        print(f"  healing: every file has its extra copy again {took:.1f} s later")
         print("5. exporting with `tierckpt pull` and loading the copy with stock FileSystemReader")
         dest = root / "pulled"
-        print("  " + cli(daemon.address, "pull", NAMESPACE, f"step-{STEPS:06d}", str(dest)).strip())
-        shard0 = {k: v for k, v in torch.load(expected).items() if k.startswith("model.")}
+        print("  " + cli(node_a.address, "pull", NAMESPACE, newest, str(dest)).strip())
+        full = {k: v for k, v in torch.load(expected).items() if k.startswith("model.")}
         model, _ = build(seed=3)
         state = {"model": model.state_dict()}
         dcp.load(state, storage_reader=FileSystemReader(str(dest)))
         bad = [
             k
-            for k, v in shard0.items()
+            for k, v in full.items()
             if not torch.equal(v, state["model"][k.removeprefix("model.")])
         ]
         if bad:
@@ -270,7 +328,8 @@ def main() -> None:
         print("  stock FileSystemReader: model restored bit-exactly from the pulled copy")
         print("demo OK")
     finally:
-        daemon.stop()
+        for d in nodes:
+            d.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -74,6 +74,10 @@ class TieredStorageReader(StorageReader):
         self._requested_id: str | None = None
         self._info: CheckpointInfo | None = None
         self._fetched: dict[str, FileEntry] = {}  # entries the daemon made local for us
+        # Where each file of the last load came from: "memory" (this node's tier),
+        # "fetched" (made local by the daemon from another tier), "repaired" (a corrupt
+        # local copy replaced). For logs and demos.
+        self.sources: dict[str, str] = {}
         self.storage_data: dict[Any, Any] = {}
         self.load_id = dcp_filesystem._generate_uuid()
         self._extensions = ExtensionRegistry()
@@ -89,6 +93,7 @@ class TieredStorageReader(StorageReader):
         self.storage_data = {}
         self._info = None
         self._fetched = {}
+        self.sources = {}
         self._requested_id = check_checkpoint_id(str(checkpoint_id)) if checkpoint_id else None
         self.load_id = dcp_filesystem._generate_uuid()
 
@@ -121,10 +126,14 @@ class TieredStorageReader(StorageReader):
         what = f"{info.namespace}/{info.checkpoint_id}/{name}"
         if not repair and entry.local_path and entry.checksums is not None:
             try:
-                return entry.open_verified(what)
+                opened = entry.open_verified(what)
             except FileNotFoundError:
                 pass  # evicted or lost since GetCheckpoint: fetch it like a missing file
+            else:
+                self.sources.setdefault(name, "fetched" if name in self._fetched else "memory")
+                return opened
         entry = self.client.ensure_local(info.namespace, info.checkpoint_id, name, repair=repair)
+        self.sources[name] = "repaired" if repair else "fetched"
         return entry.open_verified(what)
 
     def _with_repair(self, name: str, read: Callable[[VerifiedFile], T]) -> T:
