@@ -33,6 +33,7 @@ from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckptd import __version__, metrics
 from tierckptd.config import format_size
 from tierckptd.manifest import ManifestError, read_manifest, write_manifest
+from tierckptd.manifest import to_json as manifest_to_json
 from tierckptd.memory_tier import MemoryTier, Segment, hash_rate
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, NodeStatusView, State
 from tierckptd.retention import Candidate, memory_evictions
@@ -92,6 +93,12 @@ class Catalog:
         self._incoming: dict[tuple[str, str, str], int] = {}
         self._health: dict[Key, str] = {}
         self._gone: set[Key] = set()
+        # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
+        # persistent tier), the checkpoints known to be durable there, and a callback
+        # (called under the lock: it must only enqueue) for every new commit here.
+        self.drain_every = 0
+        self._durable: set[Key] = set()
+        self.on_committed: Callable[[str, str], None] | None = None
 
     # ---- accounting (call under the lock) ---------------------------------------------
     def _used(self) -> int:
@@ -128,6 +135,14 @@ class Catalog:
             return sum(r.state is State.COMMITTED for r in self._records.values())
 
     # ---- helpers ----------------------------------------------------------------------
+    def _due(self, rec: CheckpointRecord) -> bool:
+        """Whether the checkpoint is due for the persistent tier (call under the lock)."""
+        return self.drain_every > 0 and rec.sequence % self.drain_every == 0
+
+    def _notify_committed(self, rec: CheckpointRecord) -> None:
+        if self.on_committed is not None and self._due(rec):
+            self.on_committed(rec.namespace, rec.checkpoint_id)
+
     @staticmethod
     def _ref(namespace: str, checkpoint_id: str) -> Key:
         return check_namespace(namespace), check_checkpoint_id(checkpoint_id)
@@ -190,6 +205,9 @@ class Catalog:
             and all(len(set(f.replica_nodes) - {f.owner_node}) >= k for f in files)
         ):
             state = State.REPLICATED
+        durable = rec.state is State.COMMITTED and rec.key in self._durable
+        if durable:
+            state = State.DURABLE
         tiers: list[str] = []
         if rec.state is State.COMMITTED:
             if all(f.held for f in files):
@@ -200,6 +218,8 @@ class Catalog:
                 for f in files
             ):
                 tiers.append("peer")
+            if durable:
+                tiers.append("persistent")
             if health:
                 tiers.append(health)
         return CheckpointView(
@@ -460,6 +480,7 @@ class Catalog:
                     and other.created_unix <= rec.created_unix
                 ):
                     self._abort(other, f"superseded by the commit of {checkpoint_id}")
+            self._notify_committed(rec)
             self._apply_retention(namespace)
             return view
 
@@ -472,8 +493,15 @@ class Catalog:
             ),
             key=lambda r: r.order,
         )
+        # Invariant 6: a checkpoint due for the persistent tier and not yet durable
+        # there is kept (pinned) until it is, whatever memory_keep_last says.
         candidates = [
-            Candidate(r.checkpoint_id, i, r.pinned) for i, r in enumerate(committed, start=1)
+            Candidate(
+                r.checkpoint_id,
+                i,
+                r.pinned or (self._due(r) and r.key not in self._durable),
+            )
+            for i, r in enumerate(committed, start=1)
         ]
         for checkpoint_id in memory_evictions(candidates, self.memory_keep_last):
             rec = self._records[(namespace, checkpoint_id)]
@@ -494,6 +522,7 @@ class Catalog:
         if rec.state is State.COMMITTED:
             self._gone.add(rec.key)
         self._health.pop(rec.key, None)
+        self._durable.discard(rec.key)
         return self._collect(rec)
 
     def abort(self, namespace: str, checkpoint_id: str) -> None:
@@ -611,6 +640,7 @@ class Catalog:
                 len(new.files),
                 sum(f.held for f in new.files.values()),
             )
+            self._notify_committed(new)
             self._apply_retention(key[0])
             return True
 
@@ -739,6 +769,48 @@ class Catalog:
                 self._health[(namespace, checkpoint_id)] = mark
             else:
                 self._health.pop((namespace, checkpoint_id), None)
+
+    # ---- persistent tier ----------------------------------------------------------------
+    def due_not_durable(self) -> list[Key]:
+        """Committed checkpoints due for the persistent tier and not known durable,
+        oldest first (the drain queue a restarted daemon rebuilds)."""
+        with self._lock:
+            recs = [
+                r
+                for r in self._records.values()
+                if r.state is State.COMMITTED and self._due(r) and r.key not in self._durable
+            ]
+            return [r.key for r in sorted(recs, key=lambda r: r.order)]
+
+    def is_due(self, namespace: str, checkpoint_id: str) -> bool:
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            return rec is not None and rec.state is State.COMMITTED and self._due(rec)
+
+    def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        with self._lock:
+            return (namespace, checkpoint_id) in self._durable
+
+    def mark_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        """Record that the checkpoint's `.metadata` is in the persistent tier; memory
+        retention may now evict it. False when it is not (or no longer) committed here."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is not State.COMMITTED:
+                return False
+            if key not in self._durable:
+                self._durable.add(key)
+                logger.info("%s/%s is DURABLE in the persistent tier", *key)
+                self._apply_retention(namespace)
+            return True
+
+    def manifest_document(self, namespace: str, checkpoint_id: str) -> dict[str, object]:
+        """The manifest of a committed checkpoint as JSON data (for the persistent
+        tier's bookkeeping: original sizes and block checksums of every file)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            return manifest_to_json(rec)
 
     # ---- queries ----------------------------------------------------------------------
     def get(self, namespace: str, checkpoint_id: str = "") -> CheckpointView:

@@ -22,10 +22,12 @@ from types import FrameType
 from tierckptd import __version__, auth, metrics
 from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.config import Config, ConfigError, config_changes, format_size, load_config
+from tierckptd.drain import Drainer
 from tierckptd.health import Health
 from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
 from tierckptd.peer_service import add_peer_service
 from tierckptd.peers import PEER_CHANNEL_OPTIONS, Cluster
+from tierckptd.persistent import PersistentTier, RetryPolicy
 from tierckptd.servers import AddressInUse, Servers, start_servers
 from tierckptd.systemd import sd_notify
 
@@ -46,6 +48,8 @@ class Daemon:
         self._signals: collections.deque[int] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         self.cluster: Cluster | None = None
+        self.drainer: Drainer | None = None
+        self._emergency = False
         os.set_blocking(self._wake_w, False)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -97,6 +101,21 @@ class Daemon:
                 heal_interval=cfg.replication.heal_interval,
             )
             self.cluster = cluster
+            if cfg.persistent.url:
+                # Short retries per operation: the drainer reschedules the whole job.
+                persistent = PersistentTier.from_config(
+                    cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
+                )
+                drainer = Drainer(
+                    catalog,
+                    persistent,
+                    cluster,
+                    keep_last=cfg.retention.persistent_keep_last,
+                    keep_every=cfg.retention.persistent_keep_every,
+                )
+                catalog.drain_every = cfg.persistent.every
+                catalog.on_committed = drainer.enqueue
+                self.drainer = drainer
             health = Health()
             servers = start_servers(
                 catalog,
@@ -115,6 +134,9 @@ class Daemon:
         # READY, so GetCheckpoint/ls work at once; the peer listener already answers.
         cluster.pull_manifests()
         cluster.start()
+        if self.drainer is not None:
+            self.drainer.resume()  # a restart mid-drain picks up where it stopped
+            self.drainer.start()
         health.serving()
         status = catalog.status()
         sd_notify(
@@ -139,7 +161,11 @@ class Daemon:
             ).start()
         try:
             self._loop()
+            if self._emergency and self.drainer is not None:
+                self.drainer.emergency(cfg.persistent.shutdown_deadline)
         finally:
+            if self.drainer is not None:
+                self.drainer.stop()
             cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
@@ -157,6 +183,7 @@ class Daemon:
                     self._reload()
                 else:
                     logger.info("received %s: shutting down", signal.Signals(signum).name)
+                    self._emergency = signum == signal.SIGTERM
                     return
 
     def _reload(self) -> None:

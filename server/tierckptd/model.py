@@ -21,6 +21,7 @@ class State(enum.Enum):
     COMMITTED = "COMMITTED"
     REPLICATED = "REPLICATED"  # a view of a COMMITTED record: every file has k extra copies
     ABORTED = "ABORTED"
+    DURABLE = "DURABLE"  # a view of a COMMITTED record whose .metadata is in the persistent tier
 
 
 @dataclass

@@ -607,7 +607,7 @@ class Cluster:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
             return
-        if view.state not in (State.COMMITTED, State.REPLICATED):
+        if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE):
             return
         with self._lock:
             members = list(self._members)

@@ -569,6 +569,29 @@ class PersistentTier:
         logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
         return body
 
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    def put_bookkeeping(self, namespace: str, checkpoint_id: str, name: str, data: bytes) -> None:
+        """Store a small object beside the markers (outside the checkpoint directory)."""
+        check_file_name(name)
+        path = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{name}"
+        self._retry(
+            lambda: self._put_bytes(path, data), f"write {namespace}/{checkpoint_id} {name}"
+        )
+
+    def read_bookkeeping(self, namespace: str, checkpoint_id: str, name: str) -> bytes | None:
+        """A bookkeeping object stored by `put_bookkeeping`, or None if there is none."""
+        check_file_name(name)
+        path = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{name}"
+
+        def read() -> bytes | None:
+            try:
+                return bytes(self.fs.cat_file(path))
+            except FileNotFoundError:
+                return None
+
+        return self._retry(read, f"read {namespace}/{checkpoint_id} {name}")
+
     # ---- queries -----------------------------------------------------------------
 
     def is_durable(self, namespace: str, checkpoint_id: str) -> bool:

@@ -15,6 +15,7 @@ _STATE = {
     "COMMITTED": common_pb2.COMMITTED,
     "REPLICATED": common_pb2.REPLICATED,
     "ABORTED": common_pb2.ABORTED,
+    "DURABLE": common_pb2.DURABLE,
 }
 
 

@@ -107,4 +107,15 @@ class Nodes:
         self._tiered().load(state, checkpoint_id)
 
 
-Backend = Tiered | Directory | Nodes
+@dataclasses.dataclass(frozen=True)
+class StockUrl:
+    """Stock DCP loads from `<root>/<checkpoint id>` (any fsspec URL): no tierckpt at all."""
+
+    root: str
+
+    def load(self, state: dict[str, Any], checkpoint_id: str | None) -> None:
+        assert checkpoint_id is not None, "a stock URL has no 'newest'"
+        dcp.load(state, checkpoint_id=f"{self.root}/{checkpoint_id}")
+
+
+Backend = Tiered | Directory | Nodes | StockUrl
