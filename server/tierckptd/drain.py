@@ -26,16 +26,25 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 import xxhash
-from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound
+import zstandard
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    InvalidName,
+)
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
+from tierckptd.manifest import ManifestError
+from tierckptd.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord
-from tierckptd.peers import Cluster
+from tierckptd.peers import Cluster, IncomingFile
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent_format import data_files
 from tierckptd.persistent_retention import persistent_evictions
@@ -47,6 +56,7 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]
 MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeeping area
 METADATA_OBJECT = "metadata.orig"  # the memory tier's (uncompressed) .metadata
+READ_CHUNK = 8 << 20
 
 
 def fingerprint(f: FileRecord) -> str:
@@ -316,3 +326,120 @@ class Drainer:
                     break
                 time.sleep(self.poll)
         return ok
+
+    # ---- restore ------------------------------------------------------------------------
+    def adopt_durable(self) -> int:
+        """Learn the durable checkpoints this node does not know (a replacement cluster
+        whose memory tiers are all gone): their manifests come from the bookkeeping
+        area, with no file held anywhere; files are fetched from S3 on demand."""
+        adopted = 0
+        known = set(self.catalog.committed_keys())
+        for namespace in self.tier.list_namespaces():
+            try:
+                ids = self.tier.list_durable(namespace)
+            except InvalidName:
+                continue
+            for checkpoint_id in ids:
+                key = (namespace, checkpoint_id)
+                if key in known:
+                    self.catalog.mark_durable(*key)
+                    continue
+                raw = self.tier.read_bookkeeping(namespace, checkpoint_id, MANIFEST_OBJECT)
+                if raw is None:
+                    logger.warning("%s/%s is durable but has no manifest; skipped", *key)
+                    continue
+                try:
+                    rec = manifest_from_json(json.loads(raw))
+                except (ManifestError, ValueError) as e:
+                    logger.error("%s/%s: bad manifest in the persistent tier: %s", *key, e)
+                    continue
+                if rec.key != key:
+                    continue
+                for f in rec.files.values():
+                    f.held = False
+                    f.owner_node = ""
+                    f.replica_nodes = []
+                if self.catalog.publish(rec):
+                    self.catalog.mark_durable(*key)
+                    adopted += 1
+        if adopted:
+            logger.info("adopted %d durable checkpoints from %s", adopted, self.tier.url)
+        return adopted
+
+    def restore_file(self, namespace: str, checkpoint_id: str, name: str) -> int:
+        """Download one file from the persistent tier into the memory tier, decompressed
+        back to the original bytes and verified block by block; returns bytes taken.
+        Call with the cluster's file lock held (`Cluster.ensure_local` does)."""
+        what = f"{namespace}/{checkpoint_id}/{name} from {self.tier.url}"
+        f, _ = self.catalog.file_view(namespace, checkpoint_id, name)
+        assert f.checksums is not None
+        if name == METADATA_FILE:
+            data = self.tier.read_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT)
+            if data is None:
+                raise CheckpointNotFound(f"{what}: no original .metadata in the bookkeeping")
+            chunks: Iterator[tuple[int, bytes]] = iter([(0, data)])
+        else:
+            marker = self.tier.uploaded(namespace, checkpoint_id).get(name)
+            if marker is None:
+                raise CheckpointNotFound(f"{what}: not in the persistent tier")
+            chunks = self._original_chunks(namespace, checkpoint_id, name, marker.index, f.size)
+        tmp = self.catalog.start_incoming(namespace, checkpoint_id, name)
+        if tmp is None:
+            return 0
+        ok = False
+        try:
+            incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
+            try:
+                for offset, data in chunks:
+                    incoming.write(offset, data)
+                incoming.finish()
+            finally:
+                incoming.close()
+            ok = True
+        finally:
+            held = self.catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
+        if not held:
+            raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
+        logger.info("restored %s (%d bytes)", what, f.size)
+        return f.size
+
+    def _original_chunks(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        index: dict[int, tuple[int, int]] | None,
+        size: int,
+    ) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) of the original file, in order, from the stored object."""
+        if index is None:
+            for start in range(0, size, READ_CHUNK):
+                n = min(READ_CHUNK, size - start)
+                yield start, self.tier.read_range(namespace, checkpoint_id, name, start, n)
+            return
+        olds = sorted(index)
+        position = 0
+        for i, old in enumerate(olds):
+            if old > position:  # bytes outside every item (none in DCP files): zeros
+                yield position, bytes(old - position)
+                position = old
+            new_offset, new_length = index[old]
+            expected_end = olds[i + 1] if i + 1 < len(olds) else size
+            d = zstandard.ZstdDecompressor().decompressobj()
+            for start in range(new_offset, new_offset + new_length, READ_CHUNK):
+                n = min(READ_CHUNK, new_offset + new_length - start)
+                data = d.decompress(self.tier.read_range(namespace, checkpoint_id, name, start, n))
+                if data:
+                    if position + len(data) > expected_end:
+                        raise ChecksumMismatch(
+                            f"{namespace}/{checkpoint_id}/{name}: item at {old} decompresses "
+                            "past the next item"
+                        )
+                    yield position, data
+                    position += len(data)
+            if not d.eof:
+                raise ChecksumMismatch(
+                    f"{namespace}/{checkpoint_id}/{name}: truncated zstd frame at {new_offset}"
+                )
+        if position < size:
+            yield position, bytes(size - position)

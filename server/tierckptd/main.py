@@ -115,6 +115,7 @@ class Daemon:
                 )
                 catalog.drain_every = cfg.persistent.every
                 catalog.on_committed = drainer.enqueue
+                cluster.persistent_restore = drainer.restore_file
                 self.drainer = drainer
             health = Health()
             servers = start_servers(
@@ -135,6 +136,10 @@ class Daemon:
         cluster.pull_manifests()
         cluster.start()
         if self.drainer is not None:
+            try:
+                self.drainer.adopt_durable()  # every memory tier gone: S3 still lists them
+            except Exception as e:
+                logger.error("cannot list the persistent tier %s: %s", cfg.persistent.url, e)
             self.drainer.resume()  # a restart mid-drain picks up where it stopped
             self.drainer.start()
         health.serving()

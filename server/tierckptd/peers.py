@@ -149,6 +149,9 @@ class Cluster:
         self._queued: set[tuple[str, tuple[str, ...]]] = set()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # The persistent tier's restore of one file (Drainer.restore_file), the last
+        # resort of `ensure_local` after local memory and peers; None without one.
+        self.persistent_restore: Callable[[str, str, str], int] | None = None
         self.configure(peers, copies)
 
     # ---- membership -------------------------------------------------------------------
@@ -434,6 +437,9 @@ class Cluster:
                 self.corrupt(namespace, checkpoint_id, name, reason, where="local")
             peers = self.peer_ids
             if not peers:
+                restored = self._from_persistent(namespace, checkpoint_id, name)
+                if restored is not None:
+                    return restored
                 if repair:
                     raise ChecksumMismatch(
                         f"{what}: the local copy on node {self.node_id} is corrupt and there "
@@ -478,10 +484,28 @@ class Cluster:
                 if f.owner_node != self.node_id:
                     self._broadcast_replicas(namespace, checkpoint_id, name, f.replica_nodes)
                 return f, path
+            restored = self._from_persistent(namespace, checkpoint_id, name)
+            if restored is not None:
+                return restored
             raise ChecksumMismatch(
                 f"no valid copy of {what} on any reachable node (tried "
                 f"{', '.join(tried) or 'none'}); the file is lost unless a peer comes back"
             )
+
+    def _from_persistent(
+        self, namespace: str, checkpoint_id: str, name: str
+    ) -> tuple[FileRecord, str] | None:
+        """The persistent tier's copy, installed locally; None without a tier or copy."""
+        if self.persistent_restore is None:
+            return None
+        what = f"{namespace}/{checkpoint_id}/{name}"
+        try:
+            got = self.persistent_restore(namespace, checkpoint_id, name)
+        except Exception as e:
+            logger.error("restore of %s from the persistent tier failed: %s", what, e)
+            return None
+        metrics.FETCHED_BYTES.inc(got)
+        return self.catalog.file_view(namespace, checkpoint_id, name)
 
     def _receive_unlocked(
         self, namespace: str, checkpoint_id: str, name: str, chunks: Iterator[peer_pb2.FileChunk]

@@ -608,6 +608,20 @@ class PersistentTier:
 
         return self._retry(probe, f"probe {namespace}/{checkpoint_id}")
 
+    def list_namespaces(self) -> list[str]:
+        """Namespaces with anything under the root (durable or not), sorted."""
+
+        def scan() -> list[str]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                found = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+            return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+        names = self._retry(scan, f"list {self.url}")
+        return sorted(n for n in set(names) if n != BOOKKEEPING_DIR)
+
     def list_durable(self, namespace: str) -> list[str]:
         """Ids of the namespace's durable checkpoints, by step, then id."""
         check_namespace(namespace)

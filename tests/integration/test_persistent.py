@@ -6,6 +6,7 @@ Every drained checkpoint is loaded back by STOCK DCP (`dcp.load(sd, checkpoint_i
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -186,3 +187,34 @@ def test_memory_retention_keeps_checkpoints_not_yet_durable(
         rows = c.rows()
         assert sorted(rows) == ["step-000001", "step-000002", "step-000003"]
         assert {r["state"] for r in rows.values()} == {"COMMITTED"}
+
+
+def _tiered_load(
+    c: Cluster, world: int, ranks_per_node: int, cid: str | None, expected: Path
+) -> None:
+    backend = Nodes(NS, c.addresses, ranks_per_node)
+    target = str(expected / (cid or "step-000002"))
+    results = run_job(jobs.load_and_verify, world, backend, cid, target, timeout=180)
+    assert [r["world"] for r in results] == [world] * world
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_every_memory_tier_lost_restores_from_s3(
+    s3: moto_s3.S3Bucket, tmp_path: Path, compression: str
+) -> None:
+    with cluster(2, persistent(s3, compression=compression)) as c:
+        _save(c, 4, 2, ["step-000001", "step-000002"], tmp_path)
+        c.wait_state("step-000002", "DURABLE")
+        c.wait_state("step-000001", "DURABLE")
+        for d in c.nodes:
+            d.kill9()
+            shutil.rmtree(d.memory_dir, ignore_errors=True)
+        for d in c.nodes:
+            d.start()
+        for i in range(2):
+            rows = c.rows(i)
+            assert sorted(rows) == ["step-000001", "step-000002"]
+            assert rows["step-000002"]["state"] == "DURABLE"
+            assert rows["step-000002"]["tiers"] == ["persistent"]
+        _tiered_load(c, 4, 2, None, tmp_path)  # newest: only in S3
+        _tiered_load(c, 2, 1, "step-000001", tmp_path)  # another world size
