@@ -218,3 +218,34 @@ def test_every_memory_tier_lost_restores_from_s3(
             assert rows["step-000002"]["tiers"] == ["persistent"]
         _tiered_load(c, 4, 2, None, tmp_path)  # newest: only in S3
         _tiered_load(c, 2, 1, "step-000001", tmp_path)  # another world size
+
+
+def test_s3_outage_delays_durability_and_loses_nothing(
+    s3: moto_s3.S3Bucket, moto_server: moto_s3.MotoServer, tmp_path: Path
+) -> None:
+    with cluster(2, persistent(s3)) as c:
+        moto_server.stop()
+        try:
+            _save(c, 4, 2, ["step-000003"], tmp_path)
+            time.sleep(3.0)
+            for i in range(2):
+                assert c.rows(i)["step-000003"]["state"] in ("COMMITTED", "REPLICATED")
+        finally:
+            moto_server.restart()
+        c.wait_state("step-000003", "DURABLE", timeout=120)
+        assert _s3_names(s3, "step-000003") == _memory_names(c, "step-000003")
+        _stock_load(s3, 4, "step-000003", tmp_path)
+
+
+def test_sigterm_drains_the_newest_checkpoint_before_exit(
+    s3: moto_s3.S3Bucket, tmp_path: Path
+) -> None:
+    # every = 1000: nothing is due, so only the shutdown drain can put it in S3.
+    with cluster(1, persistent(s3, every=1000, shutdown_deadline=60.0)) as c:
+        _save(c, 2, 2, ["step-000001", "step-000002"], tmp_path)
+        assert c.rows()["step-000002"]["state"] == "COMMITTED"
+        assert not _s3_names(s3, "step-000002")
+        assert c.nodes[0].terminate(timeout=90) == 0
+        assert ".metadata" in _s3_names(s3, "step-000002")
+        assert not _s3_names(s3, "step-000001")  # only the newest
+        _stock_load(s3, 2, "step-000002", tmp_path)
