@@ -484,12 +484,20 @@ class Catalog:
             self._apply_retention(namespace)
             return view
 
+    def _persistent_only(self, rec: CheckpointRecord) -> bool:
+        """A durable checkpoint no node's memory holds any more (listed, restorable)."""
+        return rec.key in self._durable and not any(
+            f.held or f.owner_node or f.replica_nodes for f in rec.files.values()
+        )
+
     def _apply_retention(self, namespace: str) -> None:
         committed = sorted(
             (
                 r
                 for r in self._records.values()
-                if r.namespace == namespace and r.state is State.COMMITTED
+                if r.namespace == namespace
+                and r.state is State.COMMITTED
+                and not self._persistent_only(r)
             ),
             key=lambda r: r.order,
         )
@@ -505,7 +513,10 @@ class Catalog:
         ]
         for checkpoint_id in memory_evictions(candidates, self.memory_keep_last):
             rec = self._records[(namespace, checkpoint_id)]
-            freed = self._delete_committed(rec)
+            if rec.key in self._durable:
+                freed = self._keep_persistent_only(rec)
+            else:
+                freed = self._delete_committed(rec)
             metrics.EVICTIONS.inc()
             logger.info(
                 "evicted %s/%s from memory (retention memory_keep_last=%d), %s",
@@ -514,6 +525,39 @@ class Catalog:
                 self.memory_keep_last,
                 format_size(freed),
             )
+
+    def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
+        """Evict a durable checkpoint from memory but keep listing it (its files now
+        come from the persistent tier only)."""
+        freed = 0
+        for f in rec.files.values():
+            path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+            try:
+                freed += path.stat().st_size
+            except FileNotFoundError:
+                pass
+            else:
+                if self.recycle:
+                    self.tier.to_pool(path, f.name)
+                else:
+                    path.unlink(missing_ok=True)
+            f.held = False
+            f.owner_node = ""
+            f.replica_nodes = []
+        self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
+        self._health.pop(rec.key, None)
+        self._write_manifest(rec)
+        self._trim_pool()
+        return freed
+
+    def forget_persistent(self, namespace: str, checkpoint_id: str) -> None:
+        """The checkpoint was deleted from the persistent tier (its retention)."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and self._persistent_only(rec):
+                self._delete_committed(rec)
+            self._durable.discard(key)
 
     def _delete_committed(self, rec: CheckpointRecord) -> int:
         # Manifest first: a crash after this point leaves a dir without manifest, which

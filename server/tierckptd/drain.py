@@ -290,6 +290,7 @@ class Drainer:
         ordered = [(cid, i) for i, cid in enumerate(durable)]
         for cid in persistent_evictions(ordered, self.keep_last, self.keep_every, pinned):
             self.tier.delete(namespace, cid)
+            self.catalog.forget_persistent(namespace, cid)
             logger.info(
                 "evicted %s/%s from the persistent tier (persistent_keep_last=%d, "
                 "persistent_keep_every=%d)",

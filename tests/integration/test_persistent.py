@@ -249,3 +249,36 @@ def test_sigterm_drains_the_newest_checkpoint_before_exit(
         assert ".metadata" in _s3_names(s3, "step-000002")
         assert not _s3_names(s3, "step-000001")  # only the newest
         _stock_load(s3, 2, "step-000002", tmp_path)
+
+
+def test_retention_per_tier(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
+    overrides = {
+        **persistent(s3),
+        "retention": {
+            "memory_keep_last": 2,
+            "persistent_keep_last": 3,
+            "persistent_keep_every": 5,
+        },
+    }
+    ids = [f"step-{i:06d}" for i in range(1, 11)]
+    with cluster(1, overrides) as c:
+        _save(c, 2, 2, ids, tmp_path)
+        c.wait_state("step-000010", "DURABLE")
+        want_s3 = {"step-000005", "step-000008", "step-000009", "step-000010"}
+        want_memory = {"step-000009", "step-000010"}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = c.rows()
+            in_memory = {cid for cid, r in rows.items() if "memory" in r["tiers"]}
+            in_s3 = {cid for cid, r in rows.items() if "persistent" in r["tiers"]}
+            fs = s3.fs()
+            fs.invalidate_cache()
+            durable = {p.split("/")[-2] for p in fs.glob(f"{s3.name}/{NS}/*/.metadata")}
+            if (in_memory, in_s3, durable, set(rows)) == (want_memory, want_s3, want_s3, want_s3):
+                break
+            time.sleep(0.5)
+        assert in_memory == want_memory
+        assert in_s3 == want_s3 == durable
+        assert set(rows) == want_s3
+        assert set(p.name for p in c.nodes[0].data_dir(NS).iterdir()) == want_memory
+        _tiered_load(c, 2, 2, "step-000005", tmp_path)  # from S3 only
