@@ -44,7 +44,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError
 from tierckptd.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord
-from tierckptd.peers import Cluster, IncomingFile
+from tierckptd.peers import SAVE_YIELD_MAX, Cluster, IncomingFile
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent_format import data_files
 from tierckptd.persistent_retention import persistent_evictions
@@ -64,6 +64,23 @@ def fingerprint(f: FileRecord) -> str:
     assert f.checksums is not None
     cs = f.checksums
     return f"{cs.algorithm}:{cs.block_size}:{xxhash.xxh3_128_hexdigest(cs.digests)}"
+
+
+class _StepAsideForSaves:
+    """A file source whose reads wait while a save is writing on this node, so a drain
+    in flight does not compete with training; each file waits SAVE_YIELD_MAX at most in
+    total, so back-to-back saves cannot stall durability forever."""
+
+    def __init__(self, source: VerifiedFile, catalog: Catalog) -> None:
+        self.size = source.size
+        self._source = source
+        self._catalog = catalog
+        self._until = time.monotonic() + SAVE_YIELD_MAX
+
+    def read(self, start: int, length: int) -> bytes | bytearray:
+        while self._catalog.saving() and time.monotonic() < self._until:
+            time.sleep(0.05)
+        return self._source.read(start, length)
 
 
 class Drainer:
@@ -270,7 +287,7 @@ class Drainer:
                 uploads.append(
                     FileUpload(
                         name=f.name,
-                        source=vf,
+                        source=_StepAsideForSaves(vf, self.catalog),
                         size=f.size,
                         items=found.items if found is not None else None,
                         fingerprint=fingerprint(f),
