@@ -133,6 +133,16 @@ def _cmd_rm(client: DaemonClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pin(client: DaemonClient, args: argparse.Namespace) -> int:
+    pinned = args.command == "pin"
+    info = client.pin_checkpoint(
+        check_namespace(args.namespace), check_checkpoint_id(args.id), pinned
+    )
+    verb = "pinned" if pinned else "unpinned"
+    _emit(args, info.to_json(), f"{verb} {info.namespace}/{info.checkpoint_id}")
+    return 0
+
+
 def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
     ok, verified, corrupt = client.verify_checkpoint(
         check_namespace(args.namespace), check_checkpoint_id(args.id)
@@ -173,6 +183,13 @@ def _parser() -> argparse.ArgumentParser:
     rm = add("rm", "delete a checkpoint from the daemon")
     rm.add_argument("namespace")
     rm.add_argument("id")
+    for name, help_text in (
+        ("pin", "exempt a checkpoint from retention on this node"),
+        ("unpin", "let retention evict a pinned checkpoint again"),
+    ):
+        pin = add(name, help_text)
+        pin.add_argument("namespace")
+        pin.add_argument("id")
     verify = add("verify", "re-read a checkpoint and check every block checksum")
     verify.add_argument("namespace")
     verify.add_argument("id")
@@ -181,6 +198,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _COMMANDS = {
     "ls": _cmd_ls,
+    "pin": _cmd_pin,
+    "unpin": _cmd_pin,
     "status": _cmd_status,
     "pull": _cmd_pull,
     "rm": _cmd_rm,

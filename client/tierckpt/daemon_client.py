@@ -278,6 +278,13 @@ class DaemonClient:
             self._call(self._service().DeleteCheckpoint, _ref(namespace, checkpoint_id)).freed_bytes
         )
 
+    def pin_checkpoint(
+        self, namespace: str, checkpoint_id: str, pinned: bool = True
+    ) -> CheckpointInfo:
+        """Exempt a checkpoint from retention on this node (or lift that with pinned=False)."""
+        req = daemon_pb2.PinCheckpointRequest(ref=_ref(namespace, checkpoint_id), pinned=pinned)
+        return _info_from_wire(self._call(self._service().PinCheckpoint, req))
+
     def verify_checkpoint(self, namespace: str, checkpoint_id: str) -> tuple[bool, int, list[str]]:
         resp = self._call(self._service().VerifyCheckpoint, _ref(namespace, checkpoint_id))
         return resp.ok, int(resp.verified_bytes), list(resp.corrupt_files)

@@ -582,6 +582,19 @@ class Catalog:
                 )
             self._abort(rec, "aborted by the client")
 
+    def set_pinned(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView:
+        """Pin (exempt from retention) or unpin a committed checkpoint; persisted in its
+        manifest so a restarted daemon keeps it."""
+        with self._lock:
+            rec = self._committed(check_namespace(namespace), check_checkpoint_id(checkpoint_id))
+            if rec.pinned != pinned:
+                rec.pinned = pinned
+                self._write_manifest(rec)
+                logger.info(
+                    "%s %s/%s", "pinned" if pinned else "unpinned", namespace, checkpoint_id
+                )
+            return self._view(rec)
+
     def delete(self, namespace: str, checkpoint_id: str) -> int:
         """Remove a committed or writing checkpoint; returns the bytes freed."""
         key = self._ref(namespace, checkpoint_id)

@@ -157,6 +157,17 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         )
         return daemon_pb2.DeleteCheckpointResponse(freed_bytes=freed)
 
+    def PinCheckpoint(
+        self, request: daemon_pb2.PinCheckpointRequest, context: Any
+    ) -> common_pb2.CheckpointInfo:
+        ref = request.ref
+        view = self._call(
+            context,
+            "PinCheckpoint",
+            lambda: self.catalog.set_pinned(ref.namespace, ref.checkpoint_id, request.pinned),
+        )
+        return to_info(view)
+
     def VerifyCheckpoint(
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> daemon_pb2.VerifyCheckpointResponse:

@@ -299,9 +299,9 @@ class Drainer:
         if self.keep_last <= 0:
             return
         durable = self.tier.list_durable(namespace)
-        pinned = []
+        pinned = [v.checkpoint_id for v in self.catalog.list_checkpoints(namespace) if v.pinned]
         try:
-            pinned.append(self.catalog.get(namespace).checkpoint_id)
+            pinned.append(self.catalog.get(namespace).checkpoint_id)  # the newest, always
         except CheckpointNotFound:
             pass
         ordered = [(cid, i) for i, cid in enumerate(durable)]

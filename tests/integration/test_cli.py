@@ -175,3 +175,19 @@ def test_pull_output_loads_with_stock_filesystem_reader(daemon: Any, tmp_path: P
         use_pg=False,
         timeout=90,
     )
+
+
+def test_pin_exempts_from_retention_until_unpinned(daemon_factory: Any) -> None:
+    daemon = daemon_factory({"retention": {"memory_keep_last": 1}})
+    _save_plain(daemon, ["step-000001"])
+    row = cli_json(daemon.address, "pin", NS, "step-000001")
+    assert row["id"] == "step-000001" and row["pinned"] is True
+    _save_plain(daemon, ["step-000002"])
+    assert ls_ids(daemon.address, NS) == ["step-000001", "step-000002"]
+    daemon.kill9()  # the pin is in the manifest: it survives a crash
+    daemon.start()
+    _save_plain(daemon, ["step-000003"])
+    assert ls_ids(daemon.address, NS) == ["step-000001", "step-000003"]
+    assert cli_json(daemon.address, "unpin", NS, "step-000001")["pinned"] is False
+    _save_plain(daemon, ["step-000004"])
+    assert ls_ids(daemon.address, NS) == ["step-000004"]

@@ -25,47 +25,49 @@ _sym_db = _symbol_database.Default()
 from tierckpt.v1 import common_pb2 as tierckpt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierckpt/v1/daemon.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"`\n\x12\x45nsureLocalRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06repair\x18\x03 \x01(\x08\"O\n\x16\x42\x65ginCheckpointRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\x19\n\x17\x42\x65ginCheckpointResponse\"[\n\x13ReserveSpaceRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\".\n\x14ReserveSpaceResponse\x12\x16\n\x0ereserved_bytes\x18\x01 \x01(\x04\"[\n\x0fOpenFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x10OpenFileResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\x12preallocated_bytes\x18\x02 \x01(\x04\"\x9b\x01\n\x11\x43ommitFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12.\n\tchecksums\x18\x05 \x01(\x0b\x32\x1b.tierckpt.v1.BlockChecksums\"\x14\n\x12\x43ommitFileResponse\"Z\n\x17\x43ommitCheckpointRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x16\n\x0erequired_files\x18\x02 \x03(\t\"\x19\n\x17\x41\x62ortCheckpointResponse\"H\n\x16ListCheckpointsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1b\n\x13include_uncommitted\x18\x02 \x01(\x08\"K\n\x17ListCheckpointsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\"/\n\x18\x44\x65leteCheckpointResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\"U\n\x18VerifyCheckpointResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0everified_bytes\x18\x02 \x01(\x04\x12\x15\n\rcorrupt_files\x18\x03 \x03(\t\"\x12\n\x10GetStatusRequest\"\xd9\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x12\n\nmemory_dir\x18\x03 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x06 \x01(\x04\x12\x12\n\npool_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x63heckpoints\x18\x08 \x01(\r\x12\x12\n\nnamespaces\x18\t \x03(\t\x12\x0f\n\x07version\x18\n \x01(\t2\xe9\x07\n\rDaemonService\x12\\\n\x0f\x42\x65ginCheckpoint\x12#.tierckpt.v1.BeginCheckpointRequest\x1a$.tierckpt.v1.BeginCheckpointResponse\x12S\n\x0cReserveSpace\x12 .tierckpt.v1.ReserveSpaceRequest\x1a!.tierckpt.v1.ReserveSpaceResponse\x12G\n\x08OpenFile\x12\x1c.tierckpt.v1.OpenFileRequest\x1a\x1d.tierckpt.v1.OpenFileResponse\x12M\n\nCommitFile\x12\x1e.tierckpt.v1.CommitFileRequest\x1a\x1f.tierckpt.v1.CommitFileResponse\x12U\n\x10\x43ommitCheckpoint\x12$.tierckpt.v1.CommitCheckpointRequest\x1a\x1b.tierckpt.v1.CheckpointInfo\x12S\n\x0f\x41\x62ortCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a$.tierckpt.v1.AbortCheckpointResponse\x12H\n\rGetCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1b.tierckpt.v1.CheckpointInfo\x12\\\n\x0fListCheckpoints\x12#.tierckpt.v1.ListCheckpointsRequest\x1a$.tierckpt.v1.ListCheckpointsResponse\x12U\n\x10\x44\x65leteCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a%.tierckpt.v1.DeleteCheckpointResponse\x12U\n\x10VerifyCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a%.tierckpt.v1.VerifyCheckpointResponse\x12\x43\n\tGetStatus\x12\x1d.tierckpt.v1.GetStatusRequest\x1a\x17.tierckpt.v1.NodeStatus\x12\x46\n\x0b\x45nsureLocal\x12\x1f.tierckpt.v1.EnsureLocalRequest\x1a\x16.tierckpt.v1.FileEntryb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierckpt/v1/daemon.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"O\n\x14PinCheckpointRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"`\n\x12\x45nsureLocalRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06repair\x18\x03 \x01(\x08\"O\n\x16\x42\x65ginCheckpointRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"\x19\n\x17\x42\x65ginCheckpointResponse\"[\n\x13ReserveSpaceRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\".\n\x14ReserveSpaceResponse\x12\x16\n\x0ereserved_bytes\x18\x01 \x01(\x04\"[\n\x0fOpenFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x10OpenFileResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x1a\n\x12preallocated_bytes\x18\x02 \x01(\x04\"\x9b\x01\n\x11\x43ommitFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12.\n\tchecksums\x18\x05 \x01(\x0b\x32\x1b.tierckpt.v1.BlockChecksums\"\x14\n\x12\x43ommitFileResponse\"Z\n\x17\x43ommitCheckpointRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x16\n\x0erequired_files\x18\x02 \x03(\t\"\x19\n\x17\x41\x62ortCheckpointResponse\"H\n\x16ListCheckpointsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1b\n\x13include_uncommitted\x18\x02 \x01(\x08\"K\n\x17ListCheckpointsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\"/\n\x18\x44\x65leteCheckpointResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x04\"U\n\x18VerifyCheckpointResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0everified_bytes\x18\x02 \x01(\x04\x12\x15\n\rcorrupt_files\x18\x03 \x03(\t\"\x12\n\x10GetStatusRequest\"\xd9\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x12\n\nmemory_dir\x18\x03 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x06 \x01(\x04\x12\x12\n\npool_bytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x63heckpoints\x18\x08 \x01(\r\x12\x12\n\nnamespaces\x18\t \x03(\t\x12\x0f\n\x07version\x18\n \x01(\t2\xba\x08\n\rDaemonService\x12\\\n\x0f\x42\x65ginCheckpoint\x12#.tierckpt.v1.BeginCheckpointRequest\x1a$.tierckpt.v1.BeginCheckpointResponse\x12S\n\x0cReserveSpace\x12 .tierckpt.v1.ReserveSpaceRequest\x1a!.tierckpt.v1.ReserveSpaceResponse\x12G\n\x08OpenFile\x12\x1c.tierckpt.v1.OpenFileRequest\x1a\x1d.tierckpt.v1.OpenFileResponse\x12M\n\nCommitFile\x12\x1e.tierckpt.v1.CommitFileRequest\x1a\x1f.tierckpt.v1.CommitFileResponse\x12U\n\x10\x43ommitCheckpoint\x12$.tierckpt.v1.CommitCheckpointRequest\x1a\x1b.tierckpt.v1.CheckpointInfo\x12S\n\x0f\x41\x62ortCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a$.tierckpt.v1.AbortCheckpointResponse\x12H\n\rGetCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1b.tierckpt.v1.CheckpointInfo\x12\\\n\x0fListCheckpoints\x12#.tierckpt.v1.ListCheckpointsRequest\x1a$.tierckpt.v1.ListCheckpointsResponse\x12U\n\x10\x44\x65leteCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a%.tierckpt.v1.DeleteCheckpointResponse\x12U\n\x10VerifyCheckpoint\x12\x1a.tierckpt.v1.CheckpointRef\x1a%.tierckpt.v1.VerifyCheckpointResponse\x12\x43\n\tGetStatus\x12\x1d.tierckpt.v1.GetStatusRequest\x1a\x17.tierckpt.v1.NodeStatus\x12\x46\n\x0b\x45nsureLocal\x12\x1f.tierckpt.v1.EnsureLocalRequest\x1a\x16.tierckpt.v1.FileEntry\x12O\n\rPinCheckpoint\x12!.tierckpt.v1.PinCheckpointRequest\x1a\x1b.tierckpt.v1.CheckpointInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierckpt.v1.daemon_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENSURELOCALREQUEST']._serialized_start=67
-  _globals['_ENSURELOCALREQUEST']._serialized_end=163
-  _globals['_BEGINCHECKPOINTREQUEST']._serialized_start=165
-  _globals['_BEGINCHECKPOINTREQUEST']._serialized_end=244
-  _globals['_BEGINCHECKPOINTRESPONSE']._serialized_start=246
-  _globals['_BEGINCHECKPOINTRESPONSE']._serialized_end=271
-  _globals['_RESERVESPACEREQUEST']._serialized_start=273
-  _globals['_RESERVESPACEREQUEST']._serialized_end=364
-  _globals['_RESERVESPACERESPONSE']._serialized_start=366
-  _globals['_RESERVESPACERESPONSE']._serialized_end=412
-  _globals['_OPENFILEREQUEST']._serialized_start=414
-  _globals['_OPENFILEREQUEST']._serialized_end=505
-  _globals['_OPENFILERESPONSE']._serialized_start=507
-  _globals['_OPENFILERESPONSE']._serialized_end=567
-  _globals['_COMMITFILEREQUEST']._serialized_start=570
-  _globals['_COMMITFILEREQUEST']._serialized_end=725
-  _globals['_COMMITFILERESPONSE']._serialized_start=727
-  _globals['_COMMITFILERESPONSE']._serialized_end=747
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=749
-  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=839
-  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_start=841
-  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_end=866
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=868
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=940
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=942
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1017
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=1019
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=1066
-  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_start=1068
-  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_end=1153
-  _globals['_GETSTATUSREQUEST']._serialized_start=1155
-  _globals['_GETSTATUSREQUEST']._serialized_end=1173
-  _globals['_NODESTATUS']._serialized_start=1176
-  _globals['_NODESTATUS']._serialized_end=1393
-  _globals['_DAEMONSERVICE']._serialized_start=1396
-  _globals['_DAEMONSERVICE']._serialized_end=2397
+  _globals['_PINCHECKPOINTREQUEST']._serialized_start=67
+  _globals['_PINCHECKPOINTREQUEST']._serialized_end=146
+  _globals['_ENSURELOCALREQUEST']._serialized_start=148
+  _globals['_ENSURELOCALREQUEST']._serialized_end=244
+  _globals['_BEGINCHECKPOINTREQUEST']._serialized_start=246
+  _globals['_BEGINCHECKPOINTREQUEST']._serialized_end=325
+  _globals['_BEGINCHECKPOINTRESPONSE']._serialized_start=327
+  _globals['_BEGINCHECKPOINTRESPONSE']._serialized_end=352
+  _globals['_RESERVESPACEREQUEST']._serialized_start=354
+  _globals['_RESERVESPACEREQUEST']._serialized_end=445
+  _globals['_RESERVESPACERESPONSE']._serialized_start=447
+  _globals['_RESERVESPACERESPONSE']._serialized_end=493
+  _globals['_OPENFILEREQUEST']._serialized_start=495
+  _globals['_OPENFILEREQUEST']._serialized_end=586
+  _globals['_OPENFILERESPONSE']._serialized_start=588
+  _globals['_OPENFILERESPONSE']._serialized_end=648
+  _globals['_COMMITFILEREQUEST']._serialized_start=651
+  _globals['_COMMITFILEREQUEST']._serialized_end=806
+  _globals['_COMMITFILERESPONSE']._serialized_start=808
+  _globals['_COMMITFILERESPONSE']._serialized_end=828
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_start=830
+  _globals['_COMMITCHECKPOINTREQUEST']._serialized_end=920
+  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_start=922
+  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_end=947
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=949
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1021
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1023
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1098
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=1100
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=1147
+  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_start=1149
+  _globals['_VERIFYCHECKPOINTRESPONSE']._serialized_end=1234
+  _globals['_GETSTATUSREQUEST']._serialized_start=1236
+  _globals['_GETSTATUSREQUEST']._serialized_end=1254
+  _globals['_NODESTATUS']._serialized_start=1257
+  _globals['_NODESTATUS']._serialized_end=1474
+  _globals['_DAEMONSERVICE']._serialized_start=1477
+  _globals['_DAEMONSERVICE']._serialized_end=2559
 # @@protoc_insertion_point(module_scope)

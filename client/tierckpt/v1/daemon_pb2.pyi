@@ -23,6 +23,29 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PinCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    pinned: _builtins.bool
+    @_builtins.property
+    def ref(self) -> _common_pb2.CheckpointRef: ...
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.CheckpointRef | None = ...,
+        pinned: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned", b"pinned", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinCheckpointRequest: _TypeAlias = PinCheckpointRequest  # noqa: Y015
+
+@_typing.final
 class EnsureLocalRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -95,6 +95,11 @@ class DaemonServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_common__pb2.FileEntry.FromString,
                 _registered_method=True)
+        self.PinCheckpoint = channel.unary_unary(
+                '/tierckpt.v1.DaemonService/PinCheckpoint',
+                request_serializer=tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+                _registered_method=True)
 
 
 class DaemonServiceServicer:
@@ -185,6 +190,14 @@ class DaemonServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinCheckpoint(self, request, context):
+        """Exempts a committed checkpoint from retention in every tier of this node (and, on
+        the node that holds its .metadata, from persistent retention), or lifts that.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -247,6 +260,11 @@ def add_DaemonServiceServicer_to_server(servicer, server):
                     servicer.EnsureLocal,
                     request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_common__pb2.FileEntry.SerializeToString,
+            ),
+            'PinCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinCheckpoint,
+                    request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -573,6 +591,33 @@ class DaemonService:
             '/tierckpt.v1.DaemonService/EnsureLocal',
             tierckpt_dot_v1_dot_daemon__pb2.EnsureLocalRequest.SerializeToString,
             tierckpt_dot_v1_dot_common__pb2.FileEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.DaemonService/PinCheckpoint',
+            tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.SerializeToString,
+            tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,10 @@ class DaemonServiceStub:
     (repair = true) is fetched from a node that holds a valid copy, checked, and
     kept in this node's memory tier. Returns the entry with local_path set.
     """
+    PinCheckpoint: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]
+    """Exempts a committed checkpoint from retention in every tier of this node (and, on
+    the node that holds its .metadata, from persistent retention), or lifts that.
+    """
 
 @_typing.type_check_only
 class DaemonServiceAsyncStub(DaemonServiceStub):
@@ -92,6 +96,10 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     replacement node, a resharded load) or whose local copy failed verification
     (repair = true) is fetched from a node that holds a valid copy, checked, and
     kept in this node's memory tier. Returns the entry with local_path set.
+    """
+    PinCheckpoint: _aio.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]  # type: ignore[assignment]
+    """Exempts a committed checkpoint from retention in every tier of this node (and, on
+    the node that holds its .metadata, from persistent retention), or lifts that.
     """
 
 class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -192,6 +200,16 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
         replacement node, a resharded load) or whose local copy failed verification
         (repair = true) is fetched from a node that holds a valid copy, checked, and
         kept in this node's memory tier. Returns the entry with local_path set.
+        """
+
+    @_abc_1.abstractmethod
+    def PinCheckpoint(
+        self,
+        request: _daemon_pb2.PinCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.CheckpointInfo, _abc.Awaitable[_common_pb2.CheckpointInfo]]:
+        """Exempts a committed checkpoint from retention in every tier of this node (and, on
+        the node that holds its .metadata, from persistent retention), or lifts that.
         """
 
 def add_DaemonServiceServicer_to_server(servicer: DaemonServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -292,3 +292,18 @@ def test_sweeper_thread_runs(catalog: Catalog, clock) -> None:  # type: ignore[n
     sweeper.stop()
     sweeper.join(5)
     assert catalog.list_checkpoints(include_uncommitted=True) == []
+
+
+def test_pin_survives_restart_and_unpin_lets_retention_evict(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
+    catalog = make_catalog(memory_keep_last=1)
+    save(catalog, "run", "step-1", {"a": b"1"})
+    assert catalog.set_pinned("run", "step-1", True).pinned
+    save(catalog, "run", "step-2", {"a": b"2"})
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-1", "step-2"]
+    # The pin is in the manifest: a restarted daemon keeps honouring it.
+    assert '"pinned": true' in catalog.tier.manifest_path("run", "step-1").read_text()
+    assert not catalog.set_pinned("run", "step-1", False).pinned
+    save(catalog, "run", "step-3", {"a": b"3"})
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-3"]
+    with pytest.raises(CheckpointNotFound):
+        catalog.set_pinned("run", "step-1", True)
