@@ -7,6 +7,7 @@ Every drained checkpoint is loaded back by STOCK DCP (`dcp.load(sd, checkpoint_i
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -220,19 +221,55 @@ def test_every_memory_tier_lost_restores_from_s3(
         _tiered_load(c, 2, 1, "step-000001", tmp_path)  # another world size
 
 
+class _MetadataLastWatcher:
+    """Polls S3 while a drain runs; records any listing with `.metadata` but not all data."""
+
+    def __init__(self, bucket: moto_s3.S3Bucket, checkpoint_id: str, expected: set[str]) -> None:
+        self.violations: list[list[str]] = []
+        self._stop = threading.Event()
+        self._bucket, self._id, self._expected = bucket, checkpoint_id, expected
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        fs = self._bucket.fs()
+        while not self._stop.is_set():
+            fs.invalidate_cache()
+            try:
+                found = fs.find(f"{self._bucket.name}/{NS}/{self._id}")
+                names = {p.rsplit("/", 1)[-1] for p in found}
+            except OSError:  # the outage itself
+                names = set()
+            if ".metadata" in names:
+                if names != self._expected:
+                    self.violations.append(sorted(names))
+                return
+            time.sleep(0.05)
+
+    def finish(self) -> list[list[str]]:
+        self._thread.join(timeout=30)
+        self._stop.set()
+        return self.violations
+
+
 def test_s3_outage_delays_durability_and_loses_nothing(
     s3: moto_s3.S3Bucket, moto_server: moto_s3.MotoServer, tmp_path: Path
 ) -> None:
     with cluster(2, persistent(s3)) as c:
         moto_server.stop()
+        watcher = None
         try:
             _save(c, 4, 2, ["step-000003"], tmp_path)
             time.sleep(3.0)
             for i in range(2):
                 assert c.rows(i)["step-000003"]["state"] in ("COMMITTED", "REPLICATED")
+            # From now on, whenever `.metadata` is visible in S3, every data file must be too.
+            watcher = _MetadataLastWatcher(s3, "step-000003", _memory_names(c, "step-000003"))
         finally:
             moto_server.restart()
         c.wait_state("step-000003", "DURABLE", timeout=120)
+        assert watcher is not None
+        assert watcher.finish() == [], "a .metadata was visible before all data files"
         assert _s3_names(s3, "step-000003") == _memory_names(c, "step-000003")
         _stock_load(s3, 4, "step-000003", tmp_path)
 
