@@ -9,7 +9,11 @@
 4. loses node-b for good (kill -9, memory wiped) and starts an empty replacement with the
    same id: a fresh 2-rank job restores the newest checkpoint bit-exactly, node-b's
    files coming from its buddy; a 1-process job restores it at another world size;
-5. `tierckpt pull` exports it and stock FileSystemReader loads the copy.
+5. `tierckpt pull` exports it and stock FileSystemReader loads the copy;
+6. every checkpoint also drains to an embedded S3 (a moto server on loopback): stock
+   `dcp.load(checkpoint_id="s3://...")` reads it without tierckpt;
+7. the whole cluster is lost (every daemon killed, every memory tier wiped): fresh daemons
+   list the checkpoints from S3 and a 2-rank job restores the newest bit-exactly.
 
 Everything runs on embedded defaults: `python examples/demo.py` (or `make demo`).
 """
@@ -46,6 +50,7 @@ NAMESPACE = "demo-run"
 STEPS = 5
 WORLD = 2
 NODES = ("node-a", "node-b")  # rank r runs on node r
+BUCKET = "demo-checkpoints"
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -128,7 +133,7 @@ def restore_job(rank: int, store: str, addresses: tuple[str, ...], expected_path
     started = time.perf_counter()
     dcp.load(state, checkpoint_id=None, storage_reader=reader)
     elapsed = time.perf_counter() - started
-    how = {"memory": "in this node's memory", "fetched": "fetched from the buddy"}
+    how = {"memory": "in this node's memory", "fetched": "fetched by tierckptd (peer or S3)"}
     served = ", ".join(
         f"{name} {how.get(src, src)}" for name, src in sorted(reader.sources.items())
     )
@@ -175,7 +180,9 @@ def restore_single_process(address: str, expected_path: str) -> None:
 class Daemon:
     """One node's tierckptd: its own socket, memory tier in tmpfs, and a peer port."""
 
-    def __init__(self, root: Path, node: str, peer_port: int, peers: dict[str, int]) -> None:
+    def __init__(
+        self, root: Path, node: str, peer_port: int, peers: dict[str, int], s3_endpoint: str
+    ) -> None:
         self.root = root
         self.node = node
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -192,7 +199,9 @@ class Daemon:
             f'[listen]\nlocal = "{self.address}"\npeer = "127.0.0.1:{peer_port}"\n'
             f'[memory]\ndir = "{self.memory_dir}"\nbudget = "2GiB"\n'
             "[retention]\nmemory_keep_last = 3\n"
-            "[replication]\ncopies = 1\nheal_interval = 15.0\n" + peer_tables
+            "[replication]\ncopies = 1\nheal_interval = 15.0\n"
+            f'[persistent]\nurl = "s3://{BUCKET}"\nevery = 1\ncompression = "zstd"\n'
+            f'storage_options = {{ endpoint_url = "{s3_endpoint}" }}\n' + peer_tables
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -237,6 +246,57 @@ class Daemon:
         shutil.rmtree(self.memory_dir, ignore_errors=True)
 
 
+def start_embedded_s3(port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A moto S3 server on loopback (the persistent tier of the demo) with a bucket."""
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo", AWS_DEFAULT_REGION="us-east-1"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit("the embedded S3 (moto) did not start") from None
+            time.sleep(0.1)
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
+    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint  # stock DCP's s3:// reader finds it too
+    return proc, endpoint
+
+
+def wait_state(address: str, checkpoint_id: str, state: str, timeout: float = 120.0) -> float:
+    """Until `ls` on `address` shows the checkpoint in `state`; "REPLICATED" also accepts a
+    DURABLE checkpoint whose files all have their peer copies (durability ranks higher)."""
+
+    def reached(row: dict[str, Any]) -> bool:
+        if row["state"] == state:
+            return True
+        tiers = set(row["tiers"])
+        return (
+            state == "REPLICATED"
+            and row["state"] == "DURABLE"
+            and "peer" in tiers
+            and not (tiers & {"under-replicated", "lost"})
+        )
+
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        rows = json.loads(cli(address, "ls", NAMESPACE, "--json"))
+        if any(r["id"] == checkpoint_id and reached(r) for r in rows):
+            return time.perf_counter() - started
+        time.sleep(0.2)
+    raise SystemExit(f"{checkpoint_id} did not become {state}:\n{cli(address, 'ls', NAMESPACE)}")
+
+
 def free_ports(count: int) -> list[int]:
     socks = [socket.socket() for _ in range(count)]
     for s in socks:
@@ -245,16 +305,6 @@ def free_ports(count: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def wait_replicated(address: str, checkpoint_id: str, timeout: float = 60.0) -> float:
-    started = time.perf_counter()
-    while time.perf_counter() - started < timeout:
-        rows = json.loads(cli(address, "ls", NAMESPACE, "--json"))
-        if any(r["id"] == checkpoint_id and r["state"] == "REPLICATED" for r in rows):
-            return time.perf_counter() - started
-        time.sleep(0.2)
-    raise SystemExit(f"{checkpoint_id} did not become REPLICATED")
 
 
 def cli(address: str, *args: str) -> str:
@@ -268,8 +318,12 @@ def cli(address: str, *args: str) -> str:
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="tcdemo"))
-    ports = dict(zip(NODES, free_ports(len(NODES)), strict=True))
-    nodes = [Daemon(root, n, ports[n], {p: ports[p] for p in NODES if p != n}) for n in NODES]
+    *peer_ports, s3_port = free_ports(len(NODES) + 1)
+    ports = dict(zip(NODES, peer_ports, strict=True))
+    s3, endpoint = start_embedded_s3(s3_port)
+    nodes = [
+        Daemon(root, n, ports[n], {p: ports[p] for p in NODES if p != n}, endpoint) for n in NODES
+    ]
     addresses = tuple(d.address for d in nodes)
     node_a, node_b = nodes
     newest = f"step-{STEPS:06d}"
@@ -288,7 +342,7 @@ def main() -> None:
             nprocs=WORLD,
             start_method="spawn",
         )
-        took = wait_replicated(node_a.address, newest)
+        took = wait_state(node_a.address, newest, "REPLICATED")
         print(
             f"  {newest} REPLICATED {1000 * took:.0f} ms after the job ended; `tierckpt ls` on node-b:"
         )
@@ -309,7 +363,7 @@ def main() -> None:
             start_method="spawn",
         )
         restore_single_process(node_a.address, expected)
-        took = wait_replicated(node_b.address, newest)
+        took = wait_state(node_b.address, newest, "REPLICATED")
         print(f"  healing: every file has its extra copy again {took:.1f} s later")
         print("5. exporting with `tierckpt pull` and loading the copy with stock FileSystemReader")
         dest = root / "pulled"
@@ -326,10 +380,37 @@ def main() -> None:
         if bad:
             raise SystemExit(f"pulled checkpoint is NOT bit-exact: {bad[:5]}")
         print("  stock FileSystemReader: model restored bit-exactly from the pulled copy")
+        print("6. every checkpoint drains to the embedded S3 (moto) in the background")
+        took = wait_state(node_a.address, newest, "DURABLE")
+        print(f"  {newest} DURABLE ({took:.1f} s after we started waiting)")
+        state = {"model": build(seed=4)[0].state_dict()}
+        dcp.load(state, checkpoint_id=f"s3://{BUCKET}/{NAMESPACE}/{newest}")  # stock DCP only
+        bad = [
+            k
+            for k, v in full.items()
+            if not torch.equal(v, state["model"][k.removeprefix("model.")])
+        ]
+        if bad:
+            raise SystemExit(f"stock dcp.load from S3 is NOT bit-exact: {bad[:5]}")
+        print("  stock dcp.load(checkpoint_id='s3://...') restored the model bit-exactly")
+        print("7. the whole cluster is lost: every daemon killed, every memory tier wiped")
+        for d in nodes:
+            d.kill9(wipe_memory=True)
+        for d in nodes:
+            d.start()
+        print(cli(node_a.address, "ls", NAMESPACE))
+        mp.start_processes(
+            restore_job,
+            args=(str(root / "store-c"), addresses, expected),
+            nprocs=WORLD,
+            start_method="spawn",
+        )
         print("demo OK")
     finally:
         for d in nodes:
             d.stop()
+        s3.terminate()
+        s3.wait(10)
         shutil.rmtree(root, ignore_errors=True)
 
 
