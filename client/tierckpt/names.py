@@ -10,7 +10,14 @@ import re
 
 from tierckpt.errors import InvalidName
 
-__all__ = ["METADATA_FILE", "check_checkpoint_id", "check_file_name", "check_namespace", "step_of"]
+__all__ = [
+    "METADATA_FILE",
+    "check_checkpoint_id",
+    "check_file_name",
+    "check_namespace",
+    "is_checkpoint_id",
+    "step_of",
+]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _STEP = re.compile(r"(\d+)$")
@@ -33,6 +40,15 @@ def check_namespace(value: object) -> str:
 def check_checkpoint_id(value: object) -> str:
     """Return `value` if it is a valid checkpoint id (e.g. ``step-000100``), else raise InvalidName."""
     return _check("checkpoint id", value)
+
+
+def is_checkpoint_id(value: object) -> bool:
+    """Whether `value` (str or path-like) is a valid checkpoint id; DCP's validate hook."""
+    try:
+        check_checkpoint_id(str(value))
+    except InvalidName:
+        return False
+    return True
 
 
 def check_file_name(value: object) -> str:

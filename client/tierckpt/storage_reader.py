@@ -33,7 +33,7 @@ from torch.futures import Future
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
 from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, TierckptError
 from tierckpt.memory_files import VerifiedFile
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.saved_tensor import parse_saved_tensor
 
 __all__ = ["TieredStorageReader"]
@@ -106,11 +106,7 @@ class TieredStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            check_checkpoint_id(str(checkpoint_id))
-        except ValueError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     def _checkpoint(self) -> CheckpointInfo:
         if self._info is None:

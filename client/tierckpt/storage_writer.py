@@ -34,7 +34,7 @@ from torch.futures import Future
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import MemoryBudgetExceeded, TierckptError
 from tierckpt.memory_files import ChecksummingWriter
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 
 __all__ = ["TieredStorageWriter"]
 
@@ -196,11 +196,7 @@ class TieredStorageWriter(FileSystemWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            check_checkpoint_id(str(checkpoint_id))
-        except ValueError:
-            return False
-        return True
+        return is_checkpoint_id(checkpoint_id)
 
     # --- DCP protocol -----------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
