@@ -226,6 +226,7 @@ class _MetadataLastWatcher:
 
     def __init__(self, bucket: moto_s3.S3Bucket, checkpoint_id: str, expected: set[str]) -> None:
         self.violations: list[list[str]] = []
+        self.saw_metadata = False
         self._stop = threading.Event()
         self._bucket, self._id, self._expected = bucket, checkpoint_id, expected
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -241,6 +242,7 @@ class _MetadataLastWatcher:
             except OSError:  # the outage itself
                 names = set()
             if ".metadata" in names:
+                self.saw_metadata = True
                 if names != self._expected:
                     self.violations.append(sorted(names))
                 return
@@ -270,6 +272,7 @@ def test_s3_outage_delays_durability_and_loses_nothing(
         c.wait_state("step-000003", "DURABLE", timeout=120)
         assert watcher is not None
         assert watcher.finish() == [], "a .metadata was visible before all data files"
+        assert watcher.saw_metadata, "the watcher never saw the commit: it checked nothing"
         assert _s3_names(s3, "step-000003") == _memory_names(c, "step-000003")
         _stock_load(s3, 4, "step-000003", tmp_path)
 
