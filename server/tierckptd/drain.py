@@ -44,7 +44,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError
 from tierckptd.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord
-from tierckptd.peers import SAVE_YIELD_MAX, Cluster, IncomingFile
+from tierckptd.peers import SAVE_YIELD_MAX, Cluster, install_copy
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent_format import data_files
 from tierckptd.persistent_retention import persistent_evictions
@@ -401,23 +401,9 @@ class Drainer:
             if marker is None:
                 raise CheckpointNotFound(f"{what}: not in the persistent tier")
             chunks = self._original_chunks(namespace, checkpoint_id, name, marker.index, f.size)
-        tmp = self.catalog.start_incoming(namespace, checkpoint_id, name)
-        if tmp is None:
+        taken = install_copy(self.catalog, namespace, checkpoint_id, name, chunks, what=what)
+        if not taken:
             return 0
-        ok = False
-        try:
-            incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
-            try:
-                for offset, data in chunks:
-                    incoming.write(offset, data)
-                incoming.finish()
-            finally:
-                incoming.close()
-            ok = True
-        finally:
-            held = self.catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
-        if not held:
-            raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
         logger.info("restored %s (%d bytes)", what, f.size)
         return f.size
 

@@ -38,7 +38,7 @@ from tierckptd.model import CheckpointView, FileRecord, State
 from tierckptd.placement import Member, file_key, preference, replica_count
 from tierckptd.wire import file_entry, file_from_entry, record_from_info, ref, state_of, to_info
 
-__all__ = ["PEER_CHANNEL_OPTIONS", "Cluster", "IncomingFile"]
+__all__ = ["PEER_CHANNEL_OPTIONS", "Cluster", "IncomingFile", "install_copy"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,41 @@ class IncomingFile:
         os.close(self._fd)
 
 
+def install_copy(
+    catalog: Catalog,
+    namespace: str,
+    checkpoint_id: str,
+    name: str,
+    pieces: Iterable[tuple[int, bytes]],
+    *,
+    what: str,
+) -> int:
+    """Store a copy of a committed file arriving as (offset, bytes) pieces from another
+    tier (a peer's stream, the persistent tier): budget-checked, written into a warm
+    segment when one fits, every block verified, installed only when complete.
+    Returns the bytes taken (0 when the file was already held)."""
+    f, _ = catalog.file_view(namespace, checkpoint_id, name)
+    assert f.checksums is not None
+    tmp = catalog.start_incoming(namespace, checkpoint_id, name)
+    if tmp is None:
+        return 0
+    ok = False
+    try:
+        incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
+        try:
+            for offset, data in pieces:
+                incoming.write(offset, data)
+            incoming.finish()
+        finally:
+            incoming.close()
+        ok = True
+    finally:
+        held = catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
+    if not held:
+        raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
+    return f.size
+
+
 def _unreachable(e: grpc.RpcError) -> bool:
     return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -194,6 +229,30 @@ class Cluster:
             if channel is None:
                 channel = self._channels[node] = self._factory(peer.address)
             return peer_pb2_grpc.PeerServiceStub(channel)
+
+    def _holdings(
+        self, node: str, namespace: str, checkpoint_id: str, why: str, level: int
+    ) -> peer_pb2.HoldingsResponse | None:
+        """A peer's holdings of a checkpoint, or None (logged at `level`) if unreachable."""
+        stub = self._stub(node)
+        if stub is None:
+            return None
+        try:
+            resp: peer_pb2.HoldingsResponse = stub.Holdings(
+                ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            logger.log(
+                level,
+                "%s %s/%s: no holdings from %s: %s",
+                why,
+                namespace,
+                checkpoint_id,
+                node,
+                e.code(),
+            )
+            return None
+        return resp
 
     def _file_lock(self, namespace: str, checkpoint_id: str, name: str) -> threading.Lock:
         with self._lock:
@@ -287,21 +346,8 @@ class Cluster:
         remote: dict[str, FileRecord] = {}
         if missing and peers:
             for node in peers:
-                stub = self._stub(node)
-                if stub is None:
-                    continue
-                try:
-                    resp = stub.Holdings(
-                        ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
-                    )
-                except grpc.RpcError as e:
-                    logger.warning(
-                        "commit %s/%s: no holdings from %s: %s",
-                        namespace,
-                        checkpoint_id,
-                        node,
-                        e.code(),
-                    )
+                resp = self._holdings(node, namespace, checkpoint_id, "commit", logging.WARNING)
+                if resp is None:
                     continue
                 for e_ in resp.files:
                     if e_.name in missing and e_.name not in remote:
@@ -510,32 +556,9 @@ class Cluster:
     def _receive_unlocked(
         self, namespace: str, checkpoint_id: str, name: str, chunks: Iterator[peer_pb2.FileChunk]
     ) -> int:
-        f, _ = self.catalog.file_view(namespace, checkpoint_id, name)
-        assert f.checksums is not None
-        tmp = self.catalog.start_incoming(namespace, checkpoint_id, name)
-        if tmp is None:
-            return 0
-        ok = False
-        try:
-            incoming = IncomingFile(
-                tmp, f.size, f.checksums, f"copy of {namespace}/{checkpoint_id}/{name}"
-            )
-            try:
-                for chunk in chunks:
-                    if chunk.HasField("header") and not chunk.data:
-                        continue
-                    incoming.write(chunk.offset, chunk.data)
-                incoming.finish()
-            finally:
-                incoming.close()
-            ok = True
-        finally:
-            held = self.catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
-        if not held:
-            raise CheckpointNotFound(
-                f"{namespace}/{checkpoint_id} was deleted or evicted while {name} arrived"
-            )
-        return f.size
+        pieces = ((c.offset, c.data) for c in chunks if not (c.HasField("header") and not c.data))
+        what = f"{namespace}/{checkpoint_id}/{name}"
+        return install_copy(self.catalog, namespace, checkpoint_id, name, pieces, what=what)
 
     def _broadcast_replicas(
         self, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
@@ -639,17 +662,8 @@ class Cluster:
         holdings: dict[str, set[str]] = {self.node_id: {f.name for f in view.files if f.held}}
         knows: dict[str, bool] = {}
         for node in self.peer_ids:
-            stub = self._stub(node)
-            if stub is None:
-                continue
-            try:
-                resp = stub.Holdings(
-                    ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
-                )
-            except grpc.RpcError as e:
-                logger.debug(
-                    "heal %s/%s: %s unreachable: %s", namespace, checkpoint_id, node, e.code()
-                )
+            resp = self._holdings(node, namespace, checkpoint_id, "heal", logging.DEBUG)
+            if resp is None:
                 continue
             holdings[node] = {e_.name for e_ in resp.files}
             knows[node] = resp.state != common_pb2.CHECKPOINT_STATE_UNSPECIFIED
