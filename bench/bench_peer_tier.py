@@ -167,19 +167,24 @@ def main() -> None:
             ),
         )
 
-        # Restore throughput: EnsureLocal of every data file on an empty replacement.
-        a.kill9_and_wipe()
-        a.start()
-        client = DaemonClient(a.address)
-        info = client.get_checkpoint(NS, checkpoint_id)
-        data = [f.name for f in info.files if f.name.endswith(".distcp")]
-        started = time.perf_counter()
-        with futures.ThreadPoolExecutor(4) as pool:  # as the reader does: all missing files at once
-            list(pool.map(lambda name: client.ensure_local(NS, checkpoint_id, name), data))
-        fetch_s = time.perf_counter() - started
-        fetched = sum(f.size for f in info.files if f.name in data)
+        # Restore throughput: EnsureLocal of every data file on an empty replacement,
+        # best of `repeat` replacements (as the baseline is best of its runs).
+        def restore_once() -> float:
+            a.kill9_and_wipe()
+            a.start()
+            client = DaemonClient(a.address)
+            info = client.get_checkpoint(NS, checkpoint_id)
+            data = [f.name for f in info.files if f.name.endswith(".distcp")]
+            started = time.perf_counter()
+            with futures.ThreadPoolExecutor(4) as pool:  # as the reader: all missing files
+                list(pool.map(lambda name: client.ensure_local(NS, checkpoint_id, name), data))
+            seconds = time.perf_counter() - started
+            fetched = sum(f.size for f in info.files if f.name in data)
+            return seconds * nbytes / max(1, fetched)
+
         table.add(
-            "peer restore: EnsureLocal of every data file", fetch_s * nbytes / max(1, fetched)
+            "peer restore: EnsureLocal of every data file",
+            min(restore_once() for _ in range(args.repeat)),
         )
 
         # Recovery time: dcp.load on a fresh replacement (fetches included).

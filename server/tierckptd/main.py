@@ -24,6 +24,7 @@ from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.config import Config, ConfigError, config_changes, format_size, load_config
 from tierckptd.drain import Drainer
 from tierckptd.health import Health
+from tierckptd.malloc_tuning import tune_malloc
 from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
 from tierckptd.peer_service import add_peer_service
 from tierckptd.peers import PEER_CHANNEL_OPTIONS, Cluster
@@ -252,4 +253,5 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{config.node.id}] %(name)s: %(message)s",
     )
+    tune_malloc()
     return Daemon(config, args.config).run()

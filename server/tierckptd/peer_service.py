@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 import grpc
 from tierckpt.checksum import BlockChecksums
 from tierckpt.errors import CheckpointIncomplete, InvalidArgument, TierckptError, status_of
-from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from tierckpt.v1 import common_pb2, peer_pb2
 
+from tierckptd.chunk_wire import Chunk, register_peer_service
 from tierckptd.peers import Cluster
 from tierckptd.wire import to_info
 
@@ -34,7 +35,9 @@ def _abort(context: Any, method: str, e: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the peer: {e!r}")
 
 
-class PeerService(peer_pb2_grpc.PeerServiceServicer):
+class PeerService:
+    """The PeerService methods (registered by `chunk_wire.register_peer_service`)."""
+
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.catalog = cluster.catalog
@@ -70,11 +73,11 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.PublishCheckpointResponse()
 
     def PushFile(
-        self, request_iterator: Iterator[peer_pb2.FileChunk], context: Any
+        self, request_iterator: Iterator[Chunk], context: Any
     ) -> peer_pb2.PushFileResponse:
         def push() -> int:
             first = next(request_iterator, None)
-            if first is None or not first.HasField("header"):
+            if first is None or first.header is None:
                 raise InvalidArgument("PushFile: the first message must carry the header")
             header = first.header
             cs = header.file.checksums
@@ -97,7 +100,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     def FetchFile(
         self, request: peer_pb2.FetchFileRequest, context: Any
-    ) -> Iterator[peer_pb2.FileChunk]:
+    ) -> Iterator[bytes | peer_pb2.FileChunk]:
         try:
             yield from self.cluster.serve_chunks(
                 request.ref.namespace,
@@ -135,5 +138,5 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
 def add_peer_service(cluster: Cluster, server: Any) -> PeerService:
     servicer = PeerService(cluster)
-    peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    register_peer_service(servicer, server)
     return servicer

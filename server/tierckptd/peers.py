@@ -26,13 +26,14 @@ from typing import Any
 
 import grpc
 import xxhash
-from tierckpt.checksum import BlockChecksums
+from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, InvalidArgument
 from tierckpt.memory_files import VerifiedFile
-from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd import metrics
 from tierckptd.catalog import Catalog
+from tierckptd.chunk_wire import Chunk, PeerStub, encode_data_chunk
 from tierckptd.config import PeerConfig, format_size
 from tierckptd.model import CheckpointView, FileRecord, State
 from tierckptd.placement import Member, file_key, preference, replica_count
@@ -79,7 +80,7 @@ class IncomingFile:
         self._filled = 0
         self._hasher = xxhash.xxh3_128()
 
-    def write(self, offset: int, data: bytes) -> None:
+    def write(self, offset: int, data: BytesLike) -> None:
         if offset != self._position:
             raise InvalidArgument(
                 f"{self.what}: chunk at offset {offset}, expected {self._position}"
@@ -124,7 +125,7 @@ def install_copy(
     namespace: str,
     checkpoint_id: str,
     name: str,
-    pieces: Iterable[tuple[int, bytes]],
+    pieces: Iterable[tuple[int, BytesLike]],
     *,
     what: str,
 ) -> int:
@@ -220,7 +221,7 @@ class Cluster:
         with self._lock:
             return sorted(self._peers)
 
-    def _stub(self, node: str) -> peer_pb2_grpc.PeerServiceStub | None:
+    def _stub(self, node: str) -> PeerStub | None:
         with self._lock:
             peer = self._peers.get(node)
             if peer is None:
@@ -228,7 +229,7 @@ class Cluster:
             channel = self._channels.get(node)
             if channel is None:
                 channel = self._channels[node] = self._factory(peer.address)
-            return peer_pb2_grpc.PeerServiceStub(channel)
+            return PeerStub(channel)
 
     def _holdings(
         self, node: str, namespace: str, checkpoint_id: str, why: str, level: int
@@ -389,7 +390,7 @@ class Cluster:
         namespace: str,
         checkpoint_id: str,
         name: str,
-        chunks: Iterator[peer_pb2.FileChunk],
+        chunks: Iterator[Chunk],
         checksums: BlockChecksums | None = None,
     ) -> int:
         """Store a copy arriving as chunks, verified block by block; returns bytes taken
@@ -409,7 +410,7 @@ class Cluster:
     # ---- serving copies ---------------------------------------------------------------
     def serve_chunks(
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
-    ) -> Iterator[peer_pb2.FileChunk]:
+    ) -> Iterator[bytes | peer_pb2.FileChunk]:
         """Verified chunks of a held file (CHUNK_BLOCKS blocks each); a corrupt copy raises
         ChecksumMismatch (DATA_LOSS for the fetcher) and is dropped and repaired here."""
         f, path = self.catalog.file_view(namespace, checkpoint_id, name)
@@ -431,7 +432,7 @@ class Cluster:
                 pos = offset
                 while pos < end:
                     n = min((pos // step + CHUNK_BLOCKS) * step, end) - pos
-                    yield peer_pb2.FileChunk(offset=pos, data=vf.read_blocks_bytes(pos, n))
+                    yield encode_data_chunk(pos, vf.read_blocks_bytes(pos, n))
                     pos += n
         except ChecksumMismatch as e:
             self.corrupt(namespace, checkpoint_id, name, str(e), where="served")
@@ -554,9 +555,9 @@ class Cluster:
         return self.catalog.file_view(namespace, checkpoint_id, name)
 
     def _receive_unlocked(
-        self, namespace: str, checkpoint_id: str, name: str, chunks: Iterator[peer_pb2.FileChunk]
+        self, namespace: str, checkpoint_id: str, name: str, chunks: Iterator[Chunk]
     ) -> int:
-        pieces = ((c.offset, c.data) for c in chunks if not (c.HasField("header") and not c.data))
+        pieces = ((c.offset, c.data) for c in chunks if c.data)
         what = f"{namespace}/{checkpoint_id}/{name}"
         return install_copy(self.catalog, namespace, checkpoint_id, name, pieces, what=what)
 
@@ -604,7 +605,7 @@ class Cluster:
 
         patience = time.monotonic() + SAVE_YIELD_MAX
 
-        def chunks() -> Iterator[peer_pb2.FileChunk]:
+        def chunks() -> Iterator[bytes | peer_pb2.FileChunk]:
             yield peer_pb2.FileChunk(header=header)
             with open(path, "rb", buffering=0) as fh:
                 pos = 0
@@ -613,7 +614,7 @@ class Cluster:
                     data = fh.read(min(step, f.size - pos))
                     if not data:
                         return
-                    yield peer_pb2.FileChunk(offset=pos, data=data)
+                    yield encode_data_chunk(pos, data)
                     pos += len(data)
 
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckptd.main import main
+from tierckptd.malloc_tuning import tune_malloc
 
 
 def test_bad_config_exits_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -62,3 +65,13 @@ def test_daemon_lifecycle(tmp_path: Path) -> None:
     assert "[n1]" in err and "memory.budget: 1073741824 -> 2147483648" in err
     assert "received SIGTERM" in err
     assert not (tmp_path / "d.sock").exists()
+
+
+def test_tune_malloc_applies_on_glibc_and_defers_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    assert tune_malloc() is (platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert tune_malloc() is False
