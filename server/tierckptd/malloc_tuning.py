@@ -35,8 +35,8 @@ def tune_malloc() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-        ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
+        ok: bool = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        ok = bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1) and ok
     except (OSError, AttributeError) as e:
         logger.info("malloc thresholds unchanged: %s", e)
         return False
