@@ -972,14 +972,20 @@ class Catalog:
             return [r.key for r in stale]
 
     def prewarm(self, total: int, segment_size: int = PREWARM_SEGMENT) -> int:
-        """Preallocate up to `total` bytes of pool segments; returns bytes allocated.
+        """Preallocate up to `total` bytes of pool segments (`memory.prewarm`); returns
+        bytes allocated. Runs in a background thread at start."""
+        sizes = [min(segment_size, total - at) for at in range(0, total, segment_size)]
+        return self.prewarm_segments([(size, None) for size in sizes], "memory.prewarm")
 
-        Runs in a background thread at start: posix_fallocate happens outside the lock,
-        with the bytes counted as pending pool so concurrent reservations stay in budget.
+    def prewarm_segments(self, plan: list[tuple[int, str | None]], why: str) -> int:
+        """Preallocate pool segments of the given (size, file name) while the budget and
+        tmpfs allow; a segment named for a file is the one that file's copy takes.
+
+        posix_fallocate happens outside the lock, with the bytes counted as pending pool so
+        concurrent reservations stay in budget. Returns bytes allocated.
         """
         done = 0
-        while done < total:
-            size = min(segment_size, total - done)
+        for size, name in plan:
             with self._lock:
                 if self._used() + self._reserved() + self._pool() + size > self.budget:
                     break
@@ -999,9 +1005,9 @@ class Catalog:
                 self._prewarm_pending -= size
                 tmp.rename(final)
 
-                self.tier.segments.append(Segment(final, size))
+                self.tier.segments.append(Segment(final, size, name))
             done += size
-        logger.info("prewarmed %s of pool segments", format_size(done))
+        logger.info("prewarmed %s of pool segments (%s)", format_size(done), why)
         return done
 
     # ---- adoption -----------------------------------------------------------------------

@@ -35,7 +35,7 @@ from tierckptd import metrics
 from tierckptd.catalog import Catalog
 from tierckptd.chunk_wire import Chunk, PeerStub, encode_data_chunk
 from tierckptd.config import PeerConfig, format_size
-from tierckptd.model import CheckpointView, FileRecord, State
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.placement import Member, file_key, preference, replica_count
 from tierckptd.wire import file_entry, file_from_entry, record_from_info, ref, state_of, to_info
 
@@ -153,6 +153,31 @@ def install_copy(
     if not held:
         raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
     return f.size
+
+
+def restore_plan(node_id: str, adopted: Iterable[CheckpointRecord]) -> list[tuple[int, str]]:
+    """(size, name) of the pool segments a node that came back empty preallocates: the
+    files it owned, then those it kept copies of, in the newest checkpoint of each
+    namespace. A restore or healing brings exactly those back, and a fresh tmpfs page
+    costs several times a warm one (the main cost of a peer restore), so allocating them
+    while the job is being rescheduled takes that cost off the restore."""
+    newest: dict[str, CheckpointRecord] = {}
+    for rec in adopted:
+        have = newest.get(rec.namespace)
+        if have is None or (rec.committed_unix, rec.created_unix) > (
+            have.committed_unix,
+            have.created_unix,
+        ):
+            newest[rec.namespace] = rec
+    owned: list[tuple[int, str]] = []
+    kept: list[tuple[int, str]] = []
+    for rec in newest.values():
+        for f in rec.files.values():
+            if f.size and f.owner_node == node_id:
+                owned.append((f.size, f.name))
+            elif f.size and node_id in f.replica_nodes:
+                kept.append((f.size, f.name))
+    return owned + kept
 
 
 def _unreachable(e: grpc.RpcError) -> bool:
@@ -317,7 +342,7 @@ class Cluster:
         """Adopt committed checkpoints peers know and this node does not (a replacement
         node that came back empty); returns how many were new."""
         known = set(self.catalog.committed_keys())
-        adopted = 0
+        adopted: list[CheckpointRecord] = []
         for node in self.peer_ids:
             stub = self._stub(node)
             if stub is None:
@@ -333,10 +358,20 @@ class Cluster:
                 rec = record_from_info(info)
                 if self.catalog.publish(rec) and rec.key not in known:
                     known.add(rec.key)
-                    adopted += 1
+                    adopted.append(rec)
         if adopted:
-            logger.info("adopted %d checkpoints from peers' manifests (no local files)", adopted)
-        return adopted
+            logger.info(
+                "adopted %d checkpoints from peers' manifests (no local files)", len(adopted)
+            )
+            plan = restore_plan(self.node_id, adopted)
+            if plan and self.catalog.recycle:
+                threading.Thread(
+                    target=self.catalog.prewarm_segments,
+                    args=(plan, "for the files this node will restore"),
+                    name="tierckptd-restore-prewarm",
+                    daemon=True,
+                ).start()
+        return len(adopted)
 
     # ---- commit -----------------------------------------------------------------------
     def commit(self, namespace: str, checkpoint_id: str, required: list[str]) -> CheckpointView:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support import jobs
 from tests.support.backends import Nodes
-from tests.support.cli import cli, ls_json
+from tests.support.cli import cli, cli_json, ls_json
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
@@ -126,6 +126,25 @@ def _local_files(daemon: DaemonProcess, checkpoint_id: str) -> set[str]:
     return {p.name for p in directory.iterdir()} if directory.is_dir() else set()
 
 
+def _wait_pool(daemon: DaemonProcess, nbytes: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    pool = 0
+    while time.monotonic() < deadline:
+        pool = cli_json(daemon.address, "status")["pool_bytes"]
+        if pool >= nbytes:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{daemon.name}'s pool reached {pool} bytes, not {nbytes}")
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The value of an unlabelled sample `name` in Prometheus text (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
     with cluster(n) as c:
@@ -135,14 +154,20 @@ def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
             f for f in _local_files(c.nodes[0], "step-000100") if f.startswith(("__0_", "__1_"))
         }
         assert owned_by_node0, "node0 should own its ranks' files"
+        owned_bytes = sum(
+            (c.nodes[0].data_dir(NS, "step-000100") / f).stat().st_size for f in owned_by_node0
+        )
         c.lose(0)
         c.replace(0)
         assert not (_local_files(c.nodes[0], "step-000100") & owned_by_node0)
-        # The replacement knows the checkpoint (manifests from peers) before any load.
+        # The replacement knows the checkpoint (manifests from peers) before any load,
+        # and preallocates pool segments for the files it will restore.
         assert [r["id"] for r in ls_json(c.nodes[0].address, NS)] == ["step-000100"]
+        _wait_pool(c.nodes[0], owned_bytes)
         _load(c, 2 * n, 2, "step-000100", tmp_path)
-        # It fetched what its ranks needed into its own memory tier.
+        # It fetched what its ranks needed into its own memory tier, into those segments.
         assert owned_by_node0 <= _local_files(c.nodes[0], "step-000100")
+        assert _counter(c.metrics(), "tierckpt_recycled_bytes_total") >= owned_bytes
 
 
 def test_replacement_node_restores_at_another_world_size(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cli", "ls_json", "tierckpt_command"]
+__all__ = ["cli", "cli_json", "ls_json", "tierckpt_command"]
 
 CLI_TIMEOUT = 60.0
 

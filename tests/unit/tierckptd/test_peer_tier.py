@@ -11,8 +11,8 @@ from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import ChecksumMismatch, InvalidArgument, MemoryBudgetExceeded
 from tierckptd.catalog import Catalog
 from tierckptd.manifest import read_manifest
-from tierckptd.model import FileRecord, State
-from tierckptd.peers import IncomingFile
+from tierckptd.model import CheckpointRecord, FileRecord, State
+from tierckptd.peers import IncomingFile, restore_plan
 
 from .conftest import MakeCatalog, Save
 
@@ -77,8 +77,6 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
         "__1_0.distcp": dataclasses.replace(record, held=False),
         "__0_0.distcp": _remote("__0_0.distcp", data, "node-a"),
     }
-    from tierckptd.model import CheckpointRecord
-
     rec = CheckpointRecord("run", "s2", State.COMMITTED, 1.0, "node-a", 2.0, 7, files=published)
     assert catalog.publish(rec)
     view = catalog.get("run", "s2")
@@ -116,8 +114,6 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
 def test_incoming_copy_respects_the_budget(make_catalog: MakeCatalog) -> None:
     catalog = make_catalog(budget=4096)
     big = _remote("__0_0.distcp", b"z" * 8192, "node-x")
-    from tierckptd.model import CheckpointRecord
-
     rec = CheckpointRecord(
         "run", "s3", State.COMMITTED, 1.0, "node-x", 2.0, 1, files={big.name: big}
     )
@@ -129,7 +125,51 @@ def test_incoming_copy_respects_the_budget(make_catalog: MakeCatalog) -> None:
 def test_deleted_checkpoint_is_not_taken_back(catalog: Catalog, save: Save) -> None:
     save(catalog, "run", "s4", {"__0_0.distcp": b"q" * 10})
     catalog.delete("run", "s4")
-    from tierckptd.model import CheckpointRecord
-
     rec = CheckpointRecord("run", "s4", State.COMMITTED, 1.0, "node-x", 2.0, 1)
     assert not catalog.publish(rec)
+
+
+def _record(ckpt: str, committed: float, files: list[FileRecord]) -> CheckpointRecord:
+    return CheckpointRecord(
+        "run",
+        ckpt,
+        State.COMMITTED,
+        committed,
+        "node-x",
+        committed,
+        1,
+        files={f.name: f for f in files},
+    )
+
+
+def test_restore_plan_covers_the_newest_checkpoint_owned_files_first() -> None:
+    owned = dataclasses.replace(_remote("__0_0.distcp", b"a" * 300, "me"), rank=0)
+    kept = _remote("__2_0.distcp", b"b" * 200, "node-y")
+    kept.replica_nodes = ["me"]
+    other = _remote("__4_0.distcp", b"c" * 100, "node-y")
+    old = _record("s1", 1.0, [_remote("__0_0.distcp", b"o" * 999, "me")])
+    new = _record("s2", 2.0, [kept, other, owned])
+    assert restore_plan("me", [new, old]) == [(300, "__0_0.distcp"), (200, "__2_0.distcp")]
+    assert restore_plan("me", [old, new]) == restore_plan("me", [new, old])
+    assert restore_plan("nobody", [new]) == []
+
+
+def test_named_prewarm_segment_is_taken_by_that_files_copy(catalog: Catalog) -> None:
+    data = os.urandom(5000)
+    remote = _remote("__0_0.distcp", data, "node-x")
+    assert catalog.publish(_record("s5", 3.0, [remote]))
+    # Unnamed segments are left for saves: the copy takes the one named for it, though
+    # another fits it more closely.
+    plan: list[tuple[int, str | None]] = [(8192, None), (4900, None), (5500, "__0_0.distcp")]
+    assert catalog.prewarm_segments(plan, "test") == 18592
+    assert catalog.pool_bytes() == 18592
+    _receive(catalog, "run", "s5", "__0_0.distcp", data)
+    assert catalog.pool_bytes() == 8192 + 4900
+    view = catalog.get("run", "s5")
+    assert Path(view.local_paths["__0_0.distcp"]).read_bytes() == data
+
+
+def test_prewarm_stops_at_the_budget(make_catalog: MakeCatalog) -> None:
+    catalog = make_catalog(budget=10_000)
+    assert catalog.prewarm_segments([(6000, "a"), (6000, "b"), (3000, "c")], "test") == 6000
+    assert catalog.pool_bytes() == 6000
