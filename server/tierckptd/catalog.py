@@ -105,12 +105,16 @@ class Catalog:
         return self._quarantined_bytes + sum(r.held_bytes for r in self._records.values())
 
     def _reserved(self) -> int:
-        return sum(sum(r.reservations.values()) for r in self._records.values()) + sum(
-            self._incoming.values()
+        """Pages promised but not yet held: save reservations, incoming copies, and pool
+        segments still being preallocated (they join the pool when they are complete)."""
+        return (
+            sum(sum(r.reservations.values()) for r in self._records.values())
+            + sum(self._incoming.values())
+            + self._prewarm_pending
         )
 
     def _pool(self) -> int:
-        return self.tier.pool_bytes + self._prewarm_pending
+        return self.tier.pool_bytes
 
     def _trim_pool(self, extra: int = 0) -> None:
         """Drop pool segments, largest first, until C + R + P + extra fits the budget."""
@@ -981,7 +985,7 @@ class Catalog:
         """Preallocate pool segments of the given (size, file name) while the budget and
         tmpfs allow; a segment named for a file is the one that file's copy takes.
 
-        posix_fallocate happens outside the lock, with the bytes counted as pending pool so
+        posix_fallocate happens outside the lock, with the bytes counted as reserved so
         concurrent reservations stay in budget. Returns bytes allocated.
         """
         done = 0

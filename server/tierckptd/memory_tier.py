@@ -31,6 +31,8 @@ __all__ = ["DIR_MODE", "MemoryTier", "MemoryTierLocked", "Segment"]
 
 logger = logging.getLogger(__name__)
 
+_TOUCH_CHUNK = 1 << 20
+
 DIR_MODE = 0o2770
 WRITING_MODE = 0o660
 COMMITTED_MODE = 0o440
@@ -229,10 +231,16 @@ class MemoryTier:
 
     @staticmethod
     def preallocate(tmp: Path, size: int) -> None:
-        """Allocate `size` bytes of pages in `tmp` (long: run outside the catalog lock)."""
+        """Allocate `size` bytes of resident pages in `tmp` (long: run outside the catalog
+        lock). posix_fallocate reserves the pages (ENOSPC up front); writing them makes
+        them resident, since fallocated tmpfs pages are only touched at first write and a
+        VM host may back guest memory only on first touch (3 s/GiB measured here)."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, WRITING_MODE)
         try:
             os.posix_fallocate(fd, 0, size)
+            zeros = memoryview(bytes(min(size, _TOUCH_CHUNK)))
+            for offset in range(0, size, _TOUCH_CHUNK):
+                os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, size - offset)], offset)
         finally:
             os.close(fd)
 
