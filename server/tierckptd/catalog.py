@@ -991,6 +991,8 @@ class Catalog:
         done = 0
         for size, name in plan:
             with self._lock:
+                if name is not None and any(key[2] == name for key in self._incoming):
+                    continue  # its copy is already arriving, into pages of its own
                 if self._used() + self._reserved() + self._pool() + size > self.budget:
                     break
                 if self.tier.free_bytes() < size:

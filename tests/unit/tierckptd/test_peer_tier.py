@@ -173,3 +173,14 @@ def test_prewarm_stops_at_the_budget(make_catalog: MakeCatalog) -> None:
     catalog = make_catalog(budget=10_000)
     assert catalog.prewarm_segments([(6000, "a"), (6000, "b"), (3000, "c")], "test") == 6000
     assert catalog.pool_bytes() == 6000
+
+
+def test_prewarm_skips_a_file_whose_copy_is_already_arriving(catalog: Catalog) -> None:
+    remote = _remote("__0_0.distcp", b"r" * 5000, "node-x")
+    assert catalog.publish(_record("s6", 4.0, [remote]))
+    tmp = catalog.start_incoming("run", "s6", "__0_0.distcp")
+    assert tmp is not None
+    try:
+        assert catalog.prewarm_segments([(5000, "__0_0.distcp"), (3000, "x")], "test") == 3000
+    finally:
+        catalog.finish_incoming("run", "s6", "__0_0.distcp", tmp, False)
