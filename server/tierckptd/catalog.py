@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 PREWARM_SEGMENT = 1 << 30
+# Longest an incoming copy waits for the pool segment being preallocated for it.
+PREWARM_WAIT = 30.0
 
 
 class VerifyResult:
@@ -81,6 +83,9 @@ class Catalog:
         self._clock = clock
         self._wall = wall_clock
         self._lock = threading.RLock()
+        # Names of pool segments being preallocated for a file's restore right now.
+        self._prewarming: set[str] = set()
+        self._prewarmed = threading.Condition(self._lock)
         self._records: dict[Key, CheckpointRecord] = {}
         self._next_sequence = 1
         self._prewarm_pending = 0
@@ -737,6 +742,11 @@ class Catalog:
         budget is refused (RESOURCE_EXHAUSTED) before any byte is written.
         """
         with self._lock:
+            # The segment being preallocated for this very file is moments from ready:
+            # wait for it rather than allocate the same pages twice.
+            deadline = time.monotonic() + PREWARM_WAIT
+            while name in self._prewarming and time.monotonic() < deadline:
+                self._prewarmed.wait(max(0.0, deadline - time.monotonic()))
             rec = self._committed(namespace, checkpoint_id)
             f = rec.files.get(name)
             if f is None:
@@ -999,19 +1009,25 @@ class Catalog:
                     break
                 tmp, final = self.tier.new_prewarm_path()
                 self._prewarm_pending += size
+                if name is not None:
+                    self._prewarming.add(name)
+            ok = False
             try:
                 self.tier.preallocate(tmp, size)
+                ok = True
             except OSError as e:
                 logger.warning("prewarm stopped after %s: %s", format_size(done), e)
                 tmp.unlink(missing_ok=True)
+            finally:
                 with self._lock:
                     self._prewarm_pending -= size
+                    if ok:
+                        tmp.rename(final)
+                        self.tier.segments.append(Segment(final, size, name))
+                    self._prewarming.discard(name or "")
+                    self._prewarmed.notify_all()
+            if not ok:
                 break
-            with self._lock:
-                self._prewarm_pending -= size
-                tmp.rename(final)
-
-                self.tier.segments.append(Segment(final, size, name))
             done += size
         logger.info("prewarmed %s of pool segments (%s)", format_size(done), why)
         return done

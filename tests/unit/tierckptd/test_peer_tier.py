@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,35 @@ def test_prewarm_skips_a_file_whose_copy_is_already_arriving(catalog: Catalog) -
         assert catalog.prewarm_segments([(5000, "__0_0.distcp"), (3000, "x")], "test") == 3000
     finally:
         catalog.finish_incoming("run", "s6", "__0_0.distcp", tmp, False)
+
+
+def test_incoming_copy_waits_for_the_segment_being_preallocated_for_it(
+    catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom(5000)
+    assert catalog.publish(_record("s7", 5.0, [_remote("__0_0.distcp", data, "node-x")]))
+    release = threading.Event()
+    allocating = threading.Event()
+    preallocate = catalog.tier.preallocate
+
+    def slow_preallocate(tmp: Path, size: int) -> None:
+        allocating.set()
+        release.wait(10)
+        preallocate(tmp, size)
+
+    monkeypatch.setattr(catalog.tier, "preallocate", slow_preallocate)
+    prewarm = threading.Thread(
+        target=catalog.prewarm_segments, args=([(5000, "__0_0.distcp")], "test")
+    )
+    prewarm.start()
+    assert allocating.wait(10)
+    receiver = threading.Thread(target=_receive, args=(catalog, "run", "s7", "__0_0.distcp", data))
+    receiver.start()
+    receiver.join(0.3)
+    assert receiver.is_alive(), "the copy should wait for its segment"
+    release.set()
+    receiver.join(10)
+    prewarm.join(10)
+    # It took the preallocated segment: nothing left in the pool, the file is whole.
+    assert catalog.pool_bytes() == 0
+    assert Path(catalog.get("run", "s7").local_paths["__0_0.distcp"]).read_bytes() == data
