@@ -432,7 +432,15 @@ class Drainer:
             d = zstandard.ZstdDecompressor().decompressobj()
             for start in range(new_offset, new_offset + new_length, READ_CHUNK):
                 n = min(READ_CHUNK, new_offset + new_length - start)
-                data = d.decompress(self.tier.read_range(namespace, checkpoint_id, name, start, n))
+                try:
+                    data = d.decompress(
+                        self.tier.read_range(namespace, checkpoint_id, name, start, n)
+                    )
+                except zstandard.ZstdError as e:
+                    raise ChecksumMismatch(
+                        f"{namespace}/{checkpoint_id}/{name}: the stored item at {old} is "
+                        f"corrupt ({e})"
+                    ) from None
                 if data:
                     if position + len(data) > expected_end:
                         raise ChecksumMismatch(
