@@ -99,7 +99,7 @@ class FileChunk(_message.Message):
     data: _builtins.bytes
     @_builtins.property
     def header(self) -> Global___FileHeader:
-        """first message of a PushFile stream only"""
+        """first message of a PushFile or FetchFile stream only"""
 
     def __init__(
         self,

@@ -95,7 +95,8 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchFile(self, request, context):
-        """Streams a byte range of a file this node holds, verified before it is sent.
+        """Streams a byte range of a file this node holds, verified before it is sent: the
+        header first, then chunks of up to 4 checksum blocks at increasing offsets.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,7 +47,9 @@ class PeerServiceStub:
     after it one chunk of at most one checksum block, verified on arrival.
     """
     FetchFile: _grpc.UnaryStreamMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.FileChunk]
-    """Streams a byte range of a file this node holds, verified before it is sent."""
+    """Streams a byte range of a file this node holds, verified before it is sent: the
+    header first, then chunks of up to 4 checksum blocks at increasing offsets.
+    """
     UpdateReplicas: _grpc.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]
@@ -69,7 +71,9 @@ class PeerServiceAsyncStub(PeerServiceStub):
     after it one chunk of at most one checksum block, verified on arrival.
     """
     FetchFile: _aio.UnaryStreamMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.FileChunk]  # type: ignore[assignment]
-    """Streams a byte range of a file this node holds, verified before it is sent."""
+    """Streams a byte range of a file this node holds, verified before it is sent: the
+    header first, then chunks of up to 4 checksum blocks at increasing offsets.
+    """
     UpdateReplicas: _aio.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]  # type: ignore[assignment]
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _aio.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]  # type: ignore[assignment]
@@ -112,7 +116,9 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.FetchFileRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_peer_pb2.FileChunk], _abc.AsyncIterator[_peer_pb2.FileChunk]]:
-        """Streams a byte range of a file this node holds, verified before it is sent."""
+        """Streams a byte range of a file this node holds, verified before it is sent: the
+        header first, then chunks of up to 4 checksum blocks at increasing offsets.
+        """
 
     @_abc_1.abstractmethod
     def UpdateReplicas(
