@@ -89,6 +89,15 @@ class BlockHasher:
                 self._current.reset()
                 self._filled = 0
 
+    @property
+    def closed_blocks(self) -> int:
+        """How many whole blocks are hashed; their digests are final."""
+        return len(self._digests) // DIGEST_SIZE
+
+    def block_digest(self, block: int) -> bytes:
+        """The digest of a closed block (a receiver checks each as soon as it closes)."""
+        return bytes(self._digests[block * DIGEST_SIZE : (block + 1) * DIGEST_SIZE])
+
     def finish(self) -> BlockChecksums:
         """Close the last (short) block and return the checksums of everything hashed."""
         digests = bytes(self._digests)

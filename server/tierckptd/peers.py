@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import xxhash
-from tierckpt.checksum import BlockChecksums, BytesLike
+from tierckpt.checksum import BlockChecksums, BlockHasher, BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, InvalidArgument
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.v1 import common_pb2, peer_pb2
@@ -76,9 +75,8 @@ class IncomingFile:
         self._checksums = checksums
         self._fd = os.open(path, os.O_WRONLY)
         self._position = 0
-        self._block = 0
-        self._filled = 0
-        self._hasher = xxhash.xxh3_128()
+        self._hasher = BlockHasher(checksums.block_size)
+        self._checked = 0
 
     def write(self, offset: int, data: BytesLike) -> None:
         if offset != self._position:
@@ -91,29 +89,22 @@ class IncomingFile:
         while view.nbytes:
             view = view[os.pwrite(self._fd, view, self._position) :]
             self._position = offset + len(data) - view.nbytes
-        step = self._checksums.block_size
-        view = memoryview(data)
-        while view.nbytes:
-            take = min(step - self._filled, view.nbytes)
-            self._hasher.update(view[:take])
-            self._filled += take
-            view = view[take:]
-            if self._filled == step:
-                self._close_block()
+        self._hasher.update(data)
+        for block in range(self._checked, self._hasher.closed_blocks):
+            self._check(block, self._hasher.block_digest(block))
 
-    def _close_block(self) -> None:
-        self._checksums.check_block(self._block, self._hasher.digest(), what=self.what)
-        self._block += 1
-        self._filled = 0
-        self._hasher.reset()
+    def _check(self, block: int, digest: bytes) -> None:
+        self._checksums.check_block(block, digest, what=self.what)
+        self._checked = block + 1
 
     def finish(self) -> None:
         if self._position != self.size:
             raise InvalidArgument(
                 f"{self.what}: stream ended at {self._position} of {self.size} bytes"
             )
-        if self._filled:
-            self._close_block()
+        final = self._hasher.finish()
+        for block in range(self._checked, final.block_count):
+            self._check(block, final.digest(block))
         os.ftruncate(self._fd, self.size)
 
     def close(self) -> None:

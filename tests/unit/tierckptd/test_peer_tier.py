@@ -217,3 +217,18 @@ def test_incoming_copy_waits_for_the_segment_being_preallocated_for_it(
     # It took the preallocated segment: nothing left in the pool, the file is whole.
     assert catalog.pool_bytes() == 0
     assert Path(catalog.get("run", "s7").local_paths["__0_0.distcp"]).read_bytes() == data
+
+
+def test_a_corrupt_last_short_block_is_caught_at_finish(tmp_path: Path) -> None:
+    data = os.urandom(2500)  # blocks of 1024: two whole, one short
+    checksums = checksum_bytes(data, block_size=1024)
+    path = tmp_path / "incoming"
+    path.touch()
+    incoming = IncomingFile(path, len(data), checksums, "copy")
+    try:
+        incoming.write(0, data[:2048])
+        incoming.write(2048, data[2048:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(ChecksumMismatch, match="block 2"):
+            incoming.finish()
+    finally:
+        incoming.close()
