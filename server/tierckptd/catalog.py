@@ -245,8 +245,9 @@ class Catalog:
             tiers=tuple(tiers),
         )
 
-    def _collect(self, rec: CheckpointRecord) -> int:
-        """Remove a checkpoint's files (into the pool when recycling); returns bytes freed."""
+    def _release_files(self, rec: CheckpointRecord) -> int:
+        """Take a checkpoint's files out of the memory tier (into the pool when
+        recycling) and remove its directory; returns bytes freed."""
         freed = 0
         for f in rec.files.values():
             path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
@@ -259,6 +260,11 @@ class Catalog:
             else:
                 path.unlink(missing_ok=True)
         self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
+        return freed
+
+    def _collect(self, rec: CheckpointRecord) -> int:
+        """Remove a checkpoint and its files; returns bytes freed."""
+        freed = self._release_files(rec)
         self._records.pop(rec.key, None)
         self._trim_pool()
         return freed
@@ -538,22 +544,11 @@ class Catalog:
     def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
         """Evict a durable checkpoint from memory but keep listing it (its files now
         come from the persistent tier only)."""
-        freed = 0
+        freed = self._release_files(rec)
         for f in rec.files.values():
-            path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
-            try:
-                freed += path.stat().st_size
-            except FileNotFoundError:
-                pass
-            else:
-                if self.recycle:
-                    self.tier.to_pool(path, f.name)
-                else:
-                    path.unlink(missing_ok=True)
             f.held = False
             f.owner_node = ""
             f.replica_nodes = []
-        self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
         self._health.pop(rec.key, None)
         self._write_manifest(rec)
         self._trim_pool()
