@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig
@@ -24,35 +23,16 @@ from tests.support.dcp_files import (
     save_checkpoint,
 )
 
-from .conftest import MakeCatalog
+from .conftest import MakeCatalog, Save
 
 NS = "run9"
 FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
 
-def _commit(catalog: Catalog, checkpoint_id: str, saved: SavedCheckpoint) -> None:
+def _commit(save: Save, catalog: Catalog, checkpoint_id: str, saved: SavedCheckpoint) -> None:
     """Put a stock DCP checkpoint into the memory tier the way one rank's save does."""
     names = [*saved.data_names, ".metadata"]
-    catalog.begin(NS, checkpoint_id, 0)
-    catalog.reserve(NS, checkpoint_id, 0, sum((saved.directory / n).stat().st_size for n in names))
-    for name in names:
-        data = (saved.directory / name).read_bytes()
-        path, _ = catalog.open_file(NS, checkpoint_id, name, 0)
-        with open(path, "r+b") as f:
-            f.write(data)
-            f.truncate(len(data))
-        cs = checksum_bytes(data, block_size=4096)
-        catalog.commit_file(
-            NS,
-            checkpoint_id,
-            name,
-            0,
-            len(data),
-            algorithm=cs.algorithm,
-            block_size=cs.block_size,
-            digests=cs.digests,
-        )
-    catalog.commit(NS, checkpoint_id, names)
+    save(catalog, NS, checkpoint_id, {n: (saved.directory / n).read_bytes() for n in names})
 
 
 @pytest.fixture
@@ -69,10 +49,10 @@ def node(make_catalog: MakeCatalog) -> Catalog:
 
 
 def test_drain_makes_a_checkpoint_durable_and_stock_dcp_loads_it(
-    node: Catalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
     saved = save_checkpoint(tmp_path / "hot", thread_count=2)
-    _commit(node, "step-000001", saved)
+    _commit(save, node, "step-000001", saved)
     drainer = Drainer(node, store)
     assert drainer.resume() == 1 and drainer.pending() == [(NS, "step-000001")]
     assert drainer.drain(NS, "step-000001")
@@ -86,10 +66,10 @@ def test_drain_makes_a_checkpoint_durable_and_stock_dcp_loads_it(
 
 
 def test_a_restart_probes_the_store_instead_of_uploading_again(
-    node: Catalog, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
 ) -> None:
     saved = save_checkpoint(tmp_path / "hot")
-    _commit(node, "step-000002", saved)
+    _commit(save, node, "step-000002", saved)
     Drainer(node, store).drain(NS, "step-000002")
     metadata = tmp_path / "store" / NS / "step-000002" / ".metadata"
     before = metadata.stat().st_mtime_ns
@@ -103,10 +83,10 @@ def test_a_restart_probes_the_store_instead_of_uploading_again(
 
 
 def test_restore_file_gives_back_the_original_bytes_verified(
-    node: Catalog, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
 ) -> None:
     saved = save_checkpoint(tmp_path / "hot", state=make_state(seed=3))
-    _commit(node, "step-000003", saved)
+    _commit(save, node, "step-000003", saved)
     Drainer(node, store).drain(NS, "step-000003")
     # Every memory tier is gone: a fresh node learns the checkpoint from the store.
     for name in [*saved.data_names, ".metadata"]:
@@ -122,12 +102,12 @@ def test_restore_file_gives_back_the_original_bytes_verified(
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_a_corrupted_object_is_refused_on_restore(
-    node: Catalog, tmp_path: Path, compression: str
+    node: Catalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
     config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
     store = PersistentTier.from_config(config, retry=FAST)
     saved = save_checkpoint(tmp_path / "hot")
-    _commit(node, "step-000004", saved)
+    _commit(save, node, "step-000004", saved)
     drainer = Drainer(node, store)
     drainer.drain(NS, "step-000004")
     name = saved.data_names[0]
@@ -143,21 +123,21 @@ def test_a_corrupted_object_is_refused_on_restore(
 
 
 def test_persistent_retention_after_each_drain(
-    node: Catalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
     drainer = Drainer(node, store, keep_last=2, keep_every=3)
     for step in range(1, 7):
         saved = save_checkpoint(tmp_path / f"hot{step}", state=make_state(seed=step))
-        _commit(node, f"step-{step:06d}", saved)
+        _commit(save, node, f"step-{step:06d}", saved)
         assert drainer.drain(NS, f"step-{step:06d}")
     assert store.list_durable(NS) == ["step-000003", "step-000005", "step-000006"]
 
 
 def test_the_worker_retries_until_durable(
-    node: Catalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
     saved = save_checkpoint(tmp_path / "hot")
-    _commit(node, "step-000007", saved)
+    _commit(save, node, "step-000007", saved)
     drainer = Drainer(node, store, poll=0.01, max_backoff=0.05)
     drainer.enqueue(NS, "step-000007")
     drainer.start()
@@ -172,10 +152,10 @@ def test_the_worker_retries_until_durable(
 
 
 def test_emergency_drains_the_newest_within_the_deadline(
-    node: Catalog, store: PersistentTier, tmp_path: Path
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
     for step in (8, 9):
-        _commit(node, f"step-{step:06d}", save_checkpoint(tmp_path / f"hot{step}"))
+        _commit(save, node, f"step-{step:06d}", save_checkpoint(tmp_path / f"hot{step}"))
     assert Drainer(node, store).emergency(deadline=30.0)
     assert store.list_durable(NS) == ["step-000009"]
     assert Drainer(node, store).emergency(deadline=30.0)  # nothing left to do
