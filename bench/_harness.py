@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free TCP ports on 127.0.0.1 (bound together, then released)."""
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def tmpfs_root() -> str:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from concurrent import futures
@@ -27,22 +26,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Daemon, GiB, MiB, Table, best_of, daemon, make_daemon  # noqa: E402
+from _harness import (  # noqa: E402
+    Daemon,
+    GiB,
+    MiB,
+    Table,
+    best_of,
+    daemon,
+    free_ports,
+    make_daemon,
+)
 from tierckpt import TieredStorageReader, TieredStorageWriter  # noqa: E402
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
 
 NS = "bench-peer"
 CHUNK = 1 * MiB
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def raw_grpc_stream(nbytes: int) -> float:
@@ -79,7 +77,7 @@ def raw_grpc_stream(nbytes: int) -> float:
 
 
 def cluster(n: int) -> list[Daemon]:
-    ports = _free_ports(n)
+    ports = free_ports(n)
     nodes = []
     for i in range(n):
         peers = "".join(
@@ -179,19 +177,24 @@ def main() -> None:
             ),
         )
 
-        # Restore throughput: EnsureLocal of every data file on an empty replacement,
-        # best of `repeat` replacements (as the baseline is best of its runs). Measured
-        # right after READY (the replacement is still preallocating its restore targets)
-        # and once it has (the job restarts seconds after the node joins).
-        def restore_once(prewarmed: bool) -> float:
+        def replacement(prewarmed: bool) -> tuple[DaemonClient, list[str], int]:
+            """kill -9 node a, wipe its memory and start an empty replacement: (its client,
+            the data files, their bytes). With `prewarmed`, wait until it has preallocated
+            the pages of those files (the job restarts seconds after the node joins)."""
             a.kill9_and_wipe()
             a.start()
             client = DaemonClient(a.address)
             info = client.get_checkpoint(NS, checkpoint_id)
             data = [f.name for f in info.files if f.name.endswith(".distcp")]
-            fetched = sum(f.size for f in info.files if f.name in data)
+            size = sum(f.size for f in info.files if f.name in data)
             if prewarmed:
-                wait_pool(client, fetched)
+                wait_pool(client, size)
+            return client, data, size
+
+        # Restore throughput: EnsureLocal of every data file on an empty replacement,
+        # best of `repeat` replacements (as the baseline is best of its runs).
+        def restore_once(prewarmed: bool) -> float:
+            client, data, fetched = replacement(prewarmed)
             started = time.perf_counter()
             with futures.ThreadPoolExecutor(4) as pool:  # as the reader: all missing files
                 list(pool.map(lambda name: client.ensure_local(NS, checkpoint_id, name), data))
@@ -209,10 +212,7 @@ def main() -> None:
 
         # Recovery time: dcp.load on a fresh replacement (fetches included), bit-exact.
         def recover_once(prewarmed: bool) -> float:
-            a.kill9_and_wipe()
-            a.start()
-            if prewarmed:
-                wait_pool(DaemonClient(a.address), nbytes)
+            replacement(prewarmed)
             target = {k: torch.zeros_like(v) for k, v in state.items()}
             started = time.perf_counter()
             dcp.load(

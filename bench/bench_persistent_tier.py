@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import GiB, MiB, Table, best_of, make_daemon, tmpfs_root  # noqa: E402
+from _harness import GiB, MiB, Table, best_of, free_ports, make_daemon, tmpfs_root  # noqa: E402
 from tierckpt import TieredStorageWriter  # noqa: E402
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
 
@@ -35,9 +35,7 @@ BUCKET = "bench"
 
 
 def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
