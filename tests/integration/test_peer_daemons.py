@@ -4,55 +4,31 @@ DaemonClient exactly as the writer does (begin, reserve, open, write, commit).""
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient
 from tierckpt.errors import ChecksumMismatch
 from tierckpt.memory_files import ChecksummingWriter
 
-from tests.support.daemon_process import DaemonProcess
-from tests.support.ports import free_ports
+from tests.support.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 
 NS = "peerd"
 
 
-class Nodes:
+class Nodes(LocalCluster):
+    """A LocalCluster with a DaemonClient per node, driven as the writer drives it."""
+
     def __init__(self, stack: ExitStack, n: int, *, heal_interval: float, copies: int = 1):
-        ports = free_ports(n + 1)
-        self.metrics_port = ports[n]
-        self.daemons: list[DaemonProcess] = []
-        for i in range(n):
-            overrides: dict[str, Any] = {
-                "node": {"id": f"n{i}", "failure_domain": f"rack{i}"},
-                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
-                "replication": {"copies": copies, "heal_interval": heal_interval},
-                "peers": [
-                    {
-                        "id": f"n{j}",
-                        "address": f"127.0.0.1:{ports[j]}",
-                        "failure_domain": f"rack{j}",
-                    }
-                    for j in range(n)
-                    if j != i
-                ],
-            }
-            if i == 0:
-                overrides["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
-            d = DaemonProcess(overrides, name=f"n{i}", start=False)
-            stack.callback(d.cleanup)
-            self.daemons.append(d)
-        for d in self.daemons:
-            d.start()
-        self.clients = [DaemonClient(d.address, timeout_s=30) for d in self.daemons]
+        super().__init__(
+            stack, n, namespace=NS, copies=copies, heal_interval=heal_interval, id_prefix="n"
+        )
+        self.clients = [DaemonClient(d.address, timeout_s=30) for d in self.nodes]
         for c in self.clients:
             stack.callback(c.close)
 
@@ -79,7 +55,7 @@ class Nodes:
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
-                logs = "\n".join(d.log_tail(30) for d in self.daemons)
+                logs = "\n".join(d.log_tail(30) for d in self.nodes)
                 raise AssertionError(f"timed out waiting for {what}\n{logs}")
             time.sleep(0.2)
 
@@ -98,14 +74,8 @@ class Nodes:
         )
 
     def lose_and_replace(self, i: int) -> None:
-        self.daemons[i].kill9()
-        shutil.rmtree(self.daemons[i].memory_dir, ignore_errors=True)
-        self.daemons[i].start()
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return str(r.read().decode())
+        self.lose(i)
+        self.replace(i)
 
 
 @pytest.fixture
@@ -148,7 +118,7 @@ def test_commit_publishes_and_replicates(nodes_factory: Callable[..., Nodes]) ->
     for f in nodes.clients[0].get_checkpoint(NS, "step-1").files:
         data = next(d[f.name] for d in FILES.values() if f.name in d)
         for holder in (f.owner_node, *f.replica_nodes):
-            path = nodes.daemons[int(holder[1:])].data_dir(NS, "step-1") / f.name
+            path = nodes.nodes[int(holder[1:])].data_dir(NS, "step-1") / f.name
             assert path.read_bytes() == data
 
 
@@ -184,13 +154,13 @@ def test_lost_buddy_shows_under_replicated(nodes_factory: Callable[..., Nodes]) 
     nodes = nodes_factory(2, heal_interval=0.3)
     nodes.save("step-3", {0: FILES[0], 1: FILES[1]})
     nodes.wait_replicated("step-3")
-    nodes.daemons[1].kill9()
+    nodes.nodes[1].kill9()
     nodes.wait(
         "under-replicated on node 0",
         lambda: "under-replicated" in nodes.clients[0].get_checkpoint(NS, "step-3").tiers,
     )
     assert nodes.clients[0].get_checkpoint(NS, "step-3").state == "COMMITTED"
-    nodes.daemons[1].start()  # same memory: its copies are still there
+    nodes.nodes[1].start()  # same memory: its copies are still there
     nodes.wait_replicated("step-3")
 
 
@@ -198,7 +168,7 @@ def test_flipped_byte_is_repaired_and_counted(nodes_factory: Callable[..., Nodes
     nodes = nodes_factory(2, heal_interval=3600.0)
     nodes.save("step-4", {0: FILES[0], 1: FILES[1]})
     nodes.wait_replicated("step-4")
-    victim = nodes.daemons[0].data_dir(NS, "step-4") / "__0_0.distcp"
+    victim = nodes.nodes[0].data_dir(NS, "step-4") / "__0_0.distcp"
     good = victim.read_bytes()
     os.chmod(victim, 0o600)
     with open(victim, "r+b") as f:
@@ -208,7 +178,7 @@ def test_flipped_byte_is_repaired_and_counted(nodes_factory: Callable[..., Nodes
     assert Path(entry.local_path).read_bytes() == good
     assert nodes.clients[0].verify_checkpoint(NS, "step-4")[0]
     assert 'tierckpt_corrupt_copies_total{where="local"} 1.0' in nodes.metrics()
-    assert "corrupt copy of peerd/step-4/__0_0.distcp" in nodes.daemons[0].log_path.read_text()
+    assert "corrupt copy of peerd/step-4/__0_0.distcp" in nodes.nodes[0].log_path.read_text()
 
 
 def test_corrupt_copy_is_not_served_and_fetch_falls_through(
@@ -218,7 +188,7 @@ def test_corrupt_copy_is_not_served_and_fetch_falls_through(
     nodes.save("step-5", {0: FILES[0], 1: FILES[1], 2: FILES[2]})
     nodes.wait_replicated("step-5")
     # Corrupt the owner's copy of node 0's file; node 1 (a replica holder) loses its own.
-    victim = nodes.daemons[0].data_dir(NS, "step-5") / "__0_0.distcp"
+    victim = nodes.nodes[0].data_dir(NS, "step-5") / "__0_0.distcp"
     good = victim.read_bytes()
     os.chmod(victim, 0o600)
     with open(victim, "r+b") as f:
@@ -235,7 +205,7 @@ def test_no_copy_anywhere_is_data_loss(nodes_factory: Callable[..., Nodes]) -> N
     nodes = nodes_factory(2, heal_interval=3600.0)
     nodes.save("step-6", {0: {"__0_0.distcp": b"x" * 3000}, 1: FILES[1]})
     nodes.wait_replicated("step-6")
-    for d in nodes.daemons:
+    for d in nodes.nodes:
         path = d.data_dir(NS, "step-6") / "__0_0.distcp"
         os.chmod(path, 0o600)
         path.write_bytes(b"y" * 3000)

@@ -6,11 +6,8 @@ memory, only a peer can serve its files.
 from __future__ import annotations
 
 import os
-import shutil
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,96 +16,30 @@ import pytest
 from tests.support import jobs
 from tests.support.backends import Nodes
 from tests.support.cli import cli, cli_json, ls_json
+from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
-from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
 NS = "peer-run"
 
 
-class Cluster:
-    """`n` tierckptd nodes, each in its own failure domain, peering with all others."""
-
-    def __init__(
-        self, stack: ExitStack, n: int, *, copies: int = 1, heal_interval: float = 3600.0
-    ) -> None:
-        ports = free_ports(n + 1)
-        self.metrics_port = ports[n]
-        ids = [f"node{i}" for i in range(n)]
-        self.nodes: list[DaemonProcess] = []
-        for i in range(n):
-            peers = [
-                {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
-                for j in range(n)
-                if j != i
-            ]
-            overrides: dict[str, Any] = {
-                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
-                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
-                "replication": {"copies": copies, "heal_interval": heal_interval},
-                "peers": peers,
-            }
-            if i == 0:
-                overrides["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
-            daemon = DaemonProcess(overrides, name=ids[i], start=False)
-            stack.callback(daemon.cleanup)
-            self.nodes.append(daemon)
-        for daemon in self.nodes:
-            daemon.start()
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        return tuple(d.address for d in self.nodes)
-
-    def lose(self, *indices: int) -> None:
-        """kill -9 nodes and wipe their memory tier (the node died with its RAM)."""
-        for i in indices:
-            self.nodes[i].kill9()
-            shutil.rmtree(self.nodes[i].memory_dir, ignore_errors=True)
-
-    def replace(self, *indices: int) -> None:
-        """Start an empty replacement with the same node id."""
-        for i in indices:
-            self.nodes[i].start()
-
-    def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
-        """Until every node's `ls` shows the checkpoint in `state`."""
-        deadline = time.monotonic() + timeout
-        seen: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            for daemon in self.nodes:
-                rows = {r["id"]: r for r in ls_json(daemon.address, NS)}
-                seen[daemon.name] = rows.get(checkpoint_id, {}).get("state")
-            if all(s == state for s in seen.values()):
-                return
-            time.sleep(0.3)
-        raise AssertionError(
-            f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}"
-        )
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
-        ) as r:
-            return str(r.read().decode())
-
-
-@contextmanager
-def cluster(n: int, **kwargs: Any) -> Iterator[Cluster]:
-    with ExitStack() as stack:
-        yield Cluster(stack, n, **kwargs)
+def cluster(n: int, **kwargs: Any) -> AbstractContextManager[LocalCluster]:
+    """`n` nodes, each in its own failure domain, peering with all others."""
+    return local_cluster(n, namespace=NS, **kwargs)
 
 
 def _save(
-    c: Cluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path, seed: int
+    c: LocalCluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path, seed: int
 ) -> None:
     backend = Nodes(NS, c.addresses, ranks_per_node)
     run_job(jobs.save_only, world, backend, [checkpoint_id], str(expected), seed, timeout=120)
 
 
-def _load(c: Cluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path) -> None:
+def _load(
+    c: LocalCluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path
+) -> None:
     backend = Nodes(NS, c.addresses, ranks_per_node)
     results = run_job(
         jobs.load_and_verify,

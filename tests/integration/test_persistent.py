@@ -9,8 +9,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,8 @@ import pytest
 
 from tests.support import jobs, moto_s3
 from tests.support.backends import Nodes, StockUrl
-from tests.support.cli import ls_json
-from tests.support.daemon_process import DaemonProcess
+from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.dist_job import run_job
-from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -41,62 +38,12 @@ def persistent(bucket: moto_s3.S3Bucket, **keys: Any) -> dict[str, Any]:
     }
 
 
-class Cluster:
+def cluster(n: int, overrides: dict[str, Any]) -> AbstractContextManager[LocalCluster]:
     """`n` daemons peering with each other (n = 1: a single node), all draining to S3."""
-
-    def __init__(self, stack: ExitStack, n: int, overrides: dict[str, Any]) -> None:
-        ports = free_ports(n)
-        ids = [f"node{i}" for i in range(n)]
-        self.nodes: list[DaemonProcess] = []
-        for i in range(n):
-            peers = [
-                {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
-                for j in range(n)
-                if j != i
-            ]
-            config: dict[str, Any] = {
-                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
-                "listen": {"peer": f"127.0.0.1:{ports[i]}" if n > 1 else ""},
-                "replication": {"copies": 1, "heal_interval": 3600.0},
-                **overrides,
-            }
-            if peers:
-                config["peers"] = peers
-            daemon = DaemonProcess(config, name=ids[i], start=False)
-            stack.callback(daemon.cleanup)
-            self.nodes.append(daemon)
-        for daemon in self.nodes:
-            daemon.start()
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        return tuple(d.address for d in self.nodes)
-
-    def rows(self, i: int = 0) -> dict[str, dict[str, Any]]:
-        return {r["id"]: r for r in ls_json(self.nodes[i].address, NS)}
-
-    def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        seen: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            for i, daemon in enumerate(self.nodes):
-                seen[daemon.name] = self.rows(i).get(checkpoint_id, {}).get("state")
-            if all(s == state for s in seen.values()):
-                return
-            time.sleep(0.3)
-        logs = "\n".join(d.log_tail(40) for d in self.nodes)
-        raise AssertionError(
-            f"{checkpoint_id} not {state} everywhere in {timeout}s: {seen}\n{logs}"
-        )
+    return local_cluster(n, namespace=NS, overrides=overrides)
 
 
-@contextmanager
-def cluster(n: int, overrides: dict[str, Any]) -> Iterator[Cluster]:
-    with ExitStack() as stack:
-        yield Cluster(stack, n, overrides)
-
-
-def _save(c: Cluster, world: int, ranks_per_node: int, ids: list[str], expected: Path) -> None:
+def _save(c: LocalCluster, world: int, ranks_per_node: int, ids: list[str], expected: Path) -> None:
     backend = Nodes(NS, c.addresses, ranks_per_node)
     run_job(jobs.save_only, world, backend, ids, str(expected), 11, timeout=180)
 
@@ -119,7 +66,7 @@ def _s3_names(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> set[str]:
     return {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket.name}/{NS}/{checkpoint_id}")}
 
 
-def _memory_names(c: Cluster, checkpoint_id: str) -> set[str]:
+def _memory_names(c: LocalCluster, checkpoint_id: str) -> set[str]:
     names: set[str] = set()
     for d in c.nodes:
         directory = d.data_dir(NS, checkpoint_id)
@@ -191,7 +138,7 @@ def test_memory_retention_keeps_checkpoints_not_yet_durable(
 
 
 def _tiered_load(
-    c: Cluster, world: int, ranks_per_node: int, cid: str | None, expected: Path
+    c: LocalCluster, world: int, ranks_per_node: int, cid: str | None, expected: Path
 ) -> None:
     backend = Nodes(NS, c.addresses, ranks_per_node)
     target = str(expected / (cid or "step-000002"))

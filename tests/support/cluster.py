@@ -1,0 +1,109 @@
+"""Several real tierckptd nodes on 127.0.0.1, each its own failure domain, every node
+peering with all the others (one node: no peer listener at all)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from tests.support.cli import ls_json
+from tests.support.daemon_process import DaemonProcess
+from tests.support.ports import free_ports
+
+__all__ = ["LocalCluster", "local_cluster"]
+
+
+class LocalCluster:
+    """`n` daemons `{id_prefix}{i}` in failure domains `rack{i}`; node 0 serves metrics.
+
+    `overrides` are top-level config tables applied to every node (e.g. `persistent`).
+    """
+
+    def __init__(
+        self,
+        stack: ExitStack,
+        n: int,
+        *,
+        namespace: str,
+        copies: int = 1,
+        heal_interval: float = 3600.0,
+        id_prefix: str = "node",
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
+        self.namespace = namespace
+        ports = free_ports(n + 1)
+        self.metrics_port = ports[n]
+        ids = [f"{id_prefix}{i}" for i in range(n)]
+        self.nodes: list[DaemonProcess] = []
+        for i in range(n):
+            config: dict[str, Any] = {
+                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
+                "listen": {"peer": f"127.0.0.1:{ports[i]}" if n > 1 else ""},
+                "replication": {"copies": copies, "heal_interval": heal_interval},
+                **(overrides or {}),
+            }
+            peers = [
+                {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
+                for j in range(n)
+                if j != i
+            ]
+            if peers:
+                config["peers"] = peers
+            if i == 0:
+                config["metrics"] = {"listen": f"127.0.0.1:{self.metrics_port}"}
+            daemon = DaemonProcess(config, name=ids[i], start=False)
+            stack.callback(daemon.cleanup)
+            self.nodes.append(daemon)
+        for daemon in self.nodes:
+            daemon.start()
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(d.address for d in self.nodes)
+
+    def lose(self, *indices: int) -> None:
+        """kill -9 nodes and wipe their memory tier (the node died with its RAM)."""
+        for i in indices:
+            self.nodes[i].kill9()
+            shutil.rmtree(self.nodes[i].memory_dir, ignore_errors=True)
+
+    def replace(self, *indices: int) -> None:
+        """Start an empty replacement with the same node id."""
+        for i in indices:
+            self.nodes[i].start()
+
+    def rows(self, i: int = 0) -> dict[str, dict[str, Any]]:
+        """Node i's `tierckpt ls --json` of the namespace, by checkpoint id."""
+        return {r["id"]: r for r in ls_json(self.nodes[i].address, self.namespace)}
+
+    def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
+        """Until every node's `ls` shows the checkpoint in `state`."""
+        deadline = time.monotonic() + timeout
+        seen: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            for i, daemon in enumerate(self.nodes):
+                seen[daemon.name] = self.rows(i).get(checkpoint_id, {}).get("state")
+            if all(s == state for s in seen.values()):
+                return
+            time.sleep(0.3)
+        logs = "\n".join(d.log_tail(40) for d in self.nodes)
+        raise AssertionError(
+            f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}\n{logs}"
+        )
+
+    def metrics(self) -> str:
+        """Node 0's Prometheus exposition."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return str(r.read().decode())
+
+
+@contextmanager
+def local_cluster(n: int, **kwargs: Any) -> Iterator[LocalCluster]:
+    """A started `LocalCluster`, every node stopped and wiped on exit."""
+    with ExitStack() as stack:
+        yield LocalCluster(stack, n, **kwargs)
