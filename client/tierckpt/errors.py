@@ -19,7 +19,9 @@ __all__ = [
     "InvalidArgument",
     "InvalidName",
     "MemoryBudgetExceeded",
+    "PermissionDenied",
     "TierckptError",
+    "UnsafeMetadata",
     "error_from_status",
     "status_of",
 ]
@@ -39,6 +41,18 @@ class InvalidArgument(TierckptError, ValueError):
 
 class InvalidName(InvalidArgument):
     """A namespace, checkpoint id or file name outside the allowed grammar."""
+
+
+class UnsafeMetadata(InvalidArgument):
+    """A `.metadata` that is not plain DCP metadata (a class outside the allow-list, or
+    the wrong shape): it is refused, never executed."""
+
+
+class PermissionDenied(TierckptError, PermissionError):
+    """The caller may not do this: another uid's namespace, or a peer asking for what it
+    does not coordinate or hold."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class CheckpointExists(TierckptError, FileExistsError):
@@ -80,6 +94,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TierckptError]] = {
         ChecksumMismatch,
         DaemonUnavailable,
         DaemonTimeout,
+        PermissionDenied,
     )
 }
 
