@@ -19,7 +19,9 @@ from tierckpt.errors import (
     InvalidArgument,
     InvalidName,
     MemoryBudgetExceeded,
+    PermissionDenied,
     TierckptError,
+    UnsafeMetadata,
 )
 
 if TYPE_CHECKING:
@@ -38,9 +40,11 @@ __all__ = [
     "InvalidArgument",
     "InvalidName",
     "MemoryBudgetExceeded",
+    "PermissionDenied",
     "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",
+    "UnsafeMetadata",
     "__version__",
 ]
 
