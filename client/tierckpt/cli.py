@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
 __all__ = ["main"]
 
 _COPY_CHUNK = 16 << 20
+_YEAR_10000 = 253402300800.0  # the first Unix time a 4-digit year cannot show
 
 
 def _human(n: float) -> str:
@@ -33,11 +35,31 @@ def _human(n: float) -> str:
 
 
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+    """Local time of a Unix timestamp, "-" for none, "invalid" for one no calendar holds:
+    a timestamp may come from a peer's manifest (NaN, 1e308, negative)."""
+    if not ts:
+        return "-"
+    if not math.isfinite(ts) or not 0 < ts < _YEAR_10000:
+        return "invalid"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "invalid"
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with NaN/inf floats as null: strict JSON parsers reject them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
-    print(json.dumps(payload, indent=2) if args.json else text)
+    print(json.dumps(_json_safe(payload), indent=2, allow_nan=False) if args.json else text)
 
 
 def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:

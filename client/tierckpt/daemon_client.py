@@ -19,6 +19,7 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     DaemonTimeout,
     DaemonUnavailable,
+    PermissionDenied,
     TierckptError,
     error_from_status,
 )
@@ -195,6 +196,8 @@ class DaemonClient:
             return DaemonTimeout(
                 f"tierckptd at {self.address} did not answer within {self.timeout_s:.0f} s"
             )
+        if code == grpc.StatusCode.UNAUTHENTICATED:  # local_isolation: no valid session
+            return PermissionDenied(details)
         return error_from_status(code, details)
 
     # --- save path -------------------------------------------------------------------

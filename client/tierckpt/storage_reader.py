@@ -14,12 +14,11 @@ import functools
 import io
 import logging
 import os
-import pickle
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
+from tierckpt.dcp_metadata import load_metadata
 from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, TierckptError
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
@@ -151,7 +151,9 @@ class TieredStorageReader(StorageReader):
     # --- DCP protocol -----------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         raw = self._with_repair(METADATA_FILE, lambda f: f.read(0, f.size))
-        metadata = cast(Metadata, pickle.loads(raw))
+        # Ranks and peers wrote these bytes: decode with the allow-list, never pickle.
+        what = f"{self.namespace}/{self.checkpoint_id}/{METADATA_FILE}"
+        metadata = load_metadata(raw, what=what)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None

@@ -234,10 +234,13 @@ class TieredStorageWriter(FileSystemWriter):
             metadata.version = version
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
+        data = pickle.dumps(metadata)
+        # The daemon refuses a file larger than the rank's reservation: reserve its size.
+        self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, len(data))
         with self.fs.create_stream(
             self.fs.concat_path(self._require_id(), METADATA_FILE), "wb"
         ) as stream:
-            pickle.dump(metadata, stream)
+            stream.write(data)
         required = {info.relative_path for info in metadata.storage_data.values()} | {METADATA_FILE}
         info = self.client.commit_checkpoint(self.namespace, self._require_id(), required)
         logger.info(

@@ -1,4 +1,4 @@
-r"""Peer security: mutual TLS and a shared token on daemon-to-daemon gRPC.
+r"""Peer security: mutual TLS and a shared token on daemon-to-daemon gRPC, and who is calling.
 
 `peer_server_security` gives the peer listener its credentials and token interceptor;
 `peer_channel_factory` gives the peer client channels with the matching credentials and
@@ -12,20 +12,31 @@ token. With `[security]` empty both are plaintext and token-free (a trusted netw
 - `tls_ca`: peers are verified against this CA, both ways (mutual TLS). Without it the
   server asks for no client cert and clients verify servers against the system roots.
 
-Every node may use one cert as both server and client, issued by the cluster's CA for the
-name or IP in the addresses that `[[peers]]` dial (`localhost`/`127.0.0.1` for tests):
+Who is calling (`caller_names`), for per-call authorization in PeerService: with
+`tls_ca` set, the node ids a peer's verified client certificate names, as a DNS or URI
+subjectAltName equal to the node id (`[node] id`, `[[peers]] id`), so a cert binds to
+exactly one node and a cert naming no configured peer is refused. Without mutual TLS
+it is the `x-tierckpt-node` metadata our client sends: only a claim, which any holder of
+the token (or anyone, without one) can make up; use mutual TLS where peers are not
+trusted.
+
+Every node may use one cert as both server and client, issued by the cluster's CA for
+its node id and for the name or IP in the addresses that `[[peers]]` dial
+(`localhost`/`127.0.0.1` for tests):
 
     openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 3650 \
         -subj /CN=tierckpt-ca -keyout ca.key -out ca.crt
     openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=node-a \
         -keyout node.key -out node.csr
-    printf 'subjectAltName=DNS:node-a.example,IP:10.0.0.1\nextendedKeyUsage=%s\n' \
+    printf 'subjectAltName=DNS:node-a,DNS:node-a.example,IP:10.0.0.1\nextendedKeyUsage=%s\n' \
         serverAuth,clientAuth > node.ext
     openssl x509 -req -in node.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 825 \
         -extfile node.ext -out node.crt
     head -c 32 /dev/urandom | base64 > token && chmod 600 token node.key
 
-Copy ca.crt, the node's cert and key, and the token to each node; keep ca.key offline.
+(`DNS:node-a` is the node id, `[node] id = "node-a"`; the other names are what peers
+dial.) Copy ca.crt, the node's cert and key, and the token to each node (mode 0600, or a
+Kubernetes Secret); keep ca.key offline.
 """
 
 from __future__ import annotations
@@ -45,11 +56,15 @@ from tierckptd.config import ConfigError, SecurityConfig
 
 __all__ = [
     "HEALTH_PREFIX",
+    "NODE_METADATA",
     "TOKEN_METADATA",
     "UNAUTHENTICATED_MESSAGE",
+    "MetadataClientInterceptor",
     "PeerServerSecurity",
     "TokenClientInterceptor",
     "TokenServerInterceptor",
+    "caller_names",
+    "node_client_interceptor",
     "peer_channel_factory",
     "peer_server_security",
     "read_token",
@@ -60,6 +75,7 @@ logger = logging.getLogger(__name__)
 ChannelFactory = Callable[[str], grpc.Channel]
 
 TOKEN_METADATA = "x-tierckpt-token"
+NODE_METADATA = "x-tierckpt-node"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 UNAUTHENTICATED_MESSAGE = (
     "peer token missing or wrong: set [security] token_file to the cluster's shared token"
@@ -71,6 +87,8 @@ _WARNED_PEERS_MAX = 1024
 class PeerServerSecurity:
     credentials: grpc.ServerCredentials | None = None
     interceptors: Sequence[Any] = field(default_factory=tuple)
+    # Mutual TLS: a caller is the node its verified client cert names, not what it says.
+    mutual_tls: bool = False
 
 
 def _read(key: str, path: str, *, secret: bool) -> bytes:
@@ -81,11 +99,13 @@ def _read(key: str, path: str, *, secret: bool) -> bytes:
             mode = os.fstat(f.fileno()).st_mode
     except OSError as e:
         raise ConfigError(f"[security] {key} {path}: cannot read: {e.strerror or e}") from e
-    if secret and mode & stat.S_IROTH:
+    if secret and mode & (stat.S_IROTH | stat.S_IRGRP):
+        # Group-readable is no better: the daemon's group holds every training user.
         logger.warning(
-            "[security] %s %s is readable by every user (mode %o): chmod 600 it",
+            "[security] %s %s is readable by %s (mode %o): chmod 600 it",
             key,
             path,
+            "every user" if mode & stat.S_IROTH else "its group",
             stat.S_IMODE(mode),
         )
     return data
@@ -137,26 +157,27 @@ def _read_pem(key: str, path: str, *, secret: bool) -> bytes:
 def _abort_handler(
     handler: grpc.RpcMethodHandler, note: Callable[[str], None]
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only answers UNAUTHENTICATED."""
+    """A handler that only answers UNAUTHENTICATED, in the response shape of `handler`.
+
+    It takes the request as a stream it never reads (the wire is the same for a unary
+    request), so a caller that opens a call and never sends the body cannot hold a
+    server thread waiting for it.
+    """
 
     def reject(context: grpc.ServicerContext) -> None:
         note(context.peer())
         context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
-    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+    def unary(requests: Any, context: grpc.ServicerContext) -> Any:
         reject(context)
 
-    def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def streaming(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         reject(context)
         yield  # pragma: no cover - abort raises
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming)
-    return grpc.unary_unary_rpc_method_handler(unary)
+        return grpc.stream_stream_rpc_method_handler(streaming)
+    return grpc.stream_unary_rpc_method_handler(unary)
 
 
 class TokenServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
@@ -214,20 +235,21 @@ class _CallDetails(NamedTuple):
     compression: Any
 
 
-class TokenClientInterceptor(
+class MetadataClientInterceptor(
     grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
     grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
     grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
     grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
 ):
-    """Adds `x-tierckpt-token` to every call (also plaintext, unlike call credentials)."""
+    """Sets one metadata key on every call (also plaintext, unlike call credentials)."""
 
-    def __init__(self, token: bytes) -> None:
-        self._token = token.decode("ascii")
+    def __init__(self, key: str, value: str) -> None:
+        self._key = key
+        self._value = value
 
-    def _with_token(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [(k, v) for k, v in (details.metadata or ()) if k != TOKEN_METADATA]
-        metadata.append((TOKEN_METADATA, self._token))
+    def _with_metadata(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [(k, v) for k, v in (details.metadata or ()) if k != self._key]
+        metadata.append((self._key, self._value))
         return _CallDetails(
             details.method,
             details.timeout,
@@ -238,16 +260,50 @@ class TokenClientInterceptor(
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_token(details), request)
+        return continuation(self._with_metadata(details), request)
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_token(details), request)
+        return continuation(self._with_metadata(details), request)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
+        return continuation(self._with_metadata(details), requests)
 
     def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
+        return continuation(self._with_metadata(details), requests)
+
+
+class TokenClientInterceptor(MetadataClientInterceptor):
+    """Adds `x-tierckpt-token` to every call."""
+
+    def __init__(self, token: bytes) -> None:
+        super().__init__(TOKEN_METADATA, token.decode("ascii"))
+
+
+def node_client_interceptor(node_id: str) -> MetadataClientInterceptor:
+    """Says which node calls (`x-tierckpt-node`): the caller's identity on a peer port
+    without mutual TLS (a claim; with mutual TLS the cert decides)."""
+    return MetadataClientInterceptor(NODE_METADATA, node_id)
+
+
+def _names(values: Sequence[bytes] | None) -> list[str]:
+    return [v.decode("utf-8", "replace") for v in values or ()]
+
+
+def caller_names(context: grpc.ServicerContext, *, mutual_tls: bool) -> list[str]:
+    """The names a PeerService caller goes by: with mutual TLS, the DNS and URI
+    subjectAltNames of its verified client cert (grpc verified it against `tls_ca`
+    during the handshake; IP names are left out, they name an address, not a node);
+    without, the node id it claims in `x-tierckpt-node` (at most one). The caller is the
+    configured peer among them (PeerService decides)."""
+    if mutual_tls:
+        auth = context.auth_context() or {}
+        if "peer_dns" in auth or "peer_uri" in auth:
+            return _names(auth.get("peer_dns")) + _names(auth.get("peer_uri"))
+        return _names(auth.get("x509_subject_alternative_name"))
+    for key, value in context.invocation_metadata() or ():
+        if key == NODE_METADATA:
+            return [value.decode("utf-8", "replace") if isinstance(value, bytes) else value]
+    return []
 
 
 def peer_server_security(security: SecurityConfig) -> PeerServerSecurity:
@@ -277,7 +333,9 @@ def peer_server_security(security: SecurityConfig) -> PeerServerSecurity:
         "plaintext" if tls is None else ("mutual TLS" if tls.ca else "TLS"),
         "token required" if interceptors else "no token",
     )
-    return PeerServerSecurity(credentials, interceptors)
+    return PeerServerSecurity(
+        credentials, interceptors, mutual_tls=tls is not None and bool(tls.ca)
+    )
 
 
 def peer_channel_factory(

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
@@ -26,17 +27,21 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
     InvalidArgument,
+    InvalidName,
     MemoryBudgetExceeded,
+    TierckptError,
 )
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
 
 from tierckptd import __version__, metrics
 from tierckptd.config import format_size
 from tierckptd.manifest import ManifestError, read_manifest, write_manifest
 from tierckptd.manifest import to_json as manifest_to_json
-from tierckptd.memory_tier import MemoryTier, Segment, hash_rate
+from tierckptd.memory_tier import MemoryTier, Segment, UnsafePath, hash_rate, no_space
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, NodeStatusView, State
+from tierckptd.placement import coordinator_of
 from tierckptd.retention import Candidate, memory_evictions
+from tierckptd.wire import MAX_REPLICAS, MAX_SEQUENCE
 
 __all__ = ["Catalog", "Sweeper", "VerifyResult"]
 
@@ -46,6 +51,29 @@ Key = tuple[str, str]
 PREWARM_SEGMENT = 1 << 30
 # Longest an incoming copy waits for the pool segment being preallocated for it.
 PREWARM_WAIT = 30.0
+# Most files one checkpoint may list (a DCP save has a few per rank).
+MAX_FILES = 100_000
+
+
+def listing(names: list[str], shown: int = 5) -> str:
+    """Names for a message, bounded: "a, b, c and 199,997 more" (each cut to 64 chars)."""
+    head = ", ".join(n[:64] for n in names[:shown]) or "none"
+    return head + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
+
+
+def _key_name(key: Key) -> str:
+    return f"{key[0]}/{key[1]}"
+
+
+def _manifest_estimate(rec: CheckpointRecord) -> int:
+    """About the bytes of `rec`'s manifest JSON (each digest is a ~40-byte line),
+    without building it: a budget check before the write."""
+    blocks = sum(f.checksums.block_count for f in rec.files.values() if f.checksums is not None)
+    return 512 + 40 * blocks + sum(256 + 40 * len(f.replica_nodes) for f in rec.files.values())
+
+
+def _summary(f: FileRecord) -> str:
+    return f.checksums.summary() if f.checksums is not None else "none"
 
 
 class VerifyResult:
@@ -98,16 +126,25 @@ class Catalog:
         self._incoming: dict[tuple[str, str, str], int] = {}
         self._health: dict[Key, str] = {}
         self._gone: set[Key] = set()
+        # JSON bytes of the manifests of checkpoints other nodes coordinate: they live in
+        # this node's memory, so they count against the budget like files (a peer could
+        # otherwise fill the tmpfs with manifests alone).
+        self._manifest_bytes: dict[Key, int] = {}
         # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
         # persistent tier), the checkpoints known to be durable there, and a callback
         # (called under the lock: it must only enqueue) for every new commit here.
         self.drain_every = 0
         self._durable: set[Key] = set()
+        self._drain_failed: dict[Key, bool] = {}  # shown as "drain-failed"; True: refused
         self.on_committed: Callable[[str, str], None] | None = None
 
     # ---- accounting (call under the lock) ---------------------------------------------
     def _used(self) -> int:
-        return self._quarantined_bytes + sum(r.held_bytes for r in self._records.values())
+        return (
+            self._quarantined_bytes
+            + sum(r.held_bytes for r in self._records.values())
+            + sum(self._manifest_bytes.values())
+        )
 
     def _reserved(self) -> int:
         """Pages promised but not yet held: save reservations, incoming copies, and pool
@@ -145,8 +182,13 @@ class Catalog:
 
     # ---- helpers ----------------------------------------------------------------------
     def _due(self, rec: CheckpointRecord) -> bool:
-        """Whether the checkpoint is due for the persistent tier (call under the lock)."""
-        return self.drain_every > 0 and rec.sequence % self.drain_every == 0
+        """Whether the checkpoint is due for the persistent tier (call under the lock).
+        One the drain refused (hostile `.metadata`) never can be: it is no longer due."""
+        return (
+            self.drain_every > 0
+            and rec.sequence % self.drain_every == 0
+            and not self._drain_failed.get(rec.key, False)
+        )
 
     def _notify_committed(self, rec: CheckpointRecord) -> None:
         if self.on_committed is not None and self._due(rec):
@@ -231,6 +273,8 @@ class Catalog:
                 tiers.append("persistent")
             if health:
                 tiers.append(health)
+            if rec.key in self._drain_failed:
+                tiers.append("drain-failed")
         return CheckpointView(
             namespace=rec.namespace,
             checkpoint_id=rec.checkpoint_id,
@@ -252,13 +296,18 @@ class Catalog:
         for f in rec.files.values():
             path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
             try:
-                freed += path.stat().st_size
+                st = os.lstat(path)
             except FileNotFoundError:
                 continue
-            if self.recycle:
-                self.tier.to_pool(path, f.name)
-            else:
-                path.unlink(missing_ok=True)
+            if stat.S_ISREG(st.st_mode):
+                freed += st.st_size
+            try:
+                if self.recycle:
+                    self.tier.to_pool(path, f.name, rec.namespace)
+                else:
+                    self.tier.remove_file(path)
+            except (OSError, UnsafePath) as e:
+                logger.warning("cannot release %s/%s/%s: %s", *rec.key, f.name, e)
         self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
         return freed
 
@@ -266,6 +315,7 @@ class Catalog:
         """Remove a checkpoint and its files; returns bytes freed."""
         freed = self._release_files(rec)
         self._records.pop(rec.key, None)
+        self._manifest_bytes.pop(rec.key, None)
         self._trim_pool()
         return freed
 
@@ -322,18 +372,41 @@ class Catalog:
                     f"{self.node_id}; raise [memory] budget, lower [retention] memory_keep_last, "
                     "or remove checkpoints with `tierckpt rm`"
                 )
-            free = self.tier.free_bytes()
-            if free + self.tier.pool_bytes < nbytes:
+            # Free space must back this reservation and every one not yet written
+            # (their pages are not allocated yet); the pool can be unlinked to make room.
+            free, unwritten = self.tier.free_bytes(), self._unwritten()
+            if free - unwritten + self.tier.pool_bytes < nbytes:
                 metrics.REJECTED_SAVES.labels(reason="filesystem").inc()
                 raise MemoryBudgetExceeded(
                     f"the filesystem of the memory dir {self.tier.root} has only "
                     f"{format_size(free)} free (+ {format_size(self.tier.pool_bytes)} reclaimable "
-                    f"pool) but this save needs {format_size(nbytes)}; enlarge /dev/shm (tmpfs "
-                    "size=) or lower [memory] budget below the tmpfs size"
+                    f"pool), {format_size(unwritten)} of it promised to reservations not "
+                    f"written yet, but this save needs {format_size(nbytes)}; enlarge /dev/shm "
+                    "(tmpfs size=) or lower [memory] budget below the tmpfs size"
                 )
             self._trim_pool(extra=nbytes)
+            while self.tier.free_bytes() - unwritten < nbytes and self.tier.drop_largest():
+                pass
             rec.reservations[rank] = rec.reservations.get(rank, 0) + nbytes
             return rec.reservations[rank]
+
+    def _unwritten(self) -> int:
+        """Reserved bytes whose pages are not allocated yet (call under the lock): per
+        rank, its reservation less the pages its open files already hold."""
+        total = self._prewarm_pending
+        for rec in self._records.values():
+            if rec.state is not State.WRITING or not rec.reservations:
+                continue
+            held: dict[int, int] = {}
+            for f in rec.files.values():
+                if not f.committed:
+                    path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+                    held[f.rank] = held.get(f.rank, 0) + self.tier.allocated_bytes(path)
+            total += sum(max(0, n - held.get(r, 0)) for r, n in rec.reservations.items())
+        for (namespace, checkpoint_id, name), nbytes in self._incoming.items():
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            total += max(0, nbytes - self.tier.allocated_bytes(path))
+        return total
 
     def open_file(
         self, namespace: str, checkpoint_id: str, name: str, rank: int
@@ -349,7 +422,7 @@ class Catalog:
                 )
             path = self.tier.file_path(namespace, checkpoint_id, name)
             remaining = rec.reservations.get(rank, 0)
-            seg = self.tier.pick_segment(name, remaining)
+            seg = self.tier.pick_segment(name, remaining, namespace)
             preallocated = 0
             if seg is not None:
                 self.tier.take_segment(seg, path)
@@ -374,7 +447,12 @@ class Catalog:
         block_size: int,
         digests: bytes,
     ) -> None:
-        """Take ownership of a written file. Not re-hashed here: readers verify."""
+        """Take ownership of a written file. Not re-hashed here: readers verify.
+
+        The file must fit the rank's reservation (which includes the warm segment it was
+        given) and nobody may still hold it open for writing: it is sealed read-only
+        through its fd, so a committed file cannot change under its checksums.
+        """
         check_file_name(name)
         with self._lock:
             rec = self._writing(namespace, checkpoint_id)
@@ -387,16 +465,14 @@ class Catalog:
                 raise CheckpointExists(
                     f"file {name} of {namespace}/{checkpoint_id} is already committed"
                 )
-            path = self.tier.file_path(namespace, checkpoint_id, name)
-            actual = path.stat().st_size
-            if actual != size:
+            if f.rank != rank:
                 raise InvalidArgument(
-                    f"file {name} of {namespace}/{checkpoint_id} is {actual} bytes on disk but the "
-                    f"commit says {size} bytes: truncate the file to its final size before committing"
+                    f"file {name} of {namespace}/{checkpoint_id} was opened by rank {f.rank}, "
+                    f"not rank {rank}: commit it from the rank that opened it"
                 )
             if algorithm != ALGORITHM:
                 raise InvalidArgument(
-                    f"checksum algorithm {algorithm!r} is not supported; use {ALGORITHM!r}"
+                    f"checksum algorithm {algorithm[:32]!r} is not supported; use {ALGORITHM!r}"
                 )
             if block_size <= 0 or len(digests) % DIGEST_SIZE:
                 raise InvalidArgument(
@@ -410,19 +486,24 @@ class Catalog:
                 )
             reservation = rec.reservations.get(rank, 0)
             if size > reservation:
-                rec.reservations[rank] = 0
-                self._trim_pool(extra=size)
-                if self._used() + self._reserved() + self._pool() + size > self.budget:
-                    rec.reservations[rank] = reservation
-                    metrics.REJECTED_SAVES.labels(reason="budget").inc()
-                    raise MemoryBudgetExceeded(
-                        f"file {name} ({format_size(size)}) exceeds rank {rank}'s reservation of "
-                        f"{format_size(reservation)} and memory.budget={format_size(self.budget)} "
-                        "has no room left; reserve the full size with ReserveSpace before writing"
+                metrics.REJECTED_SAVES.labels(reason="reservation").inc()
+                raise MemoryBudgetExceeded(
+                    f"file {name} of {namespace}/{checkpoint_id} is {format_size(size)} but rank "
+                    f"{rank}'s reservation has only {format_size(reservation)} left (with the "
+                    "warm segment OpenFile gave it): reserve the full size with ReserveSpace "
+                    "before writing"
+                )
+
+            def same_size(st: os.stat_result) -> None:
+                if st.st_size != size:
+                    raise InvalidArgument(
+                        f"file {name} of {namespace}/{checkpoint_id} is {st.st_size} bytes on disk "
+                        f"but the commit says {size} bytes: truncate the file to its final size "
+                        "before committing"
                     )
-            else:
-                rec.reservations[rank] = reservation - size
-            self.tier.seal_file(path)
+
+            self.tier.seal_file(self.tier.file_path(namespace, checkpoint_id, name), same_size)
+            rec.reservations[rank] = reservation - size
             f.size = size
             f.checksums = checksums
             f.owner_node = self.node_id
@@ -441,6 +522,13 @@ class Catalog:
         Holdings); they enter the manifest with their owner and `held` False.
         """
         key = self._ref(namespace, checkpoint_id)
+        if len(required_files) > MAX_FILES:
+            raise InvalidArgument(
+                f"cannot commit {namespace}/{checkpoint_id}: {len(required_files):,} required "
+                f"files, at most {MAX_FILES:,}"
+            )
+        for r in required_files:
+            check_file_name(r)
         remote = remote or {}
         with self._lock:
             rec = self._records.get(key)
@@ -460,24 +548,30 @@ class Catalog:
             if missing or still_open:
                 raise CheckpointIncomplete(
                     f"cannot commit {namespace}/{checkpoint_id}: "
-                    f"missing files: {', '.join(missing) or 'none'}; "
-                    f"open but not committed: {', '.join(still_open) or 'none'}"
+                    f"missing files: {listing(missing)}; "
+                    f"open but not committed: {listing(still_open)}"
                 )
-            for name, f in remote.items():
-                if name not in rec.files:
-                    rec.files[name] = dataclasses.replace(f, held=False)
+            added = {
+                name: dataclasses.replace(f, held=False)
+                for name, f in remote.items()
+                if name not in rec.files
+            }
+            # Persisted before anything changes here: a failed write (ENOSPC) leaves the
+            # save WRITING with its reservations, and the retry starts from the same state.
+            staged = dataclasses.replace(
+                rec,
+                files={**rec.files, **added},
+                reservations={},
+                sequence=self._next_sequence,
+                state=State.COMMITTED,
+                committed_unix=self._wall(),
+            )
+            self._write_manifest(staged)
+            rec.files.update(added)
             rec.reservations.clear()
-            rec.sequence = self._next_sequence
-            rec.state = State.COMMITTED
-            rec.committed_unix = self._wall()
-            manifest = self.tier.manifest_path(namespace, checkpoint_id)
-            self.tier.make_dir(manifest.parent)
-            try:
-                write_manifest(manifest, rec)
-            except BaseException:
-                rec.state = State.WRITING
-                raise
-            self._next_sequence += 1
+            rec.sequence, rec.state = staged.sequence, staged.state
+            rec.committed_unix = staged.committed_unix
+            self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()
             logger.info(
                 "committed %s/%s: %d files, %s, sequence %d",
@@ -516,17 +610,31 @@ class Catalog:
             ),
             key=lambda r: r.order,
         )
+        # memory_keep_last applies per coordinator (invariant 10): checkpoints a peer
+        # publishes never count against, nor push out, those another node (this one
+        # included) coordinates. One job has one coordinator, so this is the plain
+        # window; a job whose coordinator moved keeps the old one's last checkpoints
+        # until they are removed (`tierckpt rm`).
+        groups: dict[str, list[CheckpointRecord]] = {}
+        for r in committed:
+            groups.setdefault(coordinator_of(r.files), []).append(r)
         # Invariant 6: a checkpoint due for the persistent tier and not yet durable
         # there is kept (pinned) until it is, whatever memory_keep_last says.
         candidates = [
-            Candidate(
-                r.checkpoint_id,
-                i,
-                r.pinned or (self._due(r) and r.key not in self._durable),
-            )
-            for i, r in enumerate(committed, start=1)
+            [
+                Candidate(
+                    r.checkpoint_id,
+                    i,
+                    r.pinned or (self._due(r) and r.key not in self._durable),
+                )
+                for i, r in enumerate(group, start=1)
+            ]
+            for group in groups.values()
         ]
-        for checkpoint_id in memory_evictions(candidates, self.memory_keep_last):
+        evicted = [
+            c for group in candidates for c in memory_evictions(group, self.memory_keep_last)
+        ]
+        for checkpoint_id in evicted:
             rec = self._records[(namespace, checkpoint_id)]
             if rec.key in self._durable:
                 freed = self._keep_persistent_only(rec)
@@ -543,14 +651,20 @@ class Catalog:
 
     def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
         """Evict a durable checkpoint from memory but keep listing it (its files now
-        come from the persistent tier only)."""
+        come from the persistent tier only). The manifest is rewritten first: a crash
+        after it leaves stray files adoption collects, never a manifest pointing at
+        files that are gone (which would quarantine a durable checkpoint)."""
+        gone = {
+            name: dataclasses.replace(f, held=False, owner_node="", replica_nodes=[])
+            for name, f in rec.files.items()
+        }
+        self._write_manifest(dataclasses.replace(rec, files=gone))
         freed = self._release_files(rec)
         for f in rec.files.values():
             f.held = False
             f.owner_node = ""
             f.replica_nodes = []
         self._health.pop(rec.key, None)
-        self._write_manifest(rec)
         self._trim_pool()
         return freed
 
@@ -566,11 +680,12 @@ class Catalog:
     def _delete_committed(self, rec: CheckpointRecord) -> int:
         # Manifest first: a crash after this point leaves a dir without manifest, which
         # adoption collects, never a manifest pointing at missing files.
-        self.tier.manifest_path(rec.namespace, rec.checkpoint_id).unlink(missing_ok=True)
+        self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
         if rec.state is State.COMMITTED:
             self._gone.add(rec.key)
         self._health.pop(rec.key, None)
         self._durable.discard(rec.key)
+        self._drain_failed.pop(rec.key, None)
         return self._collect(rec)
 
     def abort(self, namespace: str, checkpoint_id: str) -> None:
@@ -592,8 +707,8 @@ class Catalog:
         with self._lock:
             rec = self._committed(check_namespace(namespace), check_checkpoint_id(checkpoint_id))
             if rec.pinned != pinned:
+                self._write_manifest(dataclasses.replace(rec, pinned=pinned))  # then in memory
                 rec.pinned = pinned
-                self._write_manifest(rec)
                 logger.info(
                     "%s %s/%s", "pinned" if pinned else "unpinned", namespace, checkpoint_id
                 )
@@ -645,56 +760,81 @@ class Catalog:
     def publish(self, published: CheckpointRecord) -> bool:
         """Adopt the cluster manifest of a checkpoint the DCP coordinator committed.
 
-        Files of our own WRITING save that the manifest lists as ours become committed
-        (held); everything else is listed as held elsewhere. A checkpoint already known
-        only merges replica lists. Returns False when this node deleted the checkpoint
-        (it is not resurrected by a peer).
+        Files of our own WRITING save that the manifest lists become committed (held);
+        everything else is listed as held elsewhere. A checkpoint already known only
+        merges replica lists. Returns False when this node deleted the checkpoint (it is
+        not resurrected by a peer).
+
+        What a peer says never destroys anything here (invariant 10): a committed file of
+        ours is never unlinked (a manifest that disagrees with one, or a save whose
+        `.metadata` was committed here, which this node commits itself, is refused with
+        FAILED_PRECONDITION); the manifest counts against the budget (RESOURCE_EXHAUSTED
+        when it does not fit); its timestamps are clamped to this node's clock, so it
+        cannot sort as newer than it arrived; and retention groups checkpoints by
+        coordinator, so it can only push out checkpoints of its own coordinator.
         """
-        key = published.key
+        key = self._ref(published.namespace, published.checkpoint_id)
         with self._lock:
             if key in self._gone:
                 return False
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
-                changed = False
-                for f in published.files.values():
-                    mine = rec.files.get(f.name)
-                    if mine is None:
-                        continue
-                    merged = list(dict.fromkeys([*mine.replica_nodes, *f.replica_nodes]))
-                    if merged != mine.replica_nodes:
-                        mine.replica_nodes = merged
-                        changed = True
-                if changed:
-                    self._write_manifest(rec)
+                self._merge_published(rec, published)
                 return True
             local = rec.files if rec is not None and rec.state is State.WRITING else {}
+            mine_meta = local.get(METADATA_FILE)
+            if mine_meta is not None and mine_meta.committed and mine_meta.held:
+                raise CheckpointIncomplete(
+                    f"{_key_name(key)}: its .metadata was committed on node {self.node_id}, "
+                    "which commits the checkpoint itself; a peer's manifest is not taken"
+                )
+            files: dict[str, FileRecord] = {}
+            for f in published.files.values():
+                mine = local.get(f.name)
+                if mine is not None and mine.committed and mine.held:
+                    self._check_same(key, mine, f)
+                    files[f.name] = dataclasses.replace(
+                        f,
+                        owner_node=self.node_id,
+                        replica_nodes=[n for n in f.replica_nodes if n != self.node_id],
+                        held=True,
+                    )
+                else:
+                    files[f.name] = dataclasses.replace(
+                        f, replica_nodes=list(f.replica_nodes), held=False
+                    )
+            for name, mine in local.items():
+                if name not in files and mine.committed and mine.held:
+                    files[name] = dataclasses.replace(mine, replica_nodes=list(mine.replica_nodes))
+            now = self._wall()
             new = dataclasses.replace(
                 published,
                 state=State.COMMITTED,
                 node_id=self.node_id,
-                files={},
+                files=files,
                 reservations={},
                 last_activity=self._clock(),
+                created_unix=min(published.created_unix, now),
+                committed_unix=min(published.committed_unix, now),
             )
-            for f in published.files.values():
-                mine = local.get(f.name)
-                held = (
-                    mine is not None
-                    and mine.committed
-                    and mine.held
-                    and mine.size == f.size
-                    and mine.checksums == f.checksums
+            charge = _manifest_estimate(new) if coordinator_of(new.files) != self.node_id else 0
+            self._trim_pool(extra=charge)
+            used, reserved = self._used(), self._reserved()
+            if charge and used + reserved + self._pool() + charge > self.budget:
+                metrics.REJECTED_SAVES.labels(reason="manifest").inc()
+                raise MemoryBudgetExceeded(
+                    f"no room for the manifest of {_key_name(key)} ({format_size(charge)}): "
+                    f"{format_size(used + reserved)} of memory.budget={format_size(self.budget)} "
+                    f"in use on node {self.node_id}"
                 )
-                new.files[f.name] = dataclasses.replace(
-                    f, replica_nodes=list(f.replica_nodes), held=held
-                )
+            self._write_manifest(new)  # before anything changes here
             for name in local:
-                if name not in new.files or not new.files[name].held:
-                    self.tier.file_path(*key, name).unlink(missing_ok=True)
-            self._write_manifest(new)
+                if name not in files:  # opened, never committed: a straggler of the save
+                    self.tier.remove_file(self.tier.file_path(*key, name))
             self._records[key] = new
-            self._next_sequence = max(self._next_sequence, new.sequence + 1)
+            if charge:
+                self._manifest_bytes[key] = self._manifest_size(key) or charge
+            self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))
             logger.info(
                 "published %s/%s from the coordinator's daemon: %d files, %d held here",
                 *key,
@@ -705,9 +845,44 @@ class Catalog:
             self._apply_retention(key[0])
             return True
 
+    def _manifest_size(self, key: Key) -> int:
+        try:
+            return os.lstat(self.tier.manifest_path(*key)).st_size
+        except OSError:
+            return 0
+
+    def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
+        """Refuse a manifest that describes a file committed here with other bytes."""
+        if (mine.size, mine.checksums) != (theirs.size, theirs.checksums):
+            raise CheckpointIncomplete(
+                f"{_key_name(key)}/{mine.name}: the published manifest says {theirs.size} "
+                f"bytes with checksums {_summary(theirs)}, but node {self.node_id} committed "
+                f"{mine.size} bytes with {_summary(mine)}; the local file is kept and the "
+                "manifest refused"
+            )
+
+    def _merge_published(self, rec: CheckpointRecord, published: CheckpointRecord) -> None:
+        """A known checkpoint published again: merge replica lists (persisted first)."""
+        merged: dict[str, FileRecord] = {}
+        for f in published.files.values():
+            mine = rec.files.get(f.name)
+            if mine is None:
+                continue
+            self._check_same(rec.key, mine, f)
+            nodes = list(dict.fromkeys([*mine.replica_nodes, *f.replica_nodes]))
+            if nodes != mine.replica_nodes and len(nodes) <= MAX_REPLICAS:
+                merged[f.name] = dataclasses.replace(mine, replica_nodes=nodes)
+        if merged:
+            self._write_manifest(dataclasses.replace(rec, files={**rec.files, **merged}))
+            for name, f in merged.items():
+                rec.files[name].replica_nodes = f.replica_nodes
+
     def _write_manifest(self, rec: CheckpointRecord) -> None:
         manifest = self.tier.manifest_path(rec.namespace, rec.checkpoint_id)
-        self.tier.make_dir(manifest.parent)
+        try:
+            self.tier.make_dir(manifest.parent)
+        except OSError as e:
+            raise no_space(e, "creating a manifest directory", self.tier.root) from e
         write_manifest(manifest, rec)
 
     def _committed(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
@@ -724,8 +899,8 @@ class Catalog:
             f = rec.files.get(name)
             if f is None:
                 raise CheckpointNotFound(
-                    f"checkpoint {namespace}/{checkpoint_id} has no file {name!r}; its files: "
-                    + ", ".join(sorted(rec.files))
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name[:64]!r}; its "
+                    f"files: {listing(sorted(rec.files))}"
                 )
             path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
             return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
@@ -764,11 +939,11 @@ class Catalog:
                     f"({format_size(f.size)}): {format_size(used + reserved)} of "
                     f"memory.budget={format_size(self.budget)} in use on node {self.node_id}"
                 )
-            path = self.tier.file_path(namespace, checkpoint_id, f".{name}.incoming")
-            path.unlink(missing_ok=True)
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            self.tier.remove_file(path)
             # A replica arriving every checkpoint lands in the warm pages of an evicted one
             # (4x cheaper than fresh tmpfs pages), like a local save.
-            seg = self.tier.pick_segment(name, f.size) if self.recycle else None
+            seg = self.tier.pick_segment(name, f.size, namespace) if self.recycle else None
             if seg is not None:
                 self.tier.take_segment(seg, path)
                 metrics.RECYCLED_BYTES.inc(seg.size)
@@ -787,15 +962,23 @@ class Catalog:
             rec = self._records.get((namespace, checkpoint_id))
             f = rec.files.get(name) if rec is not None else None
             if not ok or rec is None or rec.state is not State.COMMITTED or f is None:
-                tmp.unlink(missing_ok=True)
+                self.tier.remove_file(tmp)
                 return False
             final = self.tier.file_path(namespace, checkpoint_id, name)
-            os.replace(tmp, final)
-            self.tier.seal_file(final)
-            f.held = True
-            if f.owner_node != self.node_id and self.node_id not in f.replica_nodes:
-                f.replica_nodes = [*f.replica_nodes, self.node_id]
-            self._write_manifest(rec)
+            replicas = list(f.replica_nodes)
+            if f.owner_node != self.node_id and self.node_id not in replicas:
+                replicas.append(self.node_id)
+            held = dataclasses.replace(f, held=True, replica_nodes=replicas)
+            installed = False
+            try:
+                self.tier.seal_file(tmp)
+                self.tier.install(tmp, final)
+                installed = True
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: held}))
+            except BaseException:
+                self.tier.remove_file(final if installed else tmp)
+                raise
+            f.held, f.replica_nodes = True, replicas
             return True
 
     def drop_local_copy(self, namespace: str, checkpoint_id: str, name: str) -> bool:
@@ -805,12 +988,19 @@ class Catalog:
             f = rec.files.get(name) if rec is not None else None
             if rec is None or f is None or not f.held:
                 return False
-            self.tier.file_path(namespace, checkpoint_id, name).unlink(missing_ok=True)
-            f.held = False
-            if self.node_id in f.replica_nodes:
-                f.replica_nodes = [n for n in f.replica_nodes if n != self.node_id]
+            replicas = [n for n in f.replica_nodes if n != self.node_id]
             if rec.state is State.COMMITTED:
-                self._write_manifest(rec)
+                dropped = dataclasses.replace(f, held=False, replica_nodes=replicas)
+                try:
+                    self._write_manifest(
+                        dataclasses.replace(rec, files={**rec.files, name: dropped})
+                    )
+                except (OSError, TierckptError) as e:
+                    # Dropped anyway: never serve a corrupt copy. A restart re-verifies.
+                    logger.error("cannot record the drop of %s/%s/%s: %s", *rec.key, name, e)
+            self.tier.remove_file(self.tier.file_path(namespace, checkpoint_id, name))
+            f.held = False
+            f.replica_nodes = replicas
             return True
 
     def set_replicas(
@@ -826,8 +1016,9 @@ class Catalog:
             if f.held and f.owner_node != self.node_id and self.node_id not in nodes:
                 nodes.append(self.node_id)  # we hold a verified copy whatever the peer says
             if nodes != f.replica_nodes:
+                changed = dataclasses.replace(f, replica_nodes=nodes)
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: changed}))
                 f.replica_nodes = nodes
-                self._write_manifest(rec)
             return True
 
     def unhealthy_count(self) -> int:
@@ -845,6 +1036,30 @@ class Catalog:
                 self._health.pop((namespace, checkpoint_id), None)
 
     # ---- persistent tier ----------------------------------------------------------------
+    def set_drain_failed(
+        self, namespace: str, checkpoint_id: str, failed: bool, *, refused: bool = False
+    ) -> None:
+        """The drain's verdict, shown as "drain-failed" in `tiers` (False clears it).
+
+        `refused`: its `.metadata` was refused, so it can never become durable; it stops
+        being due, and memory retention no longer keeps it for the persistent tier
+        (invariant 6 keeps what can still drain; this would otherwise pin it forever).
+        """
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if not failed or rec is None:
+                self._drain_failed.pop(key, None)
+                return
+            self._drain_failed[key] = refused
+            if refused:
+                self._apply_retention(namespace)
+
+    def drain_failed(self) -> dict[Key, bool]:
+        """Checkpoints the drain gave up on, each True if it was refused."""
+        with self._lock:
+            return dict(self._drain_failed)
+
     def due_not_durable(self) -> list[Key]:
         """Committed checkpoints due for the persistent tier and not known durable,
         oldest first (the drain queue a restarted daemon rebuilds)."""
@@ -1040,15 +1255,19 @@ class Catalog:
         adopted: dict[Key, CheckpointRecord] = {}
         quarantined: set[Key] = set()
         started, hashed = time.monotonic(), 0
-        for ns_dir in sorted(p for p in tier.manifest_root.iterdir() if p.is_dir()):
-            for path in sorted(ns_dir.iterdir()):
-                if path.name.endswith(".json.corrupt"):
-                    quarantined.add((ns_dir.name, path.name[: -len(".json.corrupt")]))
+        for ns_entry in self._layout_dirs(tier.manifest_root, check_namespace):
+            for entry in tier.entries(Path(ns_entry.path)):
+                path = Path(entry.path)
+                if not entry.is_file(follow_symlinks=False):
+                    tier.remove_entry(entry, "not a regular file")
                     continue
-                if not path.name.endswith(".json"):
-                    path.unlink(missing_ok=True)  # a manifest tmp file of a crashed commit
+                if entry.name.endswith(".json.corrupt"):
+                    quarantined.add((ns_entry.name, entry.name[: -len(".json.corrupt")]))
                     continue
-                key = (ns_dir.name, path.name[: -len(".json")])
+                if not entry.name.endswith(".json"):
+                    os.unlink(path)  # a manifest tmp file of a crashed write
+                    continue
+                key = (ns_entry.name, entry.name[: -len(".json")])
                 problem = ""
                 try:
                     rec = read_manifest(path)
@@ -1057,17 +1276,8 @@ class Catalog:
                 except ManifestError as e:
                     problem = str(e)
                 if not problem:
-                    for f in rec.files.values():
-                        assert f.checksums is not None
-                        if not f.held:
-                            continue
-                        ok, reason = tier.verify_file(
-                            tier.file_path(*key, f.name), f.size, f.checksums
-                        )
-                        if not ok:
-                            problem = f"{f.name}: {reason}"
-                            break
-                        hashed += f.size
+                    problem, nbytes = self._adopt_files(rec)
+                    hashed += nbytes
                 if problem:
                     logger.error(
                         "not serving %s/%s: %s; its manifest is renamed to %s.corrupt and its "
@@ -1076,7 +1286,7 @@ class Catalog:
                         problem,
                         path.name,
                     )
-                    path.rename(path.with_name(path.name + ".corrupt"))
+                    os.rename(path, path.with_name(path.name + ".corrupt"))
                     quarantined.add(key)
                     continue
                 rec.state = State.COMMITTED
@@ -1088,36 +1298,44 @@ class Catalog:
             hash_rate(hashed, started),
         )
         quarantined_bytes = 0
-        for ns_dir in sorted(p for p in tier.data_root.iterdir() if p.is_dir()):
-            for ckpt_dir in sorted(ns_dir.iterdir()):
-                key = (ns_dir.name, ckpt_dir.name)
+        for ns_entry in self._layout_dirs(tier.data_root, check_namespace):
+            for ckpt_entry in self._layout_dirs(Path(ns_entry.path), check_checkpoint_id):
+                key = (ns_entry.name, ckpt_entry.name)
+                held = (
+                    {f.name for f in adopted[key].files.values() if f.held}
+                    if key in adopted
+                    else set()
+                )
+                sizes = []
+                for entry in tier.entries(Path(ckpt_entry.path)):
+                    if not entry.is_file(follow_symlinks=False):
+                        tier.remove_entry(entry, "not a regular file")
+                    elif key in adopted and entry.name not in held:
+                        os.unlink(entry.path)  # an interrupted peer transfer
+                    else:
+                        sizes.append(entry.stat(follow_symlinks=False).st_size)
                 if key in adopted:
-                    held = {f.name for f in adopted[key].files.values() if f.held}
-                    for p in ckpt_dir.iterdir():
-                        if p.is_file() and p.name not in held:
-                            p.unlink()  # an interrupted peer transfer
                     continue
-                files = [p for p in ckpt_dir.rglob("*") if p.is_file()]
-                size = sum(p.stat().st_size for p in files)
                 if key in quarantined:
-                    quarantined_bytes += size
+                    quarantined_bytes += sum(sizes)
                     continue
                 logger.warning(
                     "collecting unfinished save %s/%s: %d files, %s",
                     *key,
-                    len(files),
-                    format_size(size),
+                    len(sizes),
+                    format_size(sum(sizes)),
                 )
                 tier.remove_checkpoint_dir(*key)
+        charged = {
+            key: self._manifest_size(key)
+            for key, rec in adopted.items()
+            if coordinator_of(rec.files) != self.node_id
+        }
         with self._lock:
             self._records = adopted
+            self._manifest_bytes = charged
             self._quarantined_bytes = quarantined_bytes
             self._next_sequence = max((r.sequence for r in adopted.values()), default=0) + 1
-            for rec in adopted.values():
-                for f in rec.files.values():
-                    if not f.held:
-                        continue
-                    tier.seal_file(tier.file_path(*rec.key, f.name))
             before = tier.pool_bytes
             self._trim_pool()
             if tier.pool_bytes < before:
@@ -1132,6 +1350,53 @@ class Catalog:
                 format_size(tier.pool_bytes),
                 self._next_sequence,
             )
+        size = tier.total_bytes()
+        if self.budget > size:
+            logger.warning(
+                "memory.budget=%s is larger than the filesystem of the memory dir %s (%s): "
+                "saves can fail with ENOSPC inside their reservation; lower [memory] budget "
+                "below the tmpfs size or enlarge the tmpfs (size=)",
+                format_size(self.budget),
+                tier.root,
+                format_size(size),
+            )
+
+    def _layout_dirs(
+        self, parent: Path, check: Callable[[object], str]
+    ) -> Iterator[os.DirEntry[str]]:
+        """Real subdirectories of `parent` named by `check`; anything else (a link, a
+        file, a bad name) is removed without following it."""
+        for entry in self.tier.entries(parent):
+            if not entry.is_dir(follow_symlinks=False):
+                self.tier.remove_entry(entry, "not a directory")
+                continue
+            try:
+                check(entry.name)
+            except InvalidName:
+                self.tier.remove_entry(entry, "not a valid name")
+                continue
+            self.tier.fix_dir_mode(entry)
+            yield entry
+
+    def _adopt_files(self, rec: CheckpointRecord) -> tuple[str, int]:
+        """Verify and seal (through their fds) the held files of an adopted manifest;
+        returns (problem or "", bytes hashed)."""
+        hashed = 0
+        for f in rec.files.values():
+            assert f.checksums is not None
+            if not f.held:
+                continue
+            path = self.tier.file_path(*rec.key, f.name)
+            ok, reason = self.tier.verify_file(path, f.size, f.checksums)
+            if ok:
+                try:
+                    self.tier.seal_file(path, exclusive=False)
+                except (OSError, UnsafePath) as e:
+                    ok, reason = False, str(e)
+            if not ok:
+                return f"{f.name}: {reason}", hashed
+            hashed += f.size
+        return "", hashed
 
 
 class Sweeper(threading.Thread):

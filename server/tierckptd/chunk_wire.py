@@ -10,15 +10,26 @@ into a `memoryview` of the received message, so a byte is copied once per side b
 gRPC's own copies. The wire format is exactly `FileChunk`'s: a peer using generated
 code in any language interoperates. Control messages (the header chunk) still go through
 protobuf.
+
+On the serving side every PeerService request arrives as raw bytes and is decoded in
+the handler, never by gRPC: grpcio 1.85 leaks ~15-19 KB for each request it fails to
+deserialize, so a flood of malformed messages would grow the daemon without bound.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
-from tierckpt.v1 import peer_pb2, peer_pb2_grpc
+from google.protobuf.message import Message
+from tierckpt.errors import InvalidArgument
+from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+from tierckptd import metrics
+from tierckptd.peer_guard import Ticket
 
 __all__ = [
     "Chunk",
@@ -28,6 +39,8 @@ __all__ = [
     "register_peer_service",
     "serialize_chunk",
 ]
+
+T = TypeVar("T")
 
 _SERVICE = "tierckpt.v1.PeerService"
 # FileChunk field numbers (proto/tierckpt/v1/peer.proto).
@@ -87,8 +100,9 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def decode_chunk(message: bytes) -> Chunk:
-    """gRPC deserializer for FileChunk streams. Unknown fields are skipped, as protobuf
-    does; a malformed message raises ValueError (gRPC reports INTERNAL)."""
+    """Decode a FileChunk (the fetcher's deserializer; PushFile's handler calls it on
+    each raw message). Unknown fields are skipped, as protobuf does; a malformed message
+    raises ValueError."""
     buf = memoryview(message)
     header: peer_pb2.FileHeader | None = None
     offset = 0
@@ -108,7 +122,10 @@ def decode_chunk(message: bytes) -> Chunk:
             if field == _DATA:
                 data = buf[pos : pos + length]
             elif field == _HEADER:
-                header = peer_pb2.FileHeader.FromString(buf[pos : pos + length].tobytes())
+                try:
+                    header = peer_pb2.FileHeader.FromString(buf[pos : pos + length].tobytes())
+                except Exception:
+                    raise ValueError("FileChunk: the header is not a FileHeader") from None
             pos += length
         elif wire_type in (_FIXED64, _FIXED32):
             pos += 8 if wire_type == _FIXED64 else 4
@@ -146,33 +163,106 @@ class PeerStub:
         )
 
 
-class _Capture:
-    """Stands in for a server to catch the generated handler table."""
+_NO_TICKET = Ticket(lambda: None, "", float("inf"), float("inf"), float("inf"))
 
-    handlers: dict[str, Any]
 
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
+def _guard(servicer: Any, method: str, context: Any) -> AbstractContextManager[Ticket]:
+    """The servicer's `guard(method, context)` (admission and a watchdog ticket, entered
+    before any request byte is read), or nothing for a servicer without one."""
+    guard = getattr(servicer, "guard", None)
+    return guard(method, context) if guard is not None else nullcontext(_NO_TICKET)
 
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        self.handlers = handlers
+
+def _malformed(method: str, what: str, context: Any) -> NoReturn:
+    metrics.MALFORMED_REQUESTS.labels(service="PeerService").inc()
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {what}")
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def _request(
+    method: str, parse: Callable[[bytes], T], requests: Iterator[bytes], context: Any
+) -> T:
+    """The one request message of a unary-request call, parsed here, not by gRPC: a
+    message gRPC fails to deserialize costs ~15-19 KB that grpcio 1.85 never frees."""
+    raw = next(requests, None)
+    if raw is None:
+        _malformed(method, "the call carries no request message", context)
+    try:
+        return parse(raw)
+    except Exception:
+        _malformed(method, "the request is not a valid protobuf message of its type", context)
+
+
+def _unary(
+    servicer: Any, method: str, parse: Callable[[bytes], Any]
+) -> Callable[[Iterator[bytes], Any], Any]:
+    behaviour = getattr(servicer, method)
+
+    def handle(requests: Iterator[bytes], context: Any) -> Any:
+        with _guard(servicer, method, context) as ticket:
+            request = _request(method, parse, requests, context)
+            ticket.settle()
+            return behaviour(request, context)
+
+    return handle
+
+
+def _fetch(servicer: Any) -> Callable[[Iterator[bytes], Any], Iterator[Any]]:
+    def handle(requests: Iterator[bytes], context: Any) -> Iterator[Any]:
+        with _guard(servicer, "FetchFile", context) as ticket:
+            request = _request("FetchFile", peer_pb2.FetchFileRequest.FromString, requests, context)
+            ticket.touch()
+            for chunk in servicer.FetchFile(request, context):
+                yield chunk
+                ticket.touch()  # sent: the fetcher reads
+
+    return handle
+
+
+def _push(servicer: Any) -> Callable[[Iterator[bytes], Any], Any]:
+    def handle(requests: Iterator[bytes], context: Any) -> Any:
+        with _guard(servicer, "PushFile", context) as ticket:
+
+            def chunks() -> Iterator[Chunk]:
+                for raw in requests:
+                    ticket.touch()
+                    try:
+                        chunk = decode_chunk(raw)
+                    except ValueError as e:
+                        metrics.MALFORMED_REQUESTS.labels(service="PeerService").inc()
+                        raise InvalidArgument(f"PushFile: {e}") from None
+                    yield chunk
+
+            return servicer.PushFile(chunks(), context)
+
+    return handle
 
 
 def register_peer_service(servicer: Any, server: Any) -> None:
-    """Register a PeerService servicer as the generated code does, with FetchFile and
-    PushFile on this codec (so the servicer takes `Chunk`s and may yield encoded bytes)."""
-    capture = _Capture()
-    peer_pb2_grpc.add_PeerServiceServicer_to_server(servicer, capture)
-    handlers = dict(capture.handlers)
+    """Register a PeerService servicer: every method takes its request as raw bytes and
+    decodes it here (INVALID_ARGUMENT when malformed), after the servicer's `guard`
+    admitted the call; FetchFile and PushFile speak this codec (the servicer takes
+    `Chunk`s and may yield encoded bytes)."""
+    unary: dict[str, tuple[type[Message], type[Message]]] = {
+        "Holdings": (common_pb2.CheckpointRef, peer_pb2.HoldingsResponse),
+        "PublishCheckpoint": (common_pb2.CheckpointInfo, peer_pb2.PublishCheckpointResponse),
+        "UpdateReplicas": (peer_pb2.UpdateReplicasRequest, peer_pb2.UpdateReplicasResponse),
+        "ListManifests": (peer_pb2.ListManifestsRequest, peer_pb2.ListManifestsResponse),
+    }
+    # Request-streaming handlers (the wire is the same for a unary request): gRPC then
+    # reads nothing before the servicer's guard runs, and deserializes nothing at all.
+    handlers = {
+        name: grpc.stream_unary_rpc_method_handler(
+            _unary(servicer, name, request.FromString),
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in unary.items()
+    }
     handlers["PushFile"] = grpc.stream_unary_rpc_method_handler(
-        servicer.PushFile,
-        request_deserializer=decode_chunk,
-        response_serializer=peer_pb2.PushFileResponse.SerializeToString,
+        _push(servicer), response_serializer=peer_pb2.PushFileResponse.SerializeToString
     )
-    handlers["FetchFile"] = grpc.unary_stream_rpc_method_handler(
-        servicer.FetchFile,
-        request_deserializer=peer_pb2.FetchFileRequest.FromString,
-        response_serializer=serialize_chunk,
+    handlers["FetchFile"] = grpc.stream_stream_rpc_method_handler(
+        _fetch(servicer), response_serializer=serialize_chunk
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     server.add_registered_method_handlers(_SERVICE, handlers)

@@ -1,17 +1,22 @@
 """Daemon configuration: TOML (tomllib) into frozen dataclasses.
 
-Every key has a default so a bare `tierckptd` serves a single node; unknown sections and
-keys are rejected with the list of valid ones, because a typo in a retention or budget key
-would otherwise silently fall back to a default and surprise an operator much later.
+Every key has a default so a bare `tierckptd` serves a single node, on loopback only;
+unknown sections and keys are rejected with the list of valid ones, because a typo in a
+retention or budget key would otherwise silently fall back to a default and surprise an
+operator much later. A config that would expose the peer port to the network without a
+token or TLS is refused (DESIGN invariant 11), and SIGHUP diffs never show secrets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
+import os
 import re
 import socket
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +36,14 @@ __all__ = [
     "RetentionConfig",
     "SecurityConfig",
     "config_changes",
+    "config_file_warnings",
+    "exposure_warnings",
     "format_size",
+    "is_loopback_address",
     "load_config",
     "parse_config",
     "parse_size",
+    "redact",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,7 +110,8 @@ class NodeConfig:
 @dataclass(frozen=True)
 class ListenConfig:
     local: str = "unix:///run/tierckpt/tierckptd.sock"
-    peer: str = "0.0.0.0:7070"
+    # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
+    peer: str = "127.0.0.1:7070"
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,10 @@ class SecurityConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # Opt-out of the refusal to listen for peers on the network without token or TLS.
+    allow_insecure_peers: bool = False
+    # "uid": a namespace belongs to the uid that began it; "" = every local caller is trusted.
+    local_isolation: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +252,7 @@ def parse_config(data: dict[str, Any]) -> Config:
         raise ConfigError(
             f"unknown section(s) {', '.join(unknown)}; valid sections: {_SECTION_NAMES}"
         )
+    data = _expand_addresses(data)
     sections = {name: _section(name, cls, data.get(name, {})) for name, cls in _SECTIONS.items()}
     raw_peers = data.get("peers", [])
     if not isinstance(raw_peers, list):
@@ -271,6 +286,220 @@ def _validate(config: Config) -> None:
         )
     if not config.listen.local:
         raise ConfigError("[listen] local must not be empty: clients reach the daemon there")
+    if config.security.local_isolation not in ("", "uid"):
+        raise ConfigError(
+            f"[security] local_isolation = {config.security.local_isolation!r}; "
+            'valid: "" (every local caller is trusted) or "uid" (a namespace belongs to its uid)'
+        )
+    if config.security.local_isolation and _host_of(config.listen.local) is not None:
+        raise ConfigError(
+            f'[security] local_isolation = "uid" needs [listen] local to be a unix socket '
+            f"(the caller's uid cannot be proven over TCP), got {config.listen.local!r}"
+        )
+    _check_exposure(config)
+
+
+# --- exposure of the listeners (DESIGN invariant 11) -------------------------------------
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Only these values may name ${ENV} variables: a DaemonSet binds them to the pod IP.
+_EXPANDED = (("listen", "peer"), ("metrics", "listen"))
+
+
+def _expand_addresses(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with `${NAME}` in [listen] peer and [metrics] listen replaced from the
+    environment (Kubernetes' downward API gives the pod IP only as a variable)."""
+    out = dict(data)
+    for section, key in _EXPANDED:
+        table = out.get(section)
+        if not isinstance(table, dict) or not isinstance(table.get(key), str):
+            continue
+
+        def env(match: re.Match[str], where: str = f"[{section}] {key}") -> str:
+            value = os.environ.get(match.group(1))
+            if value is None:
+                raise ConfigError(
+                    f"{where}: environment variable {match.group(1)} is not set; set it "
+                    "(e.g. from status.podIP in a DaemonSet) or write the address literally"
+                )
+            return value
+
+        out[section] = {**table, key: _ENV_REF.sub(env, table[key])}
+    return out
+
+
+def _host_of(address: str) -> str | None:
+    """The host part of a gRPC listen address; None for a unix socket (no network)."""
+    address = address.strip()
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):
+        if address.startswith(scheme):
+            address = address[len(scheme) :]
+    if address.startswith("["):
+        end = address.find("]")
+        return address[1:end] if end > 0 else address[1:]
+    if address.count(":") > 1:  # unbracketed IPv6: "::" alone, or ":::7070"
+        try:
+            ipaddress.ip_address(address)
+            return address
+        except ValueError:
+            pass
+    return address.rsplit(":", 1)[0] if ":" in address else address
+
+
+def _ip_is_loopback(text: str) -> bool | None:
+    """Whether `text` is a loopback IP literal; None when it is not an IP literal."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a listen address ("host:port", "[v6]:port", "unix:...") is reachable only
+    from this host. Wildcards, routable IPs and names that resolve anywhere else are not;
+    a name that does not resolve counts as exposed (fail closed)."""
+    host = _host_of(address)
+    if host is None:
+        return True
+    host = host.strip().lower().rstrip(".")
+    if host in ("", "*"):
+        return False  # ":7070" binds every interface
+    literal = _ip_is_loopback(host)
+    if literal is not None:
+        return literal
+    if host == "localhost" or host.endswith(".localhost"):
+        return True  # RFC 6761: always loopback
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(_ip_is_loopback(str(info[4][0])) for info in infos)
+
+
+def _peer_port_secured(security: SecurityConfig) -> bool:
+    return bool(security.token_file) or bool(security.tls_cert and security.tls_key)
+
+
+def _check_exposure(config: Config) -> None:
+    """Refuse listeners that would let the network in without credentials."""
+    if config.security.allow_insecure_peers:
+        return
+    peer = config.listen.peer
+    if peer and not _peer_port_secured(config.security) and not is_loopback_address(peer):
+        raise ConfigError(
+            f"[listen] peer = {peer!r} listens beyond this host, but the peer port has neither "
+            "a token nor TLS: anyone who reaches it could read, replace and delete "
+            "checkpoints. Set [security] token_file (and for TLS tls_cert, tls_key, tls_ca), "
+            "or set [security] allow_insecure_peers = true on a network you trust; a "
+            'single node needs no network listener (peer = "127.0.0.1:7070" or "")'
+        )
+    local = config.listen.local
+    if _host_of(local) is not None and not is_loopback_address(local):
+        raise ConfigError(
+            f"[listen] local = {local!r} would serve the control API (load, delete any "
+            "checkpoint) to the network without authentication. Use a unix socket "
+            '(local = "unix:///run/tierckpt/tierckptd.sock"), or set [security] '
+            "allow_insecure_peers = true if you really mean it"
+        )
+
+
+def exposure_warnings(config: Config) -> list[str]:
+    """What the daemon logs as WARNING at start about listeners a config opens up."""
+    warnings = []
+    peer, local, security = config.listen.peer, config.listen.local, config.security
+    if peer and not is_loopback_address(peer):
+        if not _peer_port_secured(security):
+            warnings.append(
+                f"[security] allow_insecure_peers = true: the peer listener {peer} takes "
+                "calls without token or TLS; anyone who reaches it can read, replace and "
+                "delete checkpoints. Set [security] token_file and tls_cert/tls_key/tls_ca"
+            )
+        elif not (security.tls_cert and security.tls_key):
+            warnings.append(
+                f"the peer listener {peer} has a token but no TLS: the token and every "
+                "checkpoint byte travel in clear; set [security] tls_cert/tls_key/tls_ca"
+            )
+    if config.peers and (not peer or is_loopback_address(peer)):
+        remote = [p.id for p in config.peers if not is_loopback_address(p.address)]
+        if remote:
+            warnings.append(
+                f"[listen] peer = {peer!r} is not reachable from other nodes, but [[peers]] "
+                f"{', '.join(remote[:5])} are: listen on the network, e.g. peer = "
+                '"0.0.0.0:7070", with [security] token_file and tls_cert/tls_key/tls_ca'
+            )
+    if _host_of(local) is not None:
+        where = "any local user" if is_loopback_address(local) else "anyone who reaches it"
+        warnings.append(
+            f"[listen] local = {local!r} serves the control API over TCP without "
+            f"authentication: {where} can list, load and delete every namespace; a unix "
+            "socket's file mode limits who can"
+        )
+    return warnings
+
+
+# --- secrets ------------------------------------------------------------------------------
+
+REDACTED = "<redacted>"
+_SECRET_KEY = re.compile(
+    r"secret|token|key|passw|credential|connection_string|sas_|signature|auth", re.IGNORECASE
+)
+# These hold paths to secrets, not secrets: showing them helps and leaks nothing.
+_PATH_KEYS = frozenset(
+    {"security.token_file", "security.tls_cert", "security.tls_key", "security.tls_ca"}
+)
+_URL_USERINFO = re.compile(r"(//)[^/@\s]+@")
+
+
+def _is_secret(path: str) -> bool:
+    return path not in _PATH_KEYS and bool(_SECRET_KEY.search(path.rsplit(".", 1)[-1]))
+
+
+def redact(value: object, key: str = "") -> object:
+    """`value` with every secret-looking entry (by key name: secret, token, key, password,
+    credential, ...) replaced by "<redacted>", and user:password@ dropped from URLs."""
+    if key and _is_secret(key):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(redact(v) for v in value)
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(r"\1<redacted>@", value)
+    return value
+
+
+def _holds_credentials(config: Config) -> bool:
+    def walk(value: object, key: str) -> bool:
+        if key and _is_secret(key) and value not in ("", None, {}, []):
+            return True
+        if isinstance(value, dict):
+            return any(walk(v, str(k)) for k, v in value.items())
+        return False
+
+    url = config.persistent.url
+    return walk(config.persistent.storage_options, "") or redact(url) != url
+
+
+def config_file_warnings(path: str | Path, config: Config) -> list[str]:
+    """A warning when the config file holds credentials that other users can read."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return []
+    if not (mode & 0o044) or not _holds_credentials(config):
+        return []
+    who = "every user" if mode & 0o004 else "its group"
+    return [
+        f"config file {path} holds credentials ([persistent] storage_options or url) and is "
+        f"readable by {who} (mode {mode:04o}): chmod 600 it, owned by the daemon's user, or "
+        "on Kubernetes mount it from a Secret; better, give S3 credentials through the "
+        "environment, IRSA / instance metadata, or systemd LoadCredential="
+    ]
 
 
 def load_config(path: str | Path | None) -> Config:
@@ -291,19 +520,37 @@ def load_config(path: str | Path | None) -> Config:
 
 
 def _flatten(value: object, prefix: str) -> dict[str, object]:
+    """Dotted keys to leaf values; tables (storage_options) are flattened too, so a diff
+    names the one option that changed."""
+    path = prefix.rstrip(".")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, object] = {}
         for f in dataclasses.fields(value):
             out.update(_flatten(getattr(value, f.name), f"{prefix}{f.name}."))
         return out
-    return {prefix.rstrip("."): value}
+    if isinstance(value, dict) and value and not _is_secret(path):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {path: value}
+
+
+_UNSET = object()
+
+
+def _show(key: str, value: object) -> str:
+    if value is _UNSET:
+        return "(unset)"
+    shown = redact(value, key)
+    return REDACTED if shown == REDACTED else repr(shown)
 
 
 def config_changes(old: Config, new: Config) -> list[str]:
-    """Human-readable "key: old -> new" lines, logged on SIGHUP."""
+    """Human-readable "key: old -> new" lines, logged on SIGHUP; secrets are redacted."""
     a, b = _flatten(old, ""), _flatten(new, "")
     return [
-        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        f"{k}: {_show(k, a.get(k, _UNSET))} -> {_show(k, b.get(k, _UNSET))}"
         for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
+        if a.get(k, _UNSET) != b.get(k, _UNSET)
     ]

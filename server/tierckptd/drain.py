@@ -12,7 +12,30 @@ every owner's files are there; it simply retries later. Other nodes poll `is_dur
 Failures never lose anything: a checkpoint that is due and not durable is pinned in
 memory (`Catalog._apply_retention`), and the job is retried with backoff. A restarted
 daemon rebuilds the queue from its manifests (`resume`). On SIGTERM `emergency` drains
-the newest committed checkpoint within a deadline.
+the newest committed checkpoint within a deadline: it stops the background worker first
+and sets the tier's deadline (`PersistentTier.set_deadline`), so every remote call, the
+worker's in-flight one included, gives up by then even with S3 down.
+
+Giving up (audit M7). An attempt ends durable, waiting (another node commits, or other
+owners still upload) or failed. Waits and failures back off exponentially from `poll` to
+`max_backoff`. After `max_failures` failures in a row, or `max_wait` seconds without
+becoming durable, the checkpoint is *drain-failed*: "drain-failed" in its tiers (`tierckpt
+ls`), counted by the ``tierckpt_drain_failed_checkpoints`` gauge, and retried only every
+`failed_retry` seconds, so an outage still recovers by itself while a checkpoint that never
+drains costs one probe every few minutes. It stays pinned in memory: invariant 6, an
+outage delays durability but never loses it.
+
+`.metadata` is decoded with the allow-list (`tierckpt.dcp_metadata`), never unpickled. One
+it refuses (a hostile or unparsable pickle), or a checkpoint with no `.metadata`, can never
+drain, on any node: it is drain-failed at once, counted in
+``tierckpt_refused_metadata{where="drain"}``, not retried, and no longer due, so memory
+retention may evict it like any checkpoint that is not due (the newest is still kept).
+Pinning it until it is durable would pin it forever: any local client could fill the
+memory tier that way.
+
+Operator override: `Drainer.retry_failed()` (meant for SIGHUP) clears every drain-failed
+mark and retries those checkpoints at once with fresh counters; a refused `.metadata` is
+decoded again (still never run) and refused again unless the checkpoint changed.
 
 Persistent retention (``persistent_keep_last``/``persistent_keep_every``) runs on the node
 that committed `.metadata`, right after it did: only durable checkpoints are candidates,
@@ -24,10 +47,12 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from typing import IO, cast
 
 import xxhash
 import zstandard
@@ -35,18 +60,20 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
     ChecksumMismatch,
-    InvalidName,
+    TierckptError,
+    UnsafeMetadata,
 )
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
+from tierckptd import metrics
 from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError
 from tierckptd.manifest import from_json as manifest_from_json
-from tierckptd.model import FileRecord
+from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers import SAVE_YIELD_MAX, Cluster, install_copy
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
-from tierckptd.persistent_format import data_files
+from tierckptd.persistent_format import DataFile, data_files
 from tierckptd.persistent_retention import persistent_evictions
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "fingerprint"]
@@ -57,6 +84,11 @@ Key = tuple[str, str]
 MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeeping area
 METADATA_OBJECT = "metadata.orig"  # the memory tier's (uncompressed) .metadata
 READ_CHUNK = 8 << 20
+# Bookkeeping read back from the store is not trusted (a tampered bucket, audit M8/L6).
+MAX_INT = 2**63 - 1
+MAX_CLOCK_SKEW = 86400.0  # a timestamp later than now + this is refused
+MAX_FILES = 1 << 20
+_ZSTD_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX
 
 
 def fingerprint(f: FileRecord) -> str:
@@ -84,7 +116,15 @@ class _StepAsideForSaves:
 
 
 class Drainer:
-    """Background drain of due checkpoints; one worker thread, jobs retried with backoff."""
+    """Background drain of due checkpoints; one worker thread, jobs retried with backoff.
+
+    Args:
+        poll: the first delay after a waiting or failed attempt; doubles each time.
+        max_backoff: the longest delay between attempts of a checkpoint not drain-failed.
+        max_failures: failed attempts in a row after which it is drain-failed.
+        max_wait: seconds without becoming durable after which it is drain-failed.
+        failed_retry: the delay between attempts of a drain-failed checkpoint.
+    """
 
     def __init__(
         self,
@@ -96,6 +136,9 @@ class Drainer:
         keep_every: int = 0,
         poll: float = 0.5,
         max_backoff: float = 10.0,
+        max_failures: int = 8,
+        max_wait: float = 3600.0,
+        failed_retry: float = 300.0,
     ) -> None:
         self.catalog = catalog
         self.tier = tier
@@ -105,14 +148,23 @@ class Drainer:
         self.keep_every = keep_every
         self.poll = poll
         self.max_backoff = max_backoff
+        self.max_failures = max_failures
+        self.max_wait = max_wait
+        self.failed_retry = failed_retry
         self._cv = threading.Condition()
         self._heap: list[tuple[float, int, Key]] = []
         self._when: dict[Key, float] = {}
+        # Per checkpoint, since its last success: unsuccessful attempts in a row (the
+        # backoff), failed ones in a row, when the first one was; and the ones given up on.
+        self._tries: dict[Key, int] = {}
         self._failures: dict[Key, int] = {}
+        self._since: dict[Key, float] = {}
+        self._failing: set[Key] = set()
         self._seq = 0
         self._stop = threading.Event()
         self._drain_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
 
     # ---- queue ------------------------------------------------------------------------
     def enqueue(self, namespace: str, checkpoint_id: str, delay: float = 0.0) -> None:
@@ -171,36 +223,144 @@ class Drainer:
 
     def _run(self) -> None:
         while (key := self._next()) is not None:
-            done = False
-            failed = False
-            try:
-                done = self.drain(*key)
-            except PersistentTierUnavailable as e:
-                failed = True
-                logger.warning("drain of %s/%s delayed: %s", *key, e)
-            except Exception:
-                failed = True
-                logger.exception("drain of %s/%s failed; retrying", *key)
-            if done:
-                self._failures.pop(key, None)
-                continue
-            if failed:
-                n = self._failures[key] = self._failures.get(key, 0) + 1
-                delay = min(self.max_backoff, self.poll * 2.0**n)
-            else:
-                delay = self.poll
-            if not self._stop.is_set():
+            delay = self._attempt(key)
+            if delay is not None and not self._stop.is_set():
                 self.enqueue(*key, delay=delay)
+
+    def _attempt(self, key: Key) -> float | None:
+        """One attempt of the worker; the delay before the next one (None: finished)."""
+        try:
+            done = self.drain(*key)
+        except UnsafeMetadata:
+            return None  # refused (logged, counted and marked by drain): never retried
+        except PersistentTierUnavailable as e:
+            logger.warning("persistent tier drain of %s/%s delayed: %s", *key, e)
+            return self._unsuccessful(key, e)
+        except Exception as e:
+            logger.warning(
+                "persistent tier drain of %s/%s failed: %s: %.300s",
+                *key,
+                type(e).__name__,
+                e,
+                exc_info=not isinstance(e, TierckptError | OSError),  # a bug: the traceback
+            )
+            return self._unsuccessful(key, e)
+        if done:
+            self._succeeded(key)
+            return None
+        return self._unsuccessful(key, None)
+
+    # ---- giving up ----------------------------------------------------------------------
+    def _unsuccessful(self, key: Key, error: Exception | None) -> float:
+        """Count a waiting (`error` None) or failed attempt; the delay before the next."""
+        now = time.monotonic()
+        with self._cv:
+            tries = self._tries[key] = self._tries.get(key, 0) + 1
+            since = self._since.setdefault(key, now)
+            if error is None:
+                self._failures.pop(key, None)  # the tier answered
+                failures = 0
+            else:
+                failures = self._failures[key] = self._failures.get(key, 0) + 1
+            failing = key in self._failing
+        if not failing:
+            if failures >= self.max_failures:
+                why = (
+                    f"failed {failures} times in a row (last: {type(error).__name__}: "
+                    f"{str(error)[:300]})"
+                )
+                self._give_up(key, why)
+                failing = True
+            elif now - since >= self.max_wait:
+                self._give_up(key, f"not durable after {now - since:.0f}s of waiting for the "
+                              "node that holds .metadata to commit it")  # fmt: skip
+                failing = True
+        if failing:
+            return self.failed_retry
+        return float(min(self.max_backoff, self.poll * 2.0 ** min(tries - 1, 30)))
+
+    def _give_up(self, key: Key, why: str) -> None:
+        with self._cv:
+            self._failing.add(key)
+        self.catalog.set_drain_failed(*key, True)
+        logger.error(
+            "persistent tier drain of %s/%s %s; marked drain-failed (see tierckpt ls) and "
+            "retried every %.0fs; it stays in memory until it is durable. Fix the cause "
+            "(the persistent tier's reachability, credentials, or the other nodes), then "
+            "SIGHUP retries at once",
+            *key,
+            why,
+            self.failed_retry,
+        )
+
+    def _succeeded(self, key: Key) -> None:
+        with self._cv:
+            for counter in (self._tries, self._failures, self._since):
+                counter.pop(key, None)
+            recovered = key in self._failing
+            self._failing.discard(key)
+        if recovered:
+            self.catalog.set_drain_failed(*key, False)
+            logger.info("persistent tier drain of %s/%s recovered: it is durable", *key)
+
+    def _refuse(self, key: Key, error: UnsafeMetadata) -> None:
+        """A `.metadata` that can never drain: drain-failed at once, no longer due."""
+        metrics.REFUSED_METADATA.labels(where="drain").inc()
+        with self._cv:
+            for counter in (self._tries, self._failures, self._since):
+                counter.pop(key, None)
+            self._failing.discard(key)
+        self.catalog.set_drain_failed(*key, True, refused=True)
+        logger.error(
+            "persistent tier drain of %s/%s refused: %s. The checkpoint is not drained and "
+            "is marked drain-failed (see tierckpt ls); it is not retried and memory "
+            "retention may evict it. Delete it (tierckpt rm %s %s) or save it again",
+            *key,
+            error,
+            *key,
+        )
+
+    def retry_failed(self) -> int:
+        """Operator override (SIGHUP): retry every drain-failed checkpoint now, with
+        fresh counters. Returns how many were queued."""
+        keys = sorted(self.catalog.drain_failed())
+        for key in keys:
+            with self._cv:
+                for counter in (self._tries, self._failures, self._since):
+                    counter.pop(key, None)
+                self._failing.discard(key)
+            self.catalog.set_drain_failed(*key, False)
+            self.enqueue(*key)
+        if keys:
+            logger.info("retrying the drain of %d drain-failed checkpoint(s)", len(keys))
+        return len(keys)
 
     # ---- one attempt ------------------------------------------------------------------
     def drain(self, namespace: str, checkpoint_id: str) -> bool:
         """One attempt: upload what this node owns, commit if it holds `.metadata`.
 
         Returns True when the checkpoint is durable (or gone), False to try again later.
-        Raises PersistentTierUnavailable during an outage.
+
+        Raises:
+            PersistentTierUnavailable: an outage.
+            UnsafeMetadata: its `.metadata` is refused (now or before): it is marked
+                drain-failed and no longer due.
         """
         with self._drain_lock:
+            return self._drain_or_refuse(namespace, checkpoint_id)
+
+    def _drain_or_refuse(self, namespace: str, checkpoint_id: str) -> bool:
+        key = (namespace, checkpoint_id)
+        if self.catalog.drain_failed().get(key):
+            raise UnsafeMetadata(
+                f"persistent tier drain of {namespace}/{checkpoint_id}: its .metadata was "
+                "refused; Drainer.retry_failed() (SIGHUP) decodes it again"
+            )
+        try:
             return self._drain(namespace, checkpoint_id)
+        except UnsafeMetadata as e:
+            self._refuse(key, e)
+            raise
 
     def _drain(self, namespace: str, checkpoint_id: str) -> bool:
         if self.catalog.is_durable(namespace, checkpoint_id):
@@ -215,8 +375,10 @@ class Drainer:
         files = {f.name: f for f in view.files}
         meta = files.get(METADATA_FILE)
         if meta is None:
-            logger.error("%s/%s has no .metadata; it cannot be drained", namespace, checkpoint_id)
-            return True
+            raise UnsafeMetadata(
+                f"{namespace}/{checkpoint_id} has no .metadata, so it is not a DCP "
+                "checkpoint and cannot be drained"
+            )
         mine = [
             f
             for f in view.files
@@ -234,12 +396,12 @@ class Drainer:
                 or m.source_size != f.size
             ]
             if todo:
-                metadata = self._metadata(namespace, checkpoint_id)
-                self._upload(namespace, checkpoint_id, todo, metadata)
+                metadata, items = self._metadata(namespace, checkpoint_id)
+                self._upload(namespace, checkpoint_id, todo, items)
         if not committer:
             return False  # the owner of .metadata commits; the next attempt probes
         if metadata is None:
-            metadata = self._metadata(namespace, checkpoint_id)
+            metadata, _ = self._metadata(namespace, checkpoint_id)
         self.tier.put_bookkeeping(
             namespace,
             checkpoint_id,
@@ -256,8 +418,10 @@ class Drainer:
         self._retain(namespace)
         return True
 
-    def _metadata(self, namespace: str, checkpoint_id: str) -> bytes:
-        """The memory tier's `.metadata`, verified (fetched from a peer if not held)."""
+    def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
+        """The memory tier's `.metadata`, verified (fetched from a peer if not held), and
+        the data files it describes. Every node that uploads decodes it (allow-list, never
+        pickle), so a hostile one is refused everywhere, whatever the compression."""
         f, path = self.catalog.file_view(namespace, checkpoint_id, METADATA_FILE)
         if not path and self.cluster is not None:
             f, path = self.cluster.ensure_local(namespace, checkpoint_id, METADATA_FILE)
@@ -268,12 +432,17 @@ class Drainer:
         assert f.checksums is not None
         what = f"{namespace}/{checkpoint_id}/{METADATA_FILE}"
         with VerifiedFile(path, f.size, f.checksums, what=what) as vf:
-            return bytes(vf.read(0, f.size))
+            raw = bytes(vf.read(0, f.size))
+        return raw, data_files(raw, what=what)
 
     def _upload(
-        self, namespace: str, checkpoint_id: str, todo: list[FileRecord], metadata: bytes
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        todo: list[FileRecord],
+        described: dict[str, DataFile],
     ) -> None:
-        items = data_files(metadata) if self.tier.compression == "zstd" else {}
+        items = described if self.tier.compression == "zstd" else {}
         with ExitStack() as stack:
             uploads = []
             for f in todo:
@@ -320,24 +489,42 @@ class Drainer:
     # ---- shutdown -----------------------------------------------------------------------
     def emergency(self, deadline: float) -> bool:
         """SIGTERM: drain the newest committed checkpoint not yet durable, for at most
-        `deadline` seconds. True when it is durable (or there was nothing to do)."""
+        `deadline` seconds. True when it is durable (or there was nothing to do).
+
+        The background worker is stopped first and the tier's deadline is set for good
+        (the daemon is exiting): every remote call, in flight or not, ends by then.
+        """
+        end = time.monotonic() + deadline
+        self.stop(timeout=0)
+        self.tier.set_deadline(deadline)
+        refused = self.catalog.drain_failed()
         newest: dict[str, Key] = {}
         for view in self.catalog.list_checkpoints():
             newest[view.namespace] = (view.namespace, view.checkpoint_id)
-        keys = [k for k in newest.values() if not self.catalog.is_durable(*k)]
+        keys = [
+            k for k in newest.values() if not self.catalog.is_durable(*k) and not refused.get(k)
+        ]
         if not keys:
             return True
-        end = time.monotonic() + deadline
         ok = True
         for key in keys:
             logger.info("shutdown: draining %s/%s (deadline %.0fs)", *key, deadline)
             while True:
-                try:
-                    if self.drain(*key):
-                        logger.info("shutdown: %s/%s is durable", *key)
+                done = False
+                remaining = end - time.monotonic()
+                if remaining > 0 and self._drain_lock.acquire(timeout=remaining):
+                    try:
+                        done = self._drain_or_refuse(*key)
+                    except UnsafeMetadata:
+                        ok = False
                         break
-                except Exception as e:
-                    logger.warning("shutdown drain of %s/%s: %s", *key, e)
+                    except Exception as e:
+                        logger.warning("shutdown drain of %s/%s: %.300s", *key, e)
+                    finally:
+                        self._drain_lock.release()
+                if done:
+                    logger.info("shutdown: %s/%s is durable", *key)
+                    break
                 if time.monotonic() + self.poll > end:
                     logger.error("shutdown: %s/%s not durable within the deadline", *key)
                     ok = False
@@ -349,40 +536,52 @@ class Drainer:
     def adopt_durable(self) -> int:
         """Learn the durable checkpoints this node does not know (a replacement cluster
         whose memory tiers are all gone): their manifests come from the bookkeeping
-        area, with no file held anywhere; files are fetched from S3 on demand."""
+        area, with no file held anywhere; files are fetched from S3 on demand.
+
+        The bucket is not trusted: invalid names are skipped when listing, a manifest
+        with out-of-range numbers is refused, and one bad key never stops the others.
+        An outage raises PersistentTierUnavailable.
+        """
         adopted = 0
         known = set(self.catalog.committed_keys())
         for namespace in self.tier.list_namespaces():
-            try:
-                ids = self.tier.list_durable(namespace)
-            except InvalidName:
-                continue
-            for checkpoint_id in ids:
+            for checkpoint_id in self.tier.list_durable(namespace):
                 key = (namespace, checkpoint_id)
-                if key in known:
-                    self.catalog.mark_durable(*key)
-                    continue
-                raw = self.tier.read_bookkeeping(namespace, checkpoint_id, MANIFEST_OBJECT)
-                if raw is None:
-                    logger.warning("%s/%s is durable but has no manifest; skipped", *key)
-                    continue
                 try:
-                    rec = manifest_from_json(json.loads(raw))
-                except (ManifestError, ValueError) as e:
-                    logger.error("%s/%s: bad manifest in the persistent tier: %s", *key, e)
-                    continue
-                if rec.key != key:
-                    continue
-                for f in rec.files.values():
-                    f.held = False
-                    f.owner_node = ""
-                    f.replica_nodes = []
-                if self.catalog.publish(rec):
-                    self.catalog.mark_durable(*key)
-                    adopted += 1
+                    adopted += self._adopt(key, known)
+                except PersistentTierUnavailable:
+                    raise
+                except Exception as e:
+                    logger.error(
+                        "%s/%s: not adopted from the persistent tier: %s: %.300s",
+                        *key,
+                        type(e).__name__,
+                        e,
+                    )
         if adopted:
             logger.info("adopted %d durable checkpoints from %s", adopted, self.tier.url)
         return adopted
+
+    def _adopt(self, key: Key, known: set[Key]) -> int:
+        if key in known:
+            self.catalog.mark_durable(*key)
+            return 0
+        raw = self.tier.read_bookkeeping(*key, MANIFEST_OBJECT)
+        if raw is None:
+            logger.warning("%s/%s is durable but has no manifest; skipped", *key)
+            return 0
+        rec = manifest_from_json(json.loads(raw))
+        if rec.key != key:
+            raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
+        check_stored_record(rec, time.time())
+        for f in rec.files.values():
+            f.held = False
+            f.owner_node = ""
+            f.replica_nodes = []
+        if not self.catalog.publish(rec):
+            return 0
+        self.catalog.mark_durable(*key)
+        return 1
 
     def restore_file(self, namespace: str, checkpoint_id: str, name: str) -> int:
         """Download one file from the persistent tier into the memory tier, decompressed
@@ -415,43 +614,117 @@ class Drainer:
         index: dict[int, tuple[int, int]] | None,
         size: int,
     ) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) of the original file, in order, from the stored object."""
+        """(offset, bytes) of the original file, in order, from the stored object.
+
+        An item decompresses to at most the bytes up to the next item (its original
+        length): a tampered frame cannot make a restore allocate more (audit L6)."""
         if index is None:
             for start in range(0, size, READ_CHUNK):
                 n = min(READ_CHUNK, size - start)
                 yield start, self.tier.read_range(namespace, checkpoint_id, name, start, n)
             return
+        where = f"{namespace}/{checkpoint_id}/{name}"
         olds = sorted(index)
         position = 0
         for i, old in enumerate(olds):
+            if old < position or old > size:
+                raise ChecksumMismatch(f"{where}: the stored index has an item at {old} outside")
             if old > position:  # bytes outside every item (none in DCP files): zeros
                 yield position, bytes(old - position)
                 position = old
             new_offset, new_length = index[old]
-            expected_end = olds[i + 1] if i + 1 < len(olds) else size
-            d = zstandard.ZstdDecompressor().decompressobj()
-            for start in range(new_offset, new_offset + new_length, READ_CHUNK):
-                n = min(READ_CHUNK, new_offset + new_length - start)
-                try:
-                    data = d.decompress(
-                        self.tier.read_range(namespace, checkpoint_id, name, start, n)
-                    )
-                except zstandard.ZstdError as e:
-                    raise ChecksumMismatch(
-                        f"{namespace}/{checkpoint_id}/{name}: the stored item at {old} is "
-                        f"corrupt ({e})"
-                    ) from None
-                if data:
-                    if position + len(data) > expected_end:
-                        raise ChecksumMismatch(
-                            f"{namespace}/{checkpoint_id}/{name}: item at {old} decompresses "
-                            "past the next item"
-                        )
-                    yield position, data
-                    position += len(data)
-            if not d.eof:
-                raise ChecksumMismatch(
-                    f"{namespace}/{checkpoint_id}/{name}: truncated zstd frame at {new_offset}"
-                )
+            limit = (olds[i + 1] if i + 1 < len(olds) else size) - old
+            stored = _StoredRange(self.tier, namespace, checkpoint_id, name, new_offset, new_length)
+            for data in _decompress_item(stored, limit, f"{where}: the stored item at {old}"):
+                yield position, data
+                position += len(data)
         if position < size:
             yield position, bytes(size - position)
+
+
+class _StoredRange:
+    """Sequential reads of ``[start, start+length)`` of a stored object (for zstd)."""
+
+    def __init__(
+        self, tier: PersistentTier, namespace: str, checkpoint_id: str, name: str, start: int,
+        length: int,
+    ) -> None:  # fmt: skip
+        self._tier = tier
+        self._file = (namespace, checkpoint_id, name)
+        self._position = start
+        self._end = start + length
+        self._head = b""
+
+    def peek(self, n: int) -> bytes:
+        """Up to `n` bytes that the next `read` returns again."""
+        self._head = self.read(n)
+        return self._head
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            head, self._head = self._head, b""
+            return head
+        left = self._end - self._position
+        n = left if n < 0 else min(n, left)
+        if n <= 0:
+            return b""
+        data = self._tier.read_range(*self._file, self._position, min(n, READ_CHUNK))
+        self._position += len(data)
+        return data
+
+
+def _decompress_item(stored: _StoredRange, limit: int, what: str) -> Iterator[bytes]:
+    """The item's original bytes, at most `limit` of them and never more in memory than
+    one READ_CHUNK: the frame must declare its content size (ours always do) and be
+    complete."""
+    try:
+        declared = zstandard.frame_content_size(stored.peek(_ZSTD_HEADER_MAX))
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"{what} is not a zstd frame ({e})") from None
+    if declared < 0 or declared > limit:
+        raise ChecksumMismatch(
+            f"{what} declares {declared} bytes; the item has room for {limit} (a frame without "
+            "its size, or a tampered one)"
+        )
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        cast(IO[bytes], stored), read_size=READ_CHUNK, read_across_frames=False
+    )
+    got = 0
+    try:
+        while data := reader.read(min(READ_CHUNK, declared - got + 1)):
+            got += len(data)
+            if got > declared:
+                raise ChecksumMismatch(f"{what} decompresses past its declared size")
+            yield data
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"{what} is corrupt ({e})") from None
+    if got != declared:
+        raise ChecksumMismatch(f"{what} is truncated ({got} of {declared} bytes)")
+
+
+def check_stored_record(rec: CheckpointRecord, now: float) -> None:
+    """Refuse a manifest read back from the persistent tier whose numbers are out of
+    range (a tampered bucket): non-finite or future timestamps, a sequence or sizes
+    outside 0..2**63-1, checksums that do not cover the file.
+
+    Raises:
+        ManifestError: naming the field.
+    """
+    if rec.state is not State.COMMITTED:
+        raise ManifestError(f"state {rec.state.value} is not COMMITTED")
+    for field, t in (("created_unix", rec.created_unix), ("committed_unix", rec.committed_unix)):
+        if not math.isfinite(t) or not 0 <= t <= now + MAX_CLOCK_SKEW:
+            raise ManifestError(f"{field} {t!r} is not a time between 1970 and now")
+    if not 0 <= rec.sequence <= MAX_INT:
+        raise ManifestError(f"sequence {str(rec.sequence)[:32]} is outside 0..2**63-1")
+    if len(rec.files) > MAX_FILES:
+        raise ManifestError(f"{len(rec.files)} files, more than {MAX_FILES}")
+    total = 0
+    for f in rec.files.values():
+        if not 0 <= f.size <= MAX_INT or not 0 <= f.rank < 2**31:
+            raise ManifestError(f"{f.name}: size or rank out of range")
+        if f.checksums is None or f.checksums.block_count != f.checksums.expected_blocks(f.size):
+            raise ManifestError(f"{f.name}: its block checksums do not cover its {f.size} bytes")
+        total += f.size
+    if total > MAX_INT:
+        raise ManifestError(f"the files add up to {total} bytes, more than 2**63-1")

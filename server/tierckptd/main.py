@@ -4,6 +4,10 @@ Signal handlers only enqueue (gunicorn style); the main loop acts and logs, so n
 non-reentrant ever runs inside a handler. Order at start: lock the memory dir, adopt it,
 bind the sockets, health SERVING, READY=1. Order at stop: health NOT_SERVING, STOPPING=1,
 stop the servers with a grace period, remove the socket, release the lock.
+
+Logging never shows secrets: SIGHUP diffs are redacted (`config_changes`) and the S3
+client libraries stay at INFO even under `[log] level = "DEBUG"`, because botocore's
+DEBUG output carries request headers (X-Amz-Security-Token, the access key id).
 """
 
 from __future__ import annotations
@@ -19,17 +23,30 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tierckptd import __version__, auth, metrics
 from tierckptd.catalog import Catalog, Sweeper
-from tierckptd.config import Config, ConfigError, config_changes, format_size, load_config
+from tierckptd.config import (
+    Config,
+    ConfigError,
+    config_changes,
+    config_file_warnings,
+    exposure_warnings,
+    format_size,
+    load_config,
+    redact,
+)
 from tierckptd.drain import Drainer
 from tierckptd.health import Health
+from tierckptd.local_access import IsolationUnsupported, open_local_access
 from tierckptd.malloc_tuning import tune_malloc
 from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
 from tierckptd.peer_service import add_peer_service
 from tierckptd.peers import PEER_CHANNEL_OPTIONS, Cluster
 from tierckptd.persistent import PersistentTier, RetryPolicy
-from tierckptd.servers import AddressInUse, Servers, start_servers
+from tierckptd.servers import AddressInUse, Servers, parse_local, start_servers
 from tierckptd.systemd import sd_notify
 
 __all__ = ["Daemon", "main"]
@@ -38,6 +55,37 @@ logger = logging.getLogger(__name__)
 
 STOP_GRACE = 5.0
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Their DEBUG records carry credentials (signed headers, session tokens): never below INFO.
+QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3")
+PROBE_TIMEOUT = 3.0
+
+
+class _QuietBelowInfo(logging.Filter):
+    """Drops DEBUG records of QUIET_LOGGERS even if a library lowers its own level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.INFO or record.name.split(".", 1)[0] not in QUIET_LOGGERS
+
+
+def set_log_level(level: str) -> None:
+    """Set the root level, keeping the QUIET_LOGGERS at INFO or above."""
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+
+
+def setup_logging(config: Config) -> None:
+    """stderr logging (journald / kubectl logs) with the node id in every line."""
+    logging.basicConfig(
+        level=config.log.level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{config.node.id}] %(name)s: %(message)s",
+    )
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _QuietBelowInfo) for f in handler.filters):
+            handler.addFilter(_QuietBelowInfo())
+    set_log_level(config.log.level)
 
 
 class Daemon:
@@ -85,6 +133,7 @@ class Daemon:
             signal.signal(signum, self._on_signal)
         try:
             catalog.adopt()
+            access = open_local_access(cfg.security.local_isolation, catalog, cfg.node.id)
             metrics.bind_gauges(
                 cfg.memory.budget,
                 catalog.used_bytes,
@@ -127,8 +176,13 @@ class Daemon:
                 register_peer=lambda server: add_peer_service(cluster, server),
                 peer_security=auth.peer_server_security(cfg.security),
                 cluster=cluster,
+                access=access,
             )
-        except (AddressInUse, OSError) as e:
+        except ConfigError as e:  # [security] files unreadable or malformed
+            logger.error("%s", e)
+            tier.close()
+            return 2
+        except (AddressInUse, IsolationUnsupported, OSError) as e:
             logger.error("%s", e)
             tier.close()
             return 1
@@ -140,7 +194,9 @@ class Daemon:
             try:
                 self.drainer.adopt_durable()  # every memory tier gone: S3 still lists them
             except Exception as e:
-                logger.error("cannot list the persistent tier %s: %s", cfg.persistent.url, e)
+                logger.error(
+                    "cannot list the persistent tier %s: %s", redact(cfg.persistent.url), e
+                )
             self.drainer.resume()  # a restart mid-drain picks up where it stopped
             self.drainer.start()
         health.serving()
@@ -214,7 +270,7 @@ class Daemon:
             self.cluster.configure(new.peers, new.replication.copies)
             self.cluster.heal_interval = new.replication.heal_interval
         if new.log.level != self.config.log.level:
-            logging.getLogger().setLevel(new.log.level.upper())
+            set_log_level(new.log.level)
         self.config = new
 
     def _shutdown(
@@ -236,8 +292,32 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", metavar="PATH", help="TOML config file (default: built-in defaults)"
     )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="check the running daemon's health on [listen] local and exit 0 if SERVING "
+        "(for exec probes: Kubernetes' gRPC probes cannot speak TLS)",
+    )
     parser.add_argument("--version", action="version", version=f"tierckptd {__version__}")
     return parser
+
+
+def probe(config: Config) -> int:
+    """Exit status of a health probe against the daemon on `[listen] local`."""
+    address, _ = parse_local(config.listen.local)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT
+            )
+    except grpc.RpcError as e:
+        print(f"tierckptd --probe: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        print(f"tierckptd --probe: {address} is {status}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,10 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tierckptd: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log.level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [{config.node.id}] %(name)s: %(message)s",
-    )
+    if args.probe:
+        return probe(config)
+    setup_logging(config)
+    warnings = exposure_warnings(config)
+    if args.config:
+        warnings += config_file_warnings(args.config, config)
+    for warning in warnings:
+        logger.warning("%s", warning)
     tune_malloc()
     return Daemon(config, args.config).run()

@@ -7,12 +7,16 @@ complete manifest or none; a data directory without one is an unfinished save.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
 from tierckpt.checksum import BlockChecksums
+from tierckpt.errors import MemoryBudgetExceeded
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 
 from tierckptd.model import CheckpointRecord, FileRecord, State
@@ -28,6 +32,9 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+# Largest manifest read back from disk: digests of a 16 TiB checkpoint in 1 MiB blocks.
+MAX_MANIFEST_BYTES = 1 << 30
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ManifestError(ValueError):
@@ -35,24 +42,42 @@ class ManifestError(ValueError):
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o440) -> None:
-    """Replace `path` with `data` so a reader sees the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660)
+    """Replace `path` with `data` so a reader sees the old or the new file, never a mix.
+
+    The temp file has an unpredictable name and is created exclusively without following
+    links; on any failure it is removed, and a full filesystem (ENOSPC/EDQUOT) raises
+    MemoryBudgetExceeded (RESOURCE_EXHAUSTED) instead of a bare OSError.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise MemoryBudgetExceeded(
+                f"memory tier: the filesystem of {path.parent} is full (writing the manifest "
+                f"{path.name}); remove checkpoints (`tierckpt rm`), enlarge the tmpfs (size=) "
+                "or lower [memory] budget below the tmpfs size"
+            ) from e
+        raise
     fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:
     """Persist a rename/unlink in `path` (a no-op cost on tmpfs, required on disks)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -95,7 +120,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
     """Parse a manifest document; raises ManifestError naming what is wrong."""
     try:
         if doc["format"] != FORMAT_VERSION:
-            raise ManifestError(f"unsupported manifest format {doc['format']!r}")
+            raise ManifestError(f"unsupported manifest format {str(doc['format'])[:32]!r}")
         record = CheckpointRecord(
             namespace=check_namespace(doc["namespace"]),
             checkpoint_id=check_checkpoint_id(doc["checkpoint_id"]),
@@ -125,7 +150,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
     except ManifestError:
         raise
     except (KeyError, TypeError, ValueError) as e:
-        raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from e
+        raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from e
     return record
 
 
@@ -134,10 +159,25 @@ def write_manifest(path: Path, record: CheckpointRecord) -> None:
 
 
 def read_manifest(path: Path) -> CheckpointRecord:
+    """Parse the manifest at `path`; a link or non-regular file is refused, not followed."""
     try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ManifestError(f"cannot read manifest {path}: {e}") from e
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+                raise ManifestError(
+                    f"manifest {path.name} is not a regular file of at most "
+                    f"{MAX_MANIFEST_BYTES} bytes"
+                )
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_MANIFEST_BYTES + 1)
+        finally:
+            os.close(fd)
+        doc = json.loads(raw)
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {path.name}: {os.strerror(e.errno or 0)}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"cannot read manifest {path.name}: {str(e)[:200]}") from e
     if not isinstance(doc, dict):
-        raise ManifestError(f"manifest {path} is not a JSON object")
+        raise ManifestError(f"manifest {path.name} is not a JSON object")
     return from_json(doc)

@@ -5,11 +5,19 @@ Layout under `memory.dir`::
     .lock                                    flock held by the one daemon using the dir
     data/<namespace>/<checkpoint_id>/<file>  DCP files (``__0_0.distcp``, ``.metadata``)
     manifests/<namespace>/<checkpoint_id>.json
-    pool/seg-<n>                             warm segments recycled from evicted files
+    pool/seg-<n>@<namespace>                 warm segments recycled from evicted files
 
 Writing into a fresh tmpfs file costs a page fault and a zeroed page per 4 KiB, about 4x
 slower than overwriting pages that are already allocated, so evicted and deleted files
-are renamed into the pool and handed to the next save instead of being unlinked.
+are renamed into the pool and handed to the next save instead of being unlinked. A
+segment is handed only to the namespace it last served (``seg-<n>@`` is a fresh one from
+prewarm): another job must never read a previous tenant's bytes, nor share an inode with
+a tenant that kept a descriptor open.
+
+Nothing here follows a symlink: paths are built from validated names and checked to
+stay under the root, files are opened with O_NOFOLLOW and changed through their fds, and
+directories are not group-writable (ranks only write files the daemon created), so a
+member of the daemon's group cannot plant links or swap files.
 
 This class is not thread-safe: the catalog calls it under its lock, except for hashing
 (`verify_file`) and preallocation (`preallocate`), which are long and run outside.
@@ -17,49 +25,110 @@ This class is not thread-safe: the catalog calls it under its lock, except for h
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
+import signal
+import stat
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tierckpt.checksum import ALGORITHM, BlockChecksums, BlockHasher
+from tierckpt.errors import CheckpointIncomplete, InvalidName, MemoryBudgetExceeded, TierckptError
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 
-__all__ = ["DIR_MODE", "MemoryTier", "MemoryTierLocked", "Segment"]
+__all__ = [
+    "COMMITTED_MODE",
+    "DIR_MODE",
+    "MemoryTier",
+    "MemoryTierLocked",
+    "Segment",
+    "UnsafePath",
+    "no_space",
+]
 
 logger = logging.getLogger(__name__)
 
 _TOUCH_CHUNK = 1 << 20
 
-DIR_MODE = 0o2770
+# setgid so files keep the daemon's group; not group-writable: only the daemon creates,
+# renames or unlinks entries.
+DIR_MODE = 0o2750
 WRITING_MODE = 0o660
 COMMITTED_MODE = 0o440
+POOL_MODE = 0o600
 _READ_CHUNK = 8 << 20
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_SEGMENT = re.compile(r"seg-(\d+)@([A-Za-z0-9._-]{0,128})")
 
 
 class MemoryTierLocked(RuntimeError):
     """Another daemon holds the memory directory."""
 
 
+class UnsafePath(InvalidName):
+    """A memory-tier path that is a symlink, not a regular file, or resolves outside
+    `memory.dir`: refused rather than followed."""
+
+
+def no_space(error: OSError, what: str, where: Path) -> TierckptError | OSError:
+    """ENOSPC/EDQUOT as MemoryBudgetExceeded (RESOURCE_EXHAUSTED) naming the memory tier
+    and its filesystem; any other OSError unchanged."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    return MemoryBudgetExceeded(
+        f"memory tier: the filesystem of the memory dir {where} is full ({what}); remove "
+        "checkpoints (`tierckpt rm`), enlarge the tmpfs (size=) or lower [memory] budget "
+        "below the tmpfs size"
+    )
+
+
 @dataclass
 class Segment:
-    """A warm pooled file; `previous_name` is the DCP file it last held (None if unknown)."""
+    """A warm pooled file; `previous_name` is the DCP file it last held (None if unknown)
+    and `namespace` the job it last served ("" for a fresh, never handed out segment)."""
 
     path: Path
     size: int
     previous_name: str | None = None
+    namespace: str = ""
+
+
+def _fchmod_dir(path: Path | str, mode: int | None = None) -> None:
+    """chmod a real directory through its fd; `mode` None clears only the group and
+    other write bits (a stricter mode set by local isolation is kept)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    try:
+        current = stat.S_IMODE(os.fstat(fd).st_mode)
+        wanted = current & ~0o022 if mode is None else mode
+        if wanted != current:
+            os.fchmod(fd, wanted)
+    finally:
+        os.close(fd)
 
 
 class MemoryTier:
     """Owns `memory.dir`: paths, the directory lock, raw file operations and the pool."""
+
+    _lease_warned = False
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).absolute()
         self.segments: list[Segment] = []
         self._lock_fd: int | None = None
         self._next_segment = 0
+        # Called with the namespace right after data/<namespace> is created (local
+        # isolation restricts it to its owner before any file exists in it).
+        self.on_namespace_dir: Callable[[str], None] | None = None
+        # Pool segments are always handed back only to the namespace that last held
+        # them; kept as an attribute for callers that state it.
+        self.recycle_within_namespace = True
 
     # ---- layout ---------------------------------------------------------------------
     @property
@@ -74,19 +143,73 @@ class MemoryTier:
     def pool_dir(self) -> Path:
         return self.root / "pool"
 
+    def _under_root(self, path: Path) -> Path:
+        """`path` if it stays under the root lexically (names are validated, so it does;
+        this guards the next caller that forgets)."""
+        normal = os.path.normpath(path)
+        if os.path.commonpath([normal, self.root]) != str(self.root) or normal == str(self.root):
+            raise UnsafePath(f"memory tier path {str(path)[:200]!r} leaves memory.dir")
+        return path
+
     def data_dir(self, namespace: str, checkpoint_id: str) -> Path:
-        return self.data_root / namespace / checkpoint_id
+        ns, cid = check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+        return self._under_root(self.data_root / ns / cid)
 
     def file_path(self, namespace: str, checkpoint_id: str, name: str) -> Path:
-        return self.data_dir(namespace, checkpoint_id) / name
+        return self._under_root(self.data_dir(namespace, checkpoint_id) / check_file_name(name))
+
+    def incoming_path(self, namespace: str, checkpoint_id: str, name: str) -> Path:
+        """Where a copy of `name` arriving from another tier is written until installed."""
+        directory = self.data_dir(namespace, checkpoint_id)
+        return self._under_root(directory / f".{check_file_name(name)}.incoming")
 
     def manifest_path(self, namespace: str, checkpoint_id: str) -> Path:
-        return self.manifest_root / namespace / f"{checkpoint_id}.json"
+        ns, cid = check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+        return self._under_root(self.manifest_root / ns / f"{cid}.json")
+
+    def check_no_links(self, path: Path) -> None:
+        """Refuse `path` when a directory between the root and it is a symlink (the
+        root itself may be one: that is the operator's choice)."""
+        parent = path.parent
+        try:
+            rel = parent.relative_to(self.root)
+        except ValueError:
+            raise UnsafePath(f"memory tier path {str(path)[:200]!r} leaves memory.dir") from None
+        expected = os.path.normpath(os.path.join(os.path.realpath(self.root), rel))
+        if os.path.realpath(parent) != expected:
+            raise UnsafePath(
+                f"memory tier path {str(path)[:200]!r} goes through a symbolic link; "
+                "refusing to follow it"
+            )
 
     def make_dir(self, path: Path) -> None:
-        """Create `path` and its parents with the setgid group-shared mode (umask-proof)."""
+        """Create `path` and its parents under the root with DIR_MODE (umask-proof);
+        an existing component that is not a real directory is refused."""
+        if path == self.root or self.root not in path.parents:
+            self._make_root()
+            if path == self.root:
+                return
+            raise UnsafePath(f"memory tier directory {str(path)[:200]!r} leaves memory.dir")
+        self._make_root()
+        current = self.root
+        for part in path.relative_to(self.root).parts:
+            current = current / part
+            try:
+                os.mkdir(current, DIR_MODE)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(current).st_mode):
+                    raise UnsafePath(
+                        f"memory tier path {str(current)[:200]!r} is not a directory "
+                        "(a symbolic link?); refusing to follow it"
+                    ) from None
+                continue
+            _fchmod_dir(current, DIR_MODE)
+            if current.parent == self.data_root and self.on_namespace_dir is not None:
+                self.on_namespace_dir(part)
+
+    def _make_root(self) -> None:
         missing = []
-        p = path
+        p = self.root
         while not p.exists():
             missing.append(p)
             p = p.parent
@@ -97,24 +220,54 @@ class MemoryTier:
                 continue
             os.chmod(d, DIR_MODE)
 
+    def _ensure_layout_dir(self, path: Path) -> None:
+        """data/, manifests/, pool/: real directories, not group-writable (fixes the 2770
+        of older versions; a planted link is removed, not followed)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self.make_dir(path)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            logger.warning("removing %s: not a directory (a symbolic link?)", path)
+            path.unlink()
+            self.make_dir(path)
+            return
+        if st.st_mode & 0o022:
+            _fchmod_dir(path)
+
     def open_layout(self) -> None:
         """Create the layout and take the exclusive lock; raises MemoryTierLocked."""
         self.make_dir(self.root)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o660)
+        st = os.stat(self.root)
+        if st.st_mode & 0o022:
+            if st.st_uid == os.geteuid():
+                os.chmod(self.root, stat.S_IMODE(st.st_mode) & ~0o022)
+            else:
+                logger.warning(
+                    "memory dir %s is group- or world-writable and not ours to chmod: "
+                    "anyone in its group can plant files there; make it mode 2750",
+                    self.root,
+                )
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o640)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise MemoryTierLocked(
-                f"memory dir {self.root} is in use by another tierckptd ({holder}); stop that "
-                "daemon or give this one its own [memory] dir"
+                f"memory dir {self.root} is in use by another tierckptd ({holder[:64]}); stop "
+                "that daemon or give this one its own [memory] dir"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
         self._lock_fd = fd
         for d in (self.data_root, self.manifest_root, self.pool_dir):
-            self.make_dir(d)
+            self._ensure_layout_dir(d)
+        # A lease break (someone opening a file for writing while we check it at commit)
+        # signals SIGIO, whose default action kills the process.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGIO, signal.SIG_IGN)
 
     def close(self) -> None:
         """Release the directory lock (the kernel also drops it when the process dies)."""
@@ -127,75 +280,243 @@ class MemoryTier:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
+    def total_bytes(self) -> int:
+        """Size of the filesystem holding the memory dir (tmpfs: its size=)."""
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize
+
     # ---- files ------------------------------------------------------------------------
+    def _open_regular(self, path: Path, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+        """An fd on `path` and its fstat; UnsafePath for a symlink or a non-regular file
+        (O_NONBLOCK: opening a planted FIFO must not hang)."""
+        self.check_no_links(path)
+        try:
+            fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePath(
+                    f"memory tier file {path.name!r} is a symbolic link; refusing to follow it"
+                ) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise UnsafePath(f"memory tier file {path.name!r} is not a regular file")
+        return fd, st
+
     def create_file(self, path: Path) -> None:
         """Create an empty, exclusive data file writable by the group (the ranks)."""
-        self.make_dir(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, WRITING_MODE)
-        os.fchmod(fd, WRITING_MODE)
-        os.close(fd)
+        try:
+            self.make_dir(path.parent)
+            self.check_no_links(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, WRITING_MODE)
+        except OSError as e:
+            raise no_space(e, f"creating {path.name}", self.root) from e
+        try:
+            os.fchmod(fd, WRITING_MODE)
+        finally:
+            os.close(fd)
 
-    def seal_file(self, path: Path) -> None:
-        """Make a committed file read-only: committed checkpoints are immutable."""
-        os.chmod(path, COMMITTED_MODE)
+    def seal_file(
+        self,
+        path: Path,
+        check: Callable[[os.stat_result], None] | None = None,
+        *,
+        exclusive: bool = True,
+    ) -> os.stat_result:
+        """Make a committed file read-only through its fd; returns its stat.
+
+        `exclusive`: also prove that nobody holds it open for writing (or mapped
+        writable): a read lease is refused while a writer exists. The mode changes first,
+        so once the lease is granted no non-owner can open it for writing any more, and
+        `check` (the size) runs on a file nobody can change. A failed check or lease
+        gives the file back to its writer (mode restored) and raises.
+        """
+        fd, st = self._open_regular(path)
+        try:
+            if st.st_uid != os.geteuid() or st.st_nlink != 1:
+                raise UnsafePath(
+                    f"memory tier file {path.name!r} was replaced (owner uid {st.st_uid}, "
+                    f"{st.st_nlink} links): only files the daemon created are committed"
+                )
+            mode = stat.S_IMODE(st.st_mode)
+            os.fchmod(fd, COMMITTED_MODE)
+            try:
+                leased = exclusive and self._take_read_lease(fd, path)
+                try:
+                    st = os.fstat(fd)
+                    if check is not None:
+                        check(st)
+                finally:
+                    if leased:
+                        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            except BaseException:
+                os.fchmod(fd, mode)
+                raise
+            return st
+        finally:
+            os.close(fd)
+
+    def _take_read_lease(self, fd: int, path: Path) -> bool:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EBUSY):
+                raise CheckpointIncomplete(
+                    f"file {path.name} is still open for writing (or mapped writable) by a "
+                    "process: close the file before CommitFile; a committed file is immutable"
+                ) from None
+            if not MemoryTier._lease_warned:
+                MemoryTier._lease_warned = True
+                logger.warning(
+                    "the filesystem of %s does not grant file leases (%s): a rank that keeps "
+                    "a file open after CommitFile cannot be detected",
+                    self.root,
+                    os.strerror(e.errno or 0),
+                )
+            return False
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETOWN, 0)  # a lease break signals nobody
+        except OSError:
+            pass
+        return True
+
+    def allocated_bytes(self, path: Path) -> int:
+        """Bytes of pages a file holds (0 if it does not exist); never follows a link."""
+        try:
+            return os.lstat(path).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def remove_file(self, path: Path) -> None:
+        """Unlink a file or a planted link (never its target); missing is fine."""
+        self.check_no_links(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def install(self, src: Path, dest: Path) -> None:
+        """Rename a regular file over `dest` (an incoming copy becoming the held file)."""
+        self.check_no_links(src)
+        self.check_no_links(dest)
+        if not stat.S_ISREG(os.lstat(src).st_mode):
+            raise UnsafePath(f"memory tier file {src.name!r} is not a regular file")
+        os.replace(src, dest)
 
     def remove_checkpoint_dir(self, namespace: str, checkpoint_id: str) -> None:
-        """Remove what is left of a checkpoint's data dir and the namespace dir if empty."""
+        """Remove what is left of a checkpoint's data dir and the namespace dir if empty.
+        A link in its place is unlinked, never followed (rmtree does not follow links
+        below the top either)."""
         d = self.data_dir(namespace, checkpoint_id)
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            self.check_no_links(d)
+            st = os.lstat(d)
+        except (FileNotFoundError, UnsafePath):
+            st = None
+        if st is not None:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
         for parent in (d.parent, self.manifest_root / namespace):
             try:
                 parent.rmdir()
             except OSError:
                 pass
 
+    # ---- adoption scans ---------------------------------------------------------------
+    def entries(self, directory: Path) -> Iterator[os.DirEntry[str]]:
+        """Entries of a real directory, sorted, never following links; missing is empty."""
+        try:
+            with os.scandir(directory) as it:
+                found = list(it)
+        except FileNotFoundError:
+            return iter(())
+        return iter(sorted(found, key=lambda e: e.name))
+
+    def remove_entry(self, entry: os.DirEntry[str], why: str) -> None:
+        """Remove an entry the layout does not allow, without following it."""
+        logger.warning("removing %s from the memory dir: %s", entry.path[:300], why)
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+    def fix_dir_mode(self, entry: os.DirEntry[str]) -> None:
+        """A real directory of an older version (2770) loses its group write bit."""
+        if entry.stat(follow_symlinks=False).st_mode & 0o022:
+            _fchmod_dir(entry.path)
+
     # ---- pool -------------------------------------------------------------------------
     @property
     def pool_bytes(self) -> int:
         return sum(s.size for s in self.segments)
 
-    def _segment_path(self) -> Path:
-        path = self.pool_dir / f"seg-{self._next_segment}"
+    def _segment_path(self, namespace: str) -> Path:
+        path = self.pool_dir / f"seg-{self._next_segment}@{namespace}"
         self._next_segment += 1
         return path
 
-    def to_pool(self, path: Path, previous_name: str | None) -> Segment | None:
-        """Move a data file into the pool; returns the new segment (None if it vanished)."""
+    def to_pool(self, path: Path, previous_name: str | None, namespace: str) -> Segment | None:
+        """Move a data file into the pool for reuse by `namespace` only; returns the new
+        segment (None if it vanished, was empty, or was not a regular file: unlinked)."""
         try:
-            size = path.stat().st_size
-            dest = self._segment_path()
-            os.chmod(path, WRITING_MODE)
-            os.rename(path, dest)
+            fd, st = self._open_regular(path)
         except FileNotFoundError:
             return None
-        seg = Segment(dest, size, previous_name)
-        if size == 0:
-            dest.unlink(missing_ok=True)
+        except UnsafePath as e:
+            logger.warning("%s; unlinking it", e)
+            self.remove_file(path)
             return None
+        try:
+            if st.st_size == 0 or st.st_uid != os.geteuid() or st.st_nlink != 1:
+                self.remove_file(path)
+                return None
+            os.fchmod(fd, POOL_MODE)  # nobody opens a pooled segment but the daemon
+            dest = self._segment_path(namespace)
+            os.rename(path, dest)
+        finally:
+            os.close(fd)
+        seg = Segment(dest, st.st_size, previous_name, namespace)
         self.segments.append(seg)
         return seg
 
-    def pick_segment(self, file_name: str, remaining: int) -> Segment | None:
-        """Best segment for a new file given the rank's remaining reservation.
+    def pick_segment(self, file_name: str, remaining: int, namespace: str) -> Segment | None:
+        """Best segment of `namespace` (or a fresh one) for a new file given the rank's
+        remaining reservation.
 
         Prefer the segment that last held a file of the same name (a periodic save writes
         the same files with the same sizes), allowing 25% slack; else the largest segment
         that fits in the reservation; else none.
         """
-        same = [
-            s for s in self.segments if s.previous_name == file_name and s.size <= remaining * 1.25
-        ]
+        mine = [s for s in self.segments if s.namespace in (namespace, "")]
+        same = [s for s in mine if s.previous_name == file_name and s.size <= remaining * 1.25]
         if same:
             return max(same, key=lambda s: s.size)
-        fitting = [s for s in self.segments if s.size <= remaining]
+        fitting = [s for s in mine if s.size <= remaining]
         return max(fitting, key=lambda s: s.size) if fitting else None
 
     def take_segment(self, seg: Segment, dest: Path) -> None:
         """Rename a pooled segment to a data path; its pages stay allocated."""
-        self.make_dir(dest.parent)
+        try:
+            self.make_dir(dest.parent)
+        except OSError as e:
+            raise no_space(e, f"creating the directory of {dest.name}", self.root) from e
+        self.check_no_links(dest)
         self.segments.remove(seg)
+        if not stat.S_ISREG(os.lstat(seg.path).st_mode):
+            seg.path.unlink()
+            raise UnsafePath(f"pool segment {seg.path.name!r} is not a regular file")
         os.rename(seg.path, dest)
-        os.chmod(dest, WRITING_MODE)
+        fd, _ = self._open_regular(dest)
+        try:
+            os.fchmod(fd, WRITING_MODE)
+        finally:
+            os.close(fd)
 
     def drop_largest(self) -> int:
         """Unlink the largest segment (fewest unlinks to free space); returns bytes freed."""
@@ -207,26 +528,25 @@ class MemoryTier:
         return seg.size
 
     def adopt_pool(self) -> None:
-        """Re-adopt warm segments left by a previous daemon; drop half-made prewarm files."""
+        """Re-adopt warm segments left by a previous daemon; drop half-made prewarm files,
+        segments of an unknown namespace (older versions) and anything not a regular file."""
         self.segments.clear()
-        for p in sorted(self.pool_dir.iterdir()):
-            if p.name.startswith("seg-") and p.name[4:].isdigit() and p.is_file():
-                self._next_segment = max(self._next_segment, int(p.name[4:]) + 1)
-                size = p.stat().st_size
-                if size:
-                    self.segments.append(Segment(p, size))
-                else:
-                    p.unlink()
+        for entry in self.entries(self.pool_dir):
+            match = _SEGMENT.fullmatch(entry.name)
+            if not match or not entry.is_file(follow_symlinks=False):
+                self.remove_entry(entry, "not a pool segment")
+                continue
+            number, namespace = int(match.group(1)), match.group(2)
+            self._next_segment = max(self._next_segment, number + 1)
+            size = entry.stat(follow_symlinks=False).st_size
+            if size and namespace not in (".", ".."):
+                self.segments.append(Segment(Path(entry.path), size, None, namespace))
             else:
-                logger.info("removing stray pool entry %s", p)
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+                os.unlink(entry.path)
 
     def new_prewarm_path(self) -> tuple[Path, Path]:
         """(temporary path, final segment path) for a segment being preallocated."""
-        final = self._segment_path()
+        final = self._segment_path("")
         return self.pool_dir / f".prewarm-{final.name}", final
 
     @staticmethod
@@ -235,7 +555,7 @@ class MemoryTier:
         lock). posix_fallocate reserves the pages (ENOSPC up front); writing them makes
         them resident, since fallocated tmpfs pages are only touched at first write and a
         VM host may back guest memory only on first touch (3 s/GiB measured here)."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, WRITING_MODE)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, POOL_MODE)
         try:
             os.posix_fallocate(fd, 0, size)
             zeros = memoryview(bytes(min(size, _TOUCH_CHUNK)))
@@ -245,21 +565,22 @@ class MemoryTier:
             os.close(fd)
 
     # ---- verification -----------------------------------------------------------------
-    @staticmethod
-    def verify_file(path: Path, size: int, checksums: BlockChecksums) -> tuple[bool, str]:
+    def verify_file(self, path: Path, size: int, checksums: BlockChecksums) -> tuple[bool, str]:
         """Re-hash `path` and compare with `checksums`; returns (ok, reason)."""
         if checksums.algorithm != ALGORITHM:
-            return False, f"unsupported algorithm {checksums.algorithm}"
+            return False, f"unsupported algorithm {checksums.algorithm[:32]!r}"
         try:
-            actual = path.stat().st_size
+            fd, st = self._open_regular(path)
         except FileNotFoundError:
             return False, "file is missing"
-        if actual != size:
-            return False, f"size is {actual} bytes, manifest says {size}"
-        hasher = BlockHasher(checksums.block_size)
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        with open(path, "rb", buffering=0) as f:
+        except UnsafePath as e:
+            return False, str(e)
+        with open(fd, "rb", buffering=0, closefd=True) as f:
+            if st.st_size != size:
+                return False, f"size is {st.st_size} bytes, manifest says {size}"
+            hasher = BlockHasher(checksums.block_size)
+            buf = bytearray(_READ_CHUNK)
+            view = memoryview(buf)
             while n := f.readinto(buf):
                 hasher.update(view[:n])
         got = hasher.finish()

@@ -18,9 +18,13 @@ __all__ = [
     "CORRUPT_COPIES",
     "FETCHED_BYTES",
     "EVICTIONS",
+    "MALFORMED_REQUESTS",
     "RECYCLED_BYTES",
     "REJECTED_SAVES",
     "REPLICATED_BYTES",
+    "REFUSED_METADATA",
+    "DRAIN_FAILED",
+    "PEER_REFUSED",
     "UNDER_REPLICATED",
     "bind_gauges",
     "serve",
@@ -50,6 +54,26 @@ UNDER_REPLICATED = Gauge(
     "tierckpt_under_replicated_checkpoints",
     "Checkpoints whose files have fewer than k extra copies (or none at all)",
 )
+MALFORMED_REQUESTS = Counter(
+    "tierckpt_malformed_requests",
+    "Requests that are not valid protobuf, refused with INVALID_ARGUMENT",
+    ["service"],
+)
+REFUSED_METADATA = Counter(
+    "tierckpt_refused_metadata",
+    ".metadata files refused by the allow-list decoder (never unpickled), by where",
+    ["where"],
+)
+DRAIN_FAILED = Gauge(
+    "tierckpt_drain_failed_checkpoints",
+    "Checkpoints the drain gave up on (refused, or failing for a long time); see tierckpt ls",
+)
+PEER_REFUSED = Counter(
+    "tierckpt_peer_refused",
+    "Peer calls and peer-sent manifests refused (unknown peer, not authorized, invalid, "
+    "conflicting, over budget, busy), by reason",
+    ["reason"],
+)
 
 
 def bind_gauges(
@@ -70,7 +94,7 @@ def bind_gauges(
 def serve(listen: str) -> int:
     """Start the /metrics HTTP endpoint on "host:port"; returns the bound port."""
     host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host or "0.0.0.0")
+    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1")
     bound = int(server.server_address[1])
-    logger.info("metrics on http://%s:%s/metrics", host or "0.0.0.0", bound)
+    logger.info("metrics on http://%s:%s/metrics", host or "127.0.0.1", bound)
     return bound

@@ -1,142 +1,399 @@
 """PeerService servicer: daemon <-> daemon on the peer listener (never the local socket).
 
-Wire <-> domain translation only; every action lives in `peers.Cluster`. A domain error
-becomes its gRPC status through the one table in `tierckpt.errors` (a corrupt copy is
-DATA_LOSS, so a fetcher falls through to the next holder).
+Wire <-> domain translation and per-call authorization; every action lives in
+`peers.Cluster`. A domain error becomes its gRPC status through the one table in
+`tierckpt.errors` (a corrupt copy is DATA_LOSS, so a fetcher falls through to the next
+holder); anything else is INTERNAL with a fixed message (the details stay in this node's
+log, bounded). Every request was decoded by `chunk_wire.register_peer_service` after
+`guard` admitted the call, and every name and number in it is validated here
+(`tierckptd.wire`) before it is used.
+
+Authorization (DESIGN.md invariant 10). The caller is the configured peer its verified
+client cert names (mutual TLS), or the one it claims to be (`auth.caller_names`); a
+caller that is no configured peer is refused every call (PERMISSION_DENIED). Then:
+
+- PublishCheckpoint: only by the checkpoint's coordinator (the owner of its `.metadata`,
+  `placement.coordinator_of`). A publish by another member is taken as a hint: the
+  manifest adopted is the one the coordinator itself answers with.
+- PushFile: only by the file's owner or a listed holder of a copy.
+- UpdateReplicas: by the file's owner or a listed holder, naming configured members
+  only; any other member may only add itself (it fetched a copy).
+- Holdings, FetchFile, ListManifests: any member.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from contextlib import contextmanager
+from typing import Any, NoReturn, TypeVar
 
 import grpc
-from tierckpt.checksum import BlockChecksums
-from tierckpt.errors import CheckpointIncomplete, InvalidArgument, TierckptError, status_of
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    InvalidArgument,
+    PermissionDenied,
+    TierckptError,
+    status_of,
+)
+from tierckpt.names import check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
+from tierckptd import metrics
+from tierckptd.auth import caller_names
 from tierckptd.chunk_wire import Chunk, register_peer_service
-from tierckptd.peers import Cluster
-from tierckptd.wire import to_info
+from tierckptd.model import FileRecord, State
+from tierckptd.peer_guard import Admission, Ticket, Watchdog
+from tierckptd.peers import TRANSFER_TIMEOUT, Cluster
+from tierckptd.placement import coordinator_of
+from tierckptd.wire import (
+    MAX_REPLICAS,
+    bounded,
+    check_node_id,
+    check_ref,
+    file_from_entry,
+    record_from_info,
+    to_info,
+)
 
-__all__ = ["PeerService", "add_peer_service"]
+__all__ = [
+    "MAX_IN_FLIGHT",
+    "MAX_PER_PEER",
+    "STALL_TIMEOUT",
+    "WORKERS",
+    "PeerService",
+    "add_peer_service",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# PeerService calls in flight, in total and per calling node; the peer server runs
+# WORKERS threads, so HEALTH_THREADS are always free for grpc.health.v1 (liveness probes
+# call it on the peer port). A restore fetches a file per rank at a time, a push one file.
+MAX_IN_FLIGHT = 24
+MAX_PER_PEER = 12
+HEALTH_THREADS = 8
+WORKERS = MAX_IN_FLIGHT + HEALTH_THREADS
+# A call with no message in or out for this long is cancelled (a push stepping aside
+# for a save sends a heartbeat every peers.HEARTBEAT seconds).
+STALL_TIMEOUT = 20.0
 
-def _abort(context: Any, method: str, e: BaseException) -> None:
-    if isinstance(e, TierckptError):
-        logger.info("peer %s refused: %s", method, e)
-        context.abort(status_of(e), str(e))
-    logger.error("peer %s failed", method, exc_info=e)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the peer: {e!r}")
+_REASONS = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.PERMISSION_DENIED: "permission",
+    grpc.StatusCode.FAILED_PRECONDITION: "conflict",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "budget",
+}
+
+
+class _LogBudget:
+    """At most `burst` log lines per `window` seconds (a flood of refusals must not
+    flood the log); the count of the ones left out is logged with the next one."""
+
+    def __init__(self, burst: int = 20, window: float = 10.0) -> None:
+        self.burst, self.window = burst, window
+        self._lock = threading.Lock()
+        self._start, self._used, self._dropped = 0.0, 0, 0
+
+    def take(self) -> tuple[bool, int]:
+        """(may log now, lines left out before this one)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._start > self.window:
+                self._start, self._used = now, 0
+            if self._used >= self.burst:
+                self._dropped += 1
+                return False, 0
+            self._used += 1
+            dropped, self._dropped = self._dropped, 0
+            return True, dropped
 
 
 class PeerService:
     """The PeerService methods (registered by `chunk_wire.register_peer_service`)."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        stall_timeout: float = STALL_TIMEOUT,
+        call_limit: float = TRANSFER_TIMEOUT,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        max_per_peer: int = MAX_PER_PEER,
+    ) -> None:
         self.cluster = cluster
         self.catalog = cluster.catalog
+        self.stall_timeout = stall_timeout
+        self.call_limit = call_limit
+        self.admission = Admission(max_in_flight, max_per_peer)
+        self.watchdog = Watchdog()
+        self._log = _LogBudget()
+        self._traced: set[tuple[str, str]] = set()
 
-    @staticmethod
-    def _call(context: Any, method: str, fn: Callable[[], T]) -> T:
+    # ---- who calls, and may it --------------------------------------------------------
+    def caller(self, context: Any) -> str:
+        """The configured peer making this call; PermissionDenied for anyone else."""
+        mutual_tls = self.cluster.mutual_tls
+        names = list(dict.fromkeys(caller_names(context, mutual_tls=mutual_tls)))
+        members = self.cluster.members
+        matched = [n for n in names if n in members]
+        if len(matched) == 1 and matched[0] != self.cluster.node_id:
+            return matched[0]
+        shown = bounded(", ".join(n[:64] for n in names[:4]) or "none", 300)
+        if matched:
+            raise PermissionDenied(
+                f"the caller names {'several nodes' if len(matched) > 1 else 'this node'} "
+                f"({shown}) on node {self.cluster.node_id}: each node needs its own "
+                "certificate, naming only its node id"
+            )
+        if mutual_tls:
+            raise PermissionDenied(
+                f"node {self.cluster.node_id} refuses a peer whose certificate names no "
+                f"configured peer (names: {shown}): its subjectAltName must be a node id "
+                "listed in [[peers]]"
+            )
+        raise PermissionDenied(
+            f"node {self.cluster.node_id} refuses a peer call from a node that is not in its "
+            f"[[peers]] (claimed: {shown}); peers send their [node] id in x-tierckpt-node"
+        )
+
+    @contextmanager
+    def guard(self, method: str, context: Any) -> Iterator[Ticket]:
+        """Before any request byte is read: identify the caller, admit the call within
+        the per-peer and total limits, and watch it for stalls (peer_guard)."""
+        try:
+            caller = self.caller(context)
+        except PermissionDenied as e:
+            self._refuse(context, method, "unknown-peer", grpc.StatusCode.PERMISSION_DENIED, e)
+        if not self.admission.enter(caller):
+            self._refuse(
+                context,
+                method,
+                "busy",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"node {self.cluster.node_id} is serving its limit of peer calls "
+                f"({self.admission.per_peer} per peer, {self.admission.total} in all); retry later",
+            )
+        key = self.watchdog.watch(
+            context.cancel, f"peer {method} from {caller}", self.stall_timeout, self.call_limit
+        )
+        try:
+            yield self.watchdog.ticket(key)
+        finally:
+            self.watchdog.done(key)
+            self.admission.leave(caller)
+
+    def _refuse(
+        self,
+        context: Any,
+        method: str,
+        reason: str,
+        code: grpc.StatusCode,
+        why: BaseException | str,
+    ) -> NoReturn:
+        message = bounded(str(why))
+        metrics.PEER_REFUSED.labels(reason=reason).inc()
+        self._note(logging.INFO, "peer %s refused: %s", method, message)
+        context.abort(code, message)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def _note(self, level: int, fmt: str, *args: object, exc: BaseException | None = None) -> None:
+        ok, dropped = self._log.take()
+        if ok:
+            if dropped:
+                logger.log(level, "(%d similar peer log lines left out)", dropped)
+            logger.log(level, fmt, *args, exc_info=exc)
+
+    def _abort(self, context: Any, method: str, e: BaseException) -> NoReturn:
+        if isinstance(e, grpc.RpcError) or context.code() is not None:
+            raise e  # the call was cancelled (a stalled stream) or already aborted
+        if isinstance(e, TierckptError):
+            code = status_of(e)
+            if code in _REASONS:
+                self._refuse(context, method, _REASONS[code], code, e)
+            message = bounded(str(e))
+            self._note(logging.INFO, "peer %s: %s", method, message)
+            context.abort(code, message)
+        # A bug, not the caller's fault: a fixed message out, the details in our log
+        # (a traceback the first time per method and kind of error).
+        kind = (method, type(e).__name__)
+        first = kind not in self._traced and len(self._traced) < 256
+        self._traced.add(kind)
+        self._note(
+            logging.ERROR,
+            "peer %s failed: %s",
+            method,
+            bounded(repr(e)),
+            exc=e if first else None,
+        )
+        context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"{method} failed on node {self.cluster.node_id} (an internal error; see its log)",
+        )
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def _call(self, context: Any, method: str, fn: Callable[[], T]) -> T:
+        """Run `fn` (which validates, acts and builds the response) with every error
+        mapped to its status: nothing raises outside this (audit M1)."""
         try:
             return fn()
         except Exception as e:
-            _abort(context, method, e)
-        raise AssertionError("context.abort returned")  # pragma: no cover
+            self._abort(context, method, e)
 
+    def _file(self, namespace: str, checkpoint_id: str, name: str) -> FileRecord:
+        return self.catalog.file_view(namespace, checkpoint_id, name)[0]
+
+    # ---- methods ----------------------------------------------------------------------
     def Holdings(
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> peer_pb2.HoldingsResponse:
-        return self._call(
-            context,
-            "Holdings",
-            lambda: self.cluster.holdings(request.namespace, request.checkpoint_id),
-        )
+        return self._call(context, "Holdings", lambda: self.cluster.holdings(*check_ref(request)))
 
     def PublishCheckpoint(
         self, request: common_pb2.CheckpointInfo, context: Any
     ) -> peer_pb2.PublishCheckpointResponse:
-        def publish() -> None:
-            if not self.cluster.published(request):
-                raise CheckpointIncomplete(
-                    f"{request.ref.namespace}/{request.ref.checkpoint_id} was deleted on node "
-                    f"{self.cluster.node_id}; it does not take it back"
+        def publish() -> peer_pb2.PublishCheckpointResponse:
+            caller = self.caller(context)
+            rec = record_from_info(request)
+            self._members_only(rec.files.values())
+            coordinator = coordinator_of(rec.files)
+            what = f"{rec.namespace}/{rec.checkpoint_id}"
+            if coordinator == self.cluster.node_id:
+                raise PermissionDenied(
+                    f"{what} is coordinated by node {self.cluster.node_id} itself (it owns the "
+                    f".metadata); node {caller} cannot publish it here"
                 )
+            if caller != coordinator:
+                state, _ = self.catalog.holdings(rec.namespace, rec.checkpoint_id)
+                if state is State.COMMITTED:
+                    return peer_pb2.PublishCheckpointResponse()  # known: nothing to take
+                if coordinator not in self.cluster.peer_ids:
+                    raise PermissionDenied(
+                        f"node {caller} does not coordinate {what} (its .metadata belongs to "
+                        f"{coordinator[:64] or 'no node'}, which is not a configured peer)"
+                    )
+                try:
+                    rec = self.cluster.manifest_from(coordinator, rec.namespace, rec.checkpoint_id)
+                except CheckpointNotFound as e:
+                    raise PermissionDenied(
+                        f"node {caller} does not coordinate {what}, and its coordinator "
+                        f"{coordinator} does not confirm it: {e}"
+                    ) from None
+                if coordinator_of(rec.files) != coordinator:
+                    raise PermissionDenied(f"{coordinator}'s own manifest of {what} disagrees")
+                self._members_only(rec.files.values())
+            if not self.cluster.published(rec):
+                raise CheckpointIncomplete(
+                    f"{what} was deleted on node {self.cluster.node_id}; it does not take it back"
+                )
+            return peer_pb2.PublishCheckpointResponse()
 
-        self._call(context, "PublishCheckpoint", publish)
-        return peer_pb2.PublishCheckpointResponse()
+        return self._call(context, "PublishCheckpoint", publish)
+
+    def _members_only(self, files: Any) -> None:
+        """Replica lists name configured members only (others are dropped: a node that
+        left holds nothing we could fetch)."""
+        members = self.cluster.members
+        for f in files:
+            f.replica_nodes = [n for n in f.replica_nodes if n in members]
 
     def PushFile(
         self, request_iterator: Iterator[Chunk], context: Any
     ) -> peer_pb2.PushFileResponse:
-        def push() -> int:
+        def push() -> peer_pb2.PushFileResponse:
+            caller = self.caller(context)
             first = next(request_iterator, None)
             if first is None or first.header is None:
                 raise InvalidArgument("PushFile: the first message must carry the header")
-            header = first.header
-            cs = header.file.checksums
-            checksums = BlockChecksums(cs.block_size, cs.block_digests, cs.algorithm)
-            if self.catalog.holdings(header.ref.namespace, header.ref.checkpoint_id)[0] is None:
+            namespace, checkpoint_id = check_ref(first.header.ref)
+            entry = file_from_entry(first.header.file)
+            what = f"{namespace}/{checkpoint_id}/{entry.name}"
+            if self.catalog.holdings(namespace, checkpoint_id)[0] is None:
                 raise CheckpointIncomplete(
-                    f"node {self.cluster.node_id} does not know "
-                    f"{header.ref.namespace}/{header.ref.checkpoint_id}: publish it first"
+                    f"node {self.cluster.node_id} does not know {namespace}/{checkpoint_id}: "
+                    "publish it first"
                 )
-            return self.cluster.receive(
-                header.ref.namespace,
-                header.ref.checkpoint_id,
-                header.file.name,
-                request_iterator,
-                checksums,
+            f = self._file(namespace, checkpoint_id, entry.name)
+            if caller != f.owner_node and caller not in f.replica_nodes:
+                raise PermissionDenied(
+                    f"node {caller} may not push {what}: only its owner "
+                    f"({f.owner_node or 'none'}) or a node holding a copy may"
+                )
+            received = self.cluster.receive(
+                namespace, checkpoint_id, entry.name, request_iterator, entry.checksums
             )
+            return peer_pb2.PushFileResponse(received_bytes=received)
 
-        received = self._call(context, "PushFile", push)
-        return peer_pb2.PushFileResponse(received_bytes=received)
+        return self._call(context, "PushFile", push)
 
     def FetchFile(
         self, request: peer_pb2.FetchFileRequest, context: Any
     ) -> Iterator[bytes | peer_pb2.FileChunk]:
         try:
+            namespace, checkpoint_id = check_ref(request.ref)
+            name = check_file_name(request.file_name)
             yield from self.cluster.serve_chunks(
-                request.ref.namespace,
-                request.ref.checkpoint_id,
-                request.file_name,
-                request.offset,
-                request.length,
+                namespace, checkpoint_id, name, request.offset, request.length
             )
         except Exception as e:
-            _abort(context, "FetchFile", e)
+            self._abort(context, "FetchFile", e)
 
     def UpdateReplicas(
         self, request: peer_pb2.UpdateReplicasRequest, context: Any
     ) -> peer_pb2.UpdateReplicasResponse:
-        self._call(
-            context,
-            "UpdateReplicas",
-            lambda: self.catalog.set_replicas(
-                request.ref.namespace,
-                request.ref.checkpoint_id,
-                request.file_name,
-                list(request.replica_nodes),
-            ),
-        )
-        return peer_pb2.UpdateReplicasResponse()
+        def update() -> peer_pb2.UpdateReplicasResponse:
+            caller = self.caller(context)
+            namespace, checkpoint_id = check_ref(request.ref)
+            name = check_file_name(request.file_name)
+            what = f"{namespace}/{checkpoint_id}/{name}"
+            nodes = list(dict.fromkeys(request.replica_nodes))
+            if len(nodes) > MAX_REPLICAS:
+                raise InvalidArgument(
+                    f"{what}: {len(nodes):,} replica nodes, at most {MAX_REPLICAS}"
+                )
+            nodes = [check_node_id(n, f"replica node of {what}") for n in nodes]
+            strangers = [n for n in nodes if n not in self.cluster.members]
+            if strangers:
+                raise PermissionDenied(
+                    f"{what}: {', '.join(strangers[:4])} are not members of node "
+                    f"{self.cluster.node_id}'s cluster; replicas live on configured nodes only"
+                )
+            f = self._file(namespace, checkpoint_id, name)
+            if caller != f.owner_node and caller not in f.replica_nodes:
+                # Any member may say it now holds a copy (it fetched one), nothing more.
+                if set(nodes) - set(f.replica_nodes) - {caller}:
+                    raise PermissionDenied(
+                        f"node {caller} may not change the holders of {what}: only its owner "
+                        f"({f.owner_node or 'none'}) or a node holding a copy may; another "
+                        "node may only add itself"
+                    )
+                nodes = list(dict.fromkeys([*f.replica_nodes, *(n for n in nodes if n == caller)]))
+            self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
+            return peer_pb2.UpdateReplicasResponse()
+
+        return self._call(context, "UpdateReplicas", update)
 
     def ListManifests(
         self, request: peer_pb2.ListManifestsRequest, context: Any
     ) -> peer_pb2.ListManifestsResponse:
-        views = self._call(
-            context, "ListManifests", lambda: self.catalog.list_checkpoints(request.namespace)
-        )
-        return peer_pb2.ListManifestsResponse(checkpoints=[to_info(v) for v in views])
+        def manifests() -> peer_pb2.ListManifestsResponse:
+            namespace = check_namespace(request.namespace) if request.namespace else ""
+            views = self.catalog.list_checkpoints(namespace)
+            return peer_pb2.ListManifestsResponse(
+                checkpoints=[to_info(v, local_paths=False) for v in views]
+            )
+
+        return self._call(context, "ListManifests", manifests)
 
 
-def add_peer_service(cluster: Cluster, server: Any) -> PeerService:
-    servicer = PeerService(cluster)
+def add_peer_service(cluster: Cluster, server: Any, **limits: Any) -> PeerService:
+    """Register PeerService for `cluster` on the peer server (`limits`: PeerService's
+    keyword arguments, e.g. a short stall_timeout in tests)."""
+    servicer = PeerService(cluster, **limits)
     register_peer_service(servicer, server)
     return servicer

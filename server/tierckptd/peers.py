@@ -21,22 +21,39 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 from tierckpt.checksum import BlockChecksums, BlockHasher, BytesLike
-from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, InvalidArgument
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    InvalidArgument,
+    TierckptError,
+)
 from tierckpt.memory_files import VerifiedFile
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd import metrics
+from tierckptd.auth import node_client_interceptor
 from tierckptd.catalog import Catalog
 from tierckptd.chunk_wire import Chunk, PeerStub, encode_data_chunk
 from tierckptd.config import PeerConfig, format_size
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.placement import Member, file_key, preference, replica_count
-from tierckptd.wire import file_entry, file_from_entry, record_from_info, ref, state_of, to_info
+from tierckptd.wire import (
+    bounded,
+    file_entry,
+    file_from_entry,
+    record_from_info,
+    ref,
+    state_of,
+    to_info,
+)
 
 __all__ = ["PEER_CHANNEL_OPTIONS", "Cluster", "IncomingFile", "install_copy"]
 
@@ -63,6 +80,9 @@ PEER_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 CHUNK_BLOCKS = 4
 # Longest a file push, in total, steps aside for saves on this node.
 SAVE_YIELD_MAX = 30.0
+# A push stepping aside sends an empty chunk this often, so the receiver's watchdog
+# (peer_service.STALL_TIMEOUT) sees a live stream.
+HEARTBEAT = 2.0
 
 
 class IncomingFile:
@@ -196,7 +216,12 @@ class Cluster:
         self._channels: dict[str, grpc.Channel] = {}
         self._members: list[Member] = []
         self._copies = copies
-        self._file_locks: dict[tuple[str, str, str], threading.Lock] = {}
+        # One lock per file being fetched or received, with the number of its users:
+        # removed when the last one is done, so the dict only holds files in flight.
+        self._file_locks: dict[tuple[str, str, str], tuple[threading.Lock, int]] = {}
+        # Set by `servers.start_servers` from [security] tls_ca: a PeerService caller is
+        # then the node its client cert names, not the node it claims to be.
+        self.mutual_tls = False
         self._queue: queue.Queue[tuple[str, tuple[str, ...]] | None] = queue.Queue()
         self._queued: set[tuple[str, tuple[str, ...]]] = set()
         self._stop = threading.Event()
@@ -244,7 +269,9 @@ class Cluster:
                 return None
             channel = self._channels.get(node)
             if channel is None:
-                channel = self._channels[node] = self._factory(peer.address)
+                channel = self._channels[node] = grpc.intercept_channel(
+                    self._factory(peer.address), node_client_interceptor(self.node_id)
+                )
             return PeerStub(channel)
 
     def _holdings(
@@ -271,9 +298,38 @@ class Cluster:
             return None
         return resp
 
-    def _file_lock(self, namespace: str, checkpoint_id: str, name: str) -> threading.Lock:
+    @contextmanager
+    def _file_lock(self, namespace: str, checkpoint_id: str, name: str) -> Iterator[None]:
+        """Hold the lock of one file (validated names only); the entry goes with its
+        last user, so names asked about once do not stay in memory (audit M6)."""
+        key = (
+            check_namespace(namespace),
+            check_checkpoint_id(checkpoint_id),
+            check_file_name(name),
+        )
         with self._lock:
-            return self._file_locks.setdefault((namespace, checkpoint_id, name), threading.Lock())
+            lock, users = self._file_locks.get(key, (threading.Lock(), 0))
+            self._file_locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._file_locks[key]
+                if users > 1:
+                    self._file_locks[key] = (lock, users - 1)
+                else:
+                    del self._file_locks[key]
+
+    def file_locks_in_use(self) -> int:
+        with self._lock:
+            return len(self._file_locks)
+
+    @property
+    def members(self) -> set[str]:
+        """Node ids of the cluster: this node and its configured peers."""
+        with self._lock:
+            return {self.node_id, *self._peers}
 
     # ---- threads ----------------------------------------------------------------------
     def start(self) -> None:
@@ -345,11 +401,20 @@ class Cluster:
             except grpc.RpcError as e:
                 logger.info("no manifests from %s: %s", node, e.code())
                 continue
+            refused = 0
             for info in resp.checkpoints:
-                rec = record_from_info(info)
-                if self.catalog.publish(rec) and rec.key not in known:
-                    known.add(rec.key)
-                    adopted.append(rec)
+                try:
+                    rec = record_from_info(info)
+                    if self.catalog.publish(rec) and rec.key not in known:
+                        known.add(rec.key)
+                        adopted.append(rec)
+                except TierckptError as e:
+                    refused += 1
+                    if refused == 1:
+                        logger.warning("a manifest from %s is refused: %s", node, bounded(str(e)))
+            if refused:
+                metrics.PEER_REFUSED.labels(reason="manifest").inc(refused)
+                logger.warning("refused %d of %s's manifests", refused, node)
         if adopted:
             logger.info(
                 "adopted %d checkpoints from peers' manifests (no local files)", len(adopted)
@@ -374,16 +439,11 @@ class Cluster:
         if missing and peers:
             for node in peers:
                 resp = self._holdings(node, namespace, checkpoint_id, "commit", logging.WARNING)
-                if resp is None:
-                    continue
-                for e_ in resp.files:
-                    if e_.name in missing and e_.name not in remote:
-                        f = file_from_entry(e_)
-                        f.owner_node = f.owner_node or node
-                        remote[f.name] = f
+                if resp is not None:
+                    self._claims(node, namespace, checkpoint_id, resp, missing, remote)
         view = self.catalog.commit(namespace, checkpoint_id, required, remote)
         if peers:
-            info = to_info(view)
+            info = to_info(view, local_paths=False)
             for node in peers:
                 stub = self._stub(node)
                 if stub is None:
@@ -402,13 +462,73 @@ class Cluster:
             self.enqueue("heal", namespace, checkpoint_id)
         return view
 
-    def published(self, info: common_pb2.CheckpointInfo) -> bool:
-        """PeerService.PublishCheckpoint: adopt, then replicate the files we own."""
-        rec = record_from_info(info)
+    def _claims(
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        resp: peer_pb2.HoldingsResponse,
+        missing: set[str],
+        remote: dict[str, FileRecord],
+    ) -> None:
+        """Take `node`'s claims on missing files into `remote`: a node claims only files it
+        owns (the owner is the node that answered, whatever it says), and two nodes
+        claiming one file with different bytes refuse the commit; nothing is "first
+        wins" (audit H3)."""
+        for e_ in resp.files:
+            if e_.name not in missing:
+                continue
+            try:
+                f = file_from_entry(e_)
+            except TierckptError as e:
+                metrics.PEER_REFUSED.labels(reason="invalid").inc()
+                logger.warning(
+                    "commit %s/%s: %s's holdings are refused: %s",
+                    namespace,
+                    checkpoint_id,
+                    node,
+                    bounded(str(e)),
+                )
+                return
+            f.owner_node, f.replica_nodes = node, []
+            other = remote.get(f.name)
+            if other is None:
+                remote[f.name] = f
+            elif (other.size, other.checksums) != (f.size, f.checksums):
+                metrics.PEER_REFUSED.labels(reason="conflict").inc()
+                raise CheckpointIncomplete(
+                    f"cannot commit {namespace}/{checkpoint_id}: nodes {other.owner_node} and "
+                    f"{node} both hold {f.name} with different contents ({other.size} and "
+                    f"{f.size} bytes); a rank wrote it twice, or a node is misbehaving: "
+                    "save under a new checkpoint_id"
+                )
+
+    def published(self, rec: CheckpointRecord) -> bool:
+        """PeerService.PublishCheckpoint (the caller authorized): adopt, then replicate
+        the files we own."""
         if not self.catalog.publish(rec):
             return False
         self.enqueue("heal", rec.namespace, rec.checkpoint_id)
         return True
+
+    def manifest_from(self, node: str, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        """The manifest `node` keeps of a checkpoint, validated (a publish by a node that
+        does not coordinate the checkpoint is taken as a hint to ask its coordinator)."""
+        stub = self._stub(node)
+        if stub is None:
+            raise CheckpointNotFound(f"node {node} is not a configured peer")
+        try:
+            resp = stub.ListManifests(
+                peer_pb2.ListManifestsRequest(namespace=namespace), timeout=CONTROL_TIMEOUT
+            )
+        except grpc.RpcError as e:
+            raise CheckpointNotFound(
+                f"node {node} did not answer for {namespace}/{checkpoint_id}: {e.code().name}"
+            ) from None
+        for info in resp.checkpoints:
+            if info.ref.checkpoint_id == checkpoint_id and info.ref.namespace == namespace:
+                return record_from_info(info)
+        raise CheckpointNotFound(f"node {node} does not know {namespace}/{checkpoint_id}")
 
     # ---- receiving copies -------------------------------------------------------------
     def receive(
@@ -610,7 +730,9 @@ class Cluster:
         what = f"{view.namespace}/{view.checkpoint_id}/{f.name}"
         try:
             if not knows:
-                stub.PublishCheckpoint(to_info(view), timeout=CONTROL_TIMEOUT, wait_for_ready=True)
+                stub.PublishCheckpoint(
+                    to_info(view, local_paths=False), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+                )
         except grpc.RpcError as e:
             logger.warning(
                 "cannot publish %s/%s to %s: %s",
@@ -636,7 +758,9 @@ class Cluster:
             with open(path, "rb", buffering=0) as fh:
                 pos = 0
                 while pos < f.size:
-                    self._yield_to_saves(patience)  # between chunks: a save may start mid-file
+                    # Between chunks: a save may start mid-file.
+                    while self._yield_to_saves(patience, HEARTBEAT):
+                        yield encode_data_chunk(pos, b"")  # still here
                     data = fh.read(min(step, f.size - pos))
                     if not data:
                         return
@@ -658,12 +782,17 @@ class Cluster:
         logger.info("replicated %s to %s (%s)", what, node, format_size(f.size))
         return True
 
-    def _yield_to_saves(self, until: float) -> None:
+    def _yield_to_saves(self, until: float, beat: float) -> bool:
         """Replication steps aside while a save is writing on this node, so it does not
         compete with training for CPU and memory bandwidth; each push waits at most
-        SAVE_YIELD_MAX in total, so back-to-back saves cannot starve it."""
+        SAVE_YIELD_MAX in total, so back-to-back saves cannot starve it. Returns True
+        when it waited `beat` seconds and the save still runs (send a heartbeat)."""
+        beat_at = time.monotonic() + beat
         while self.catalog.saving() and time.monotonic() < until and not self._stop.is_set():
+            if time.monotonic() >= beat_at:
+                return True
             time.sleep(0.05)
+        return False
 
     def _responsible(self, f: FileRecord, holders: list[str]) -> bool:
         if f.owner_node in holders:

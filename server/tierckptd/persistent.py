@@ -24,6 +24,16 @@ the policy is exhausted `PersistentTierUnavailable` is raised: the caller keeps 
 checkpoint pending and tries again later. Uploads are idempotent, so that is safe. s3fs
 and botocore retry underneath too; tighten their ``config_kwargs`` in
 ``storage_options`` if a fast failure matters more than riding out blips.
+
+`PersistentTier.set_deadline` bounds all of that at shutdown: every operation (retries,
+the one in flight, s3fs's and botocore's own retries underneath) gives up with
+`PersistentTierUnavailable` once the deadline passes. Each attempt runs on a helper
+thread the caller stops waiting for at the deadline; the attempt is idempotent, so one
+that still completes afterwards changes nothing a retry would not.
+
+What is read back from the store is not trusted: names that are not valid namespaces or
+checkpoint ids are skipped when listing, and an upload marker whose fields are out of
+range is ignored (the file counts as not uploaded, and the next drain rewrites it).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import fsspec
 from tierckpt.checksum import BytesLike
@@ -46,6 +56,7 @@ from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
     check_namespace,
+    is_checkpoint_id,
     step_of,
 )
 
@@ -80,6 +91,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 BOOKKEEPING_DIR = ".tierckpt"
 COMPRESSIONS = ("zstd", "none")
 DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
+_DEADLINE_POLL = 0.2  # how often a waiting caller looks at the shutdown deadline
 _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
 
 T = TypeVar("T")
@@ -173,8 +185,12 @@ def retry_call(
     *,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    until: Callable[[], float | None] = lambda: None,
 ) -> T:
     """Run `fn` under `policy`; return its result or raise.
+
+    `until` gives an absolute deadline on `clock` (None: none), read before every
+    attempt and every sleep, so one set meanwhile (shutdown) is honoured too.
 
     Raises:
         PersistentTierUnavailable: transient failures outlasted the policy (chained to
@@ -185,6 +201,12 @@ def retry_call(
     attempt = 0
     while True:
         attempt += 1
+        end = until()
+        if end is not None and clock() >= end:
+            raise PersistentTierUnavailable(
+                f"{what}: not attempted, the shutdown deadline has passed; the checkpoint "
+                "stays pending"
+            )
         try:
             return fn()
         except Exception as exc:
@@ -192,8 +214,11 @@ def retry_call(
                 raise
             delay = policy.backoff(attempt)
             elapsed = clock() - start
-            if (policy.max_attempts and attempt >= policy.max_attempts) or (
-                policy.deadline is not None and elapsed + delay > policy.deadline
+            end = until()
+            if (
+                (policy.max_attempts and attempt >= policy.max_attempts)
+                or (policy.deadline is not None and elapsed + delay > policy.deadline)
+                or (end is not None and clock() + delay > end)
             ):
                 raise PersistentTierUnavailable(
                     f"{what}: the persistent tier failed {attempt} times over {elapsed:.1f}s "
@@ -244,16 +269,33 @@ class UploadedFile:
 
     @classmethod
     def from_json(cls, data: bytes) -> UploadedFile:
-        raw = json.loads(data)
-        index = raw.get("index")
-        return cls(
-            name=str(raw["name"]),
-            source_size=int(raw["source_size"]),
-            size=int(raw["size"]),
-            compression=str(raw["compression"]),
-            index=None if index is None else {int(o): (int(n), int(s)) for o, n, s in index},
-            fingerprint=str(raw.get("fingerprint", "")),
-        )
+        """Parse a marker read back from the store (not trusted: a tampered bucket).
+
+        Raises:
+            ValueError: not a marker, or a field out of range.
+        """
+        try:
+            raw = json.loads(data)
+            index = raw.get("index")
+            if index is not None and (not isinstance(index, list) or len(index) > _MAX_INDEX):
+                raise ValueError("the index is not a list of at most 2**24 items")
+            marker = cls(
+                name=check_file_name(raw["name"]),
+                source_size=_bounded_int(raw["source_size"]),
+                size=_bounded_int(raw["size"]),
+                compression=str(raw["compression"]),
+                index=None
+                if index is None
+                else {_bounded_int(o): (_bounded_int(n), _bounded_int(s)) for o, n, s in index},
+                fingerprint=str(raw.get("fingerprint", ""))[:256],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # InvalidName too
+            raise ValueError(
+                f"not a valid upload marker: {type(e).__name__}: {str(e)[:160]}"
+            ) from None
+        if marker.compression not in COMPRESSIONS:
+            raise ValueError(f"not a valid upload marker: compression {marker.compression[:32]!r}")
+        return marker
 
 
 Source = RangeSource | BytesLike
@@ -269,6 +311,17 @@ class FileUpload:
     size: int | None = None
     items: Sequence[Item] | None = None
     fingerprint: str = ""
+
+
+_MAX_INDEX = 1 << 24  # items of one file a marker may describe
+_MAX_SIZE = (1 << 63) - 1
+
+
+def _bounded_int(value: object) -> int:
+    """An int in 0..2**63-1 from JSON (bool, float and str are refused)."""
+    if type(value) is not int or not 0 <= value <= _MAX_SIZE:
+        raise ValueError(f"{str(value)[:32]!r} is not an int in 0..2**63-1")
+    return value
 
 
 @dataclass
@@ -334,6 +387,7 @@ class PersistentTier:
         self.block_size = block_size
         self._sleep = sleep
         self._clock = clock
+        self._until: float | None = None
         self._slots = threading.BoundedSemaphore(max_concurrency)
         fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs: Any = fs
@@ -374,8 +428,48 @@ class PersistentTier:
 
     # ---- plumbing ----------------------------------------------------------------
 
+    def set_deadline(self, seconds: float | None) -> None:
+        """From now on every operation gives up `seconds` from now (None: no deadline).
+
+        For shutdown: operations in flight on other threads honour it too, so the
+        caller can count on the tier returning by then plus `_DEADLINE_POLL`.
+        """
+        self._until = None if seconds is None else self._clock() + seconds
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
-        return retry_call(fn, what, self.retry, sleep=self._sleep, clock=self._clock)
+        return retry_call(
+            lambda: self._attempt(fn, what),
+            what,
+            self.retry,
+            sleep=self._sleep,
+            clock=self._clock,
+            until=lambda: self._until,
+        )
+
+    def _attempt(self, fn: Callable[[], T], what: str) -> T:
+        """One attempt on a helper thread, abandoned at the deadline (if one is set)."""
+        result: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append((True, fn()))
+            except BaseException as e:
+                result.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="tierckpt-persistent-call", daemon=True).start()
+        while not done.wait(_DEADLINE_POLL):
+            until = self._until
+            if until is not None and self._clock() >= until:
+                raise PersistentTierUnavailable(
+                    f"{what}: abandoned at the shutdown deadline; the checkpoint stays pending"
+                )
+        ok, value = result[0]
+        if ok:
+            return cast(T, value)
+        raise value
 
     def _mkdirs(self, path: str) -> None:
         if self._local:  # object stores have no directories to create
@@ -515,8 +609,18 @@ class PersistentTier:
             if not paths:
                 return {}
             blobs = self.fs.cat(paths)
-            markers = (UploadedFile.from_json(blobs[p]) for p in paths)
-            return {m.name: m for m in markers}
+            markers: dict[str, UploadedFile] = {}
+            for p in paths:
+                try:
+                    m = UploadedFile.from_json(blobs[p])
+                except ValueError as e:
+                    logger.warning("%s: ignored (the file counts as not uploaded): %s", p, e)
+                    continue
+                if f"{m.name}.json" != str(p).rsplit("/", 1)[-1]:
+                    logger.warning("%s: ignored, it describes another file", p)
+                    continue
+                markers[m.name] = m
+            return markers
 
         return self._retry(read, f"list uploads of {namespace}/{checkpoint_id}")
 
@@ -533,7 +637,8 @@ class PersistentTier:
             PersistentTierUnavailable: the tier stayed down past the retry policy.
         """
         ckpt = self.checkpoint_path(namespace, checkpoint_id)
-        needed = sorted(data_files(metadata))
+        what = f"{namespace}/{checkpoint_id}/{METADATA_FILE}"
+        needed = sorted(data_files(metadata, what=what))
         for name in needed:
             _check_relative_path(name)
         markers = self.uploaded(namespace, checkpoint_id)
@@ -561,7 +666,7 @@ class PersistentTier:
             index = markers[name].index
             if index is not None:
                 mappings[name] = index
-        body = rewrite_metadata(metadata, mappings)
+        body = rewrite_metadata(metadata, mappings, what=what)
         path = f"{ckpt}/{METADATA_FILE}"
         self._retry(
             lambda: self._put_bytes(path, body), f"commit {namespace}/{checkpoint_id}/.metadata"
@@ -620,7 +725,7 @@ class PersistentTier:
             return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
 
         names = self._retry(scan, f"list {self.url}")
-        return sorted(n for n in set(names) if n != BOOKKEEPING_DIR)
+        return sorted(n for n in set(names) if n != BOOKKEEPING_DIR and _valid_namespace(n))
 
     def list_durable(self, namespace: str) -> list[str]:
         """Ids of the namespace's durable checkpoints, by step, then id."""
@@ -632,7 +737,15 @@ class PersistentTier:
             return [str(p) for p in self.fs.glob(pattern)]
 
         ids = {p.rsplit("/", 2)[-2] for p in self._retry(scan, f"list {namespace}")}
-        return sorted(ids, key=_step_order)
+        bad = sorted(i for i in ids if not is_checkpoint_id(i))
+        if bad:
+            logger.warning(
+                "%s: skipped %d object(s) whose checkpoint id is not valid, e.g. %.64r",
+                namespace,
+                len(bad),
+                bad[0],
+            )
+        return sorted(ids.difference(bad), key=_step_order)
 
     def read_range(
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
@@ -685,6 +798,15 @@ class PersistentTier:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _valid_namespace(name: str) -> bool:
+    try:
+        check_namespace(name)
+    except InvalidName:
+        logger.warning("skipped %.64r under the persistent tier: not a valid namespace", name)
+        return False
+    return True
 
 
 def _step_order(checkpoint_id: str) -> tuple[int, int, str]:

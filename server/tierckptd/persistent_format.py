@@ -12,15 +12,14 @@ decompress instead of loading wrong bytes. Sources are read through `RangeSource
 which `tierckpt.memory_files.VerifiedFile` satisfies: every block is verified against
 the file's block checksums while it is read.
 
-``.metadata`` is unpickled with full `pickle` (it is DCP's format): only feed it bytes
-from our own memory tier, never from an untrusted bucket.
+``.metadata`` is a pickle written by ranks or peers, so it is never unpickled here:
+`tierckpt.dcp_metadata.load_metadata` admits only DCP's metadata classes and checks the
+shape (file names, offsets, lengths), raising `UnsafeMetadata` for anything else.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import IO, Any, Protocol
 
 import zstandard
 from tierckpt.checksum import BytesLike
+from tierckpt.dcp_metadata import dump_metadata, load_metadata
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -91,16 +91,20 @@ class DataFile:
     transformed: bool = False
 
 
-def _load(metadata: bytes) -> Any:
-    # Unpickling resolves torch.distributed.checkpoint's classes by name (imports torch).
-    return pickle.loads(metadata)
+def _load(metadata: bytes, what: str) -> Any:
+    # The allow-list decoder (imports torch on first use); never plain pickle.
+    return load_metadata(metadata, what=what)
 
 
-def data_files(metadata: bytes) -> dict[str, DataFile]:
-    """Every data file `.metadata` refers to, with its distinct items sorted by offset."""
+def data_files(metadata: bytes, *, what: str = ".metadata") -> dict[str, DataFile]:
+    """Every data file `.metadata` refers to, with its distinct items sorted by offset.
+
+    Raises:
+        UnsafeMetadata: `metadata` is not plain DCP metadata (`what` names it).
+    """
     items: dict[str, set[Item]] = {}
     transformed: set[str] = set()
-    for info in _load(metadata).storage_data.values():
+    for info in _load(metadata, what).storage_data.values():
         items.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
         if getattr(info, "transform_descriptors", None):
             transformed.add(info.relative_path)
@@ -179,7 +183,14 @@ def compress_file(
     return spool, index
 
 
-def rewrite_metadata(metadata: bytes, mappings: Mapping[str, FileIndex]) -> bytes:
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def rewrite_metadata(
+    metadata: bytes, mappings: Mapping[str, FileIndex], *, what: str = ".metadata"
+) -> bytes:
     """`.metadata` with the items of the files in `mappings` pointing at their zstd frames.
 
     Every item of a mapped file gets its new offset and length and
@@ -187,27 +198,29 @@ def rewrite_metadata(metadata: bytes, mappings: Mapping[str, FileIndex]) -> byte
     With no mappings the bytes come back unchanged (compression "none").
 
     Raises:
+        UnsafeMetadata: `metadata` is not plain DCP metadata.
         ValueError: an item of a mapped file is missing from its mapping, or already
             carries transforms.
     """
     if not mappings:
         return metadata
-    md = _load(metadata)
+    md = _load(metadata, what)
     rewritten: dict[Any, Any] = {}
     for key, info in md.storage_data.items():
         mapping = mappings.get(info.relative_path)
         if mapping is not None:
             if getattr(info, "transform_descriptors", None):
                 raise ValueError(
-                    f"{info.relative_path}: item {key} is already transformed "
-                    f"({info.transform_descriptors}); upload such files verbatim"
+                    f"{info.relative_path}: item {_shown(key.fqn)} is already transformed "
+                    f"({_shown(info.transform_descriptors)}); upload such files verbatim"
                 )
             try:
                 new_offset, new_length = mapping[int(info.offset)]
             except KeyError:
                 raise ValueError(
                     f"{info.relative_path}: no compressed frame for the item at offset "
-                    f"{info.offset} ({key}); the file's index does not match this .metadata"
+                    f"{info.offset} ({_shown(key.fqn)}); the file's index does not match this "
+                    ".metadata"
                 ) from None
             info = dataclasses.replace(
                 info,
@@ -217,6 +230,4 @@ def rewrite_metadata(metadata: bytes, mappings: Mapping[str, FileIndex]) -> byte
             )
         rewritten[key] = info
     md.storage_data = rewritten
-    buffer = io.BytesIO()
-    pickle.dump(md, buffer)  # as FileSystemWriter.finish does
-    return buffer.getvalue()
+    return dump_metadata(md)  # pickle.dump, as FileSystemWriter.finish does

@@ -23,6 +23,10 @@ from tierckptd.auth import PeerServerSecurity
 from tierckptd.catalog import Catalog
 from tierckptd.daemon_service import add_daemon_service
 from tierckptd.health import Health
+from tierckptd.local_access import LocalAccess
+from tierckptd.local_login import LoginServer, login_path_for
+from tierckptd.peer_guard import HealthGuard
+from tierckptd.peer_service import WORKERS as PEER_SERVICE_WORKERS
 from tierckptd.peers import Cluster
 
 __all__ = ["AddressInUse", "Servers", "parse_local", "start_servers"]
@@ -30,11 +34,28 @@ __all__ = ["AddressInUse", "Servers", "parse_local", "start_servers"]
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20
+SOCKET_MODE = 0o660  # the daemon's group may connect (the file mode is the access control)
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     # Without this a second daemon could bind the same TCP port and silently share it.
     ("grpc.so_reuseport", 0),
+]
+
+
+# The peer listener: the largest message it takes is a published manifest (16 digest
+# bytes per block: a 4 TiB checkpoint in 1 MiB blocks is 64 MiB); a pushed chunk is one
+# block (at most wire.MAX_BLOCK_SIZE). Dead connections are found by keepalive pings,
+# idle ones closed; calls queued beyond PEER_MAX_RPCS are refused at once.
+PEER_WORKERS = PEER_SERVICE_WORKERS
+PEER_MAX_RPCS = 256
+PEER_OPTIONS = [
+    *OPTIONS,
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_concurrent_streams", 64),
 ]
 
 
@@ -84,9 +105,12 @@ class Servers:
     local_address: str
     socket_path: Path | None
     peer_port: int | None
+    login: LoginServer | None = None  # [security] local_isolation's login socket
 
     def stop(self, grace: float) -> None:
         """Stop both servers, letting in-flight RPCs finish for up to `grace` seconds."""
+        if self.login is not None:
+            self.login.stop()
         events = [s.stop(grace) for s in (self.local, self.peer) if s is not None]
         for event in events:
             event.wait(grace + 5)
@@ -102,6 +126,18 @@ def _bind(server: Any, address: str, what: str) -> int:
     if port == 0:
         raise AddressInUse(f"cannot bind {what} {address} (in use, or an invalid address)")
     return port
+
+
+def _bind_unix(server: Any, address: str, path: Path) -> None:
+    """Bind the control socket under umask 0177, then open it to the group: grpc creates
+    the socket file when it binds, and under a lax umask it would be world-connectable
+    until a later chmod (audit L4)."""
+    old_umask = os.umask(0o177)
+    try:
+        _bind(server, address, "[listen] local")
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, SOCKET_MODE)
 
 
 def _bind_peer(server: Any, address: str, security: PeerServerSecurity) -> int:
@@ -126,37 +162,56 @@ def start_servers(
     register_peer: Callable[[Any], object] | None = None,
     peer_security: PeerServerSecurity | None = None,
     cluster: Cluster | None = None,
+    access: LocalAccess | None = None,
 ) -> Servers:
     """Bind and start the servers; DaemonService on `local`, health on both, and what
-    `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token)."""
+    `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token).
+    With `access` (local_isolation), a login socket beside `local` issues the sessions
+    DaemonService checks."""
     grpc_local, socket_path = parse_local(local)
+    if access is not None and socket_path is None:
+        raise ValueError("local_isolation needs [listen] local to be a unix socket")
     if socket_path is not None:
         _claim_socket_path(socket_path, local)
+        # Ours now; a stale login socket would only make clients try to log in.
+        login_path_for(socket_path).unlink(missing_ok=True)
     local_server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierckptd-rpc"),
         options=OPTIONS,
     )
-    add_daemon_service(catalog, local_server, cluster)
+    add_daemon_service(catalog, local_server, cluster, access)
     health.add_to(local_server)
-    _bind(local_server, grpc_local, "[listen] local")
+    if socket_path is not None:
+        _bind_unix(local_server, grpc_local, socket_path)
+    else:
+        _bind(local_server, grpc_local, "[listen] local")
     peer_server, peer_port = None, None
     if peer:
         security = peer_security or PeerServerSecurity()
+        if cluster is not None:
+            cluster.mutual_tls = security.mutual_tls
+        # PeerService admits at most peer_service.MAX_IN_FLIGHT calls, so the rest of the
+        # threads stay free for health (the liveness probe's) whatever peers do.
         peer_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierckptd-peer"),
-            options=OPTIONS,
-            interceptors=list(security.interceptors),
+            futures.ThreadPoolExecutor(
+                max_workers=PEER_WORKERS, thread_name_prefix="tierckptd-peer"
+            ),
+            options=PEER_OPTIONS,
+            interceptors=[*security.interceptors, HealthGuard()],
+            maximum_concurrent_rpcs=PEER_MAX_RPCS,
         )
         health.add_to(peer_server)
         if register_peer is not None:
             register_peer(peer_server)
         peer_port = _bind_peer(peer_server, peer, security)
+    login = None
+    if access is not None and socket_path is not None:
+        login = LoginServer(login_path_for(socket_path), access.sessions, mode=SOCKET_MODE)
+        login.start()
     local_server.start()
     if peer_server is not None:
         peer_server.start()
-    if socket_path is not None:
-        os.chmod(socket_path, 0o660)
     logger.info("serving DaemonService on %s", grpc_local)
     if peer_port is not None:
         logger.info("peer listener on %s (bound port %d)", peer, peer_port)
-    return Servers(local_server, peer_server, grpc_local, socket_path, peer_port)
+    return Servers(local_server, peer_server, grpc_local, socket_path, peer_port, login)

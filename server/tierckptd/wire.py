@@ -1,14 +1,58 @@
-"""Domain <-> protobuf translation shared by DaemonService and PeerService."""
+"""Domain <-> protobuf translation shared by DaemonService and PeerService.
+
+Everything a peer sends enters the daemon through `record_from_info`, `file_from_entry`
+or `check_node_id`, which validate every name and bound every number before anything is
+built from it (DESIGN.md invariant 9): names follow `tierckpt.names` (so none can leave
+its directory), sequences fit a signed 64-bit integer, timestamps are finite and not
+from the future beyond a clock skew, sizes, file counts, replica lists and digest bytes
+are bounded, and the block size has a floor so a manifest cannot grow without data
+behind it. A violation is `InvalidArgument` (INVALID_ARGUMENT on the wire), its message
+bounded whatever the input.
+"""
 
 from __future__ import annotations
 
-from tierckpt.checksum import BlockChecksums
-from tierckpt.names import check_file_name
+import math
+import time
+from collections.abc import Callable, Iterable
+
+from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
+from tierckpt.errors import InvalidArgument, InvalidName
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.v1 import common_pb2
 
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 
-__all__ = ["file_entry", "file_from_entry", "record_from_info", "ref", "to_info"]
+__all__ = [
+    "CLOCK_SKEW",
+    "MAX_BLOCK_SIZE",
+    "MAX_FILES",
+    "MAX_FILE_SIZE",
+    "MAX_REPLICAS",
+    "MAX_SEQUENCE",
+    "MIN_BLOCK_SIZE",
+    "bounded",
+    "check_node_id",
+    "check_ref",
+    "file_entry",
+    "file_from_entry",
+    "record_from_info",
+    "ref",
+    "to_info",
+]
+
+# Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
+# the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
+# ceiling keeps a pushed chunk (one block) and a fetched one (4 blocks) within the
+# peer port's message limit.
+MAX_SEQUENCE = 2**63 - 1
+MAX_FILE_SIZE = 2**62 - 1
+MAX_FILES = 100_000
+MAX_REPLICAS = 64
+MIN_BLOCK_SIZE = 64 << 10
+MAX_BLOCK_SIZE = 16 << 20
+# How far in the future a peer's timestamp may be (clocks of a cluster disagree a bit).
+CLOCK_SKEW = 300.0
 
 _STATE = {
     "WRITING": common_pb2.WRITING,
@@ -19,8 +63,48 @@ _STATE = {
 }
 
 
+def bounded(text: str, limit: int = 512) -> str:
+    """`text` cut to `limit` characters (error details and log lines never echo more)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _short(value: object) -> str:
+    return repr(value)[:64]
+
+
 def ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
     return common_pb2.CheckpointRef(namespace=namespace, checkpoint_id=checkpoint_id)
+
+
+def check_ref(r: common_pb2.CheckpointRef) -> tuple[str, str]:
+    """(namespace, checkpoint id) of a peer's CheckpointRef, both validated."""
+    return check_namespace(r.namespace), check_checkpoint_id(r.checkpoint_id)
+
+
+def check_node_id(value: object, what: str = "node id") -> str:
+    """A node id from a peer: the charset of names (ids are compared, logged, hashed)."""
+    try:
+        return check_namespace(value)
+    except InvalidName:
+        raise InvalidName(
+            f"invalid {what} {_short(value)}: use 1-128 characters from [A-Za-z0-9._-]"
+        ) from None
+
+
+def _check_nodes(nodes: Iterable[str], what: str) -> list[str]:
+    out = list(dict.fromkeys(nodes))
+    if len(out) > MAX_REPLICAS:
+        raise InvalidArgument(f"{what}: {len(out):,} replica nodes, at most {MAX_REPLICAS}")
+    return [check_node_id(n, f"replica node of {what}") for n in out]
+
+
+def check_time(value: float, what: str, now: Callable[[], float] = time.time) -> float:
+    """A peer's unix timestamp: finite, not negative, at most CLOCK_SKEW in the future."""
+    if not math.isfinite(value) or value < 0 or value > now() + CLOCK_SKEW:
+        raise InvalidArgument(
+            f"{what} {value!r} is not a time between 0 and now (+{CLOCK_SKEW:.0f} s of skew)"
+        )
+    return value
 
 
 def state_of(state: State | None) -> common_pb2.CheckpointState.ValueType:
@@ -44,22 +128,51 @@ def file_entry(f: FileRecord, local_path: str = "") -> common_pb2.FileEntry:
     )
 
 
+def check_checksums(cs: common_pb2.BlockChecksums, size: int, what: str) -> BlockChecksums:
+    """A peer's block checksums of a `size`-byte file, every field checked."""
+    if cs.algorithm != ALGORITHM:
+        raise InvalidArgument(
+            f"{what}: checksum algorithm {_short(cs.algorithm)} is not supported; use {ALGORITHM!r}"
+        )
+    if not MIN_BLOCK_SIZE <= cs.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(
+            f"{what}: block_size {cs.block_size} outside {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}"
+        )
+    checksums = BlockChecksums(cs.block_size, b"", ALGORITHM)
+    want = checksums.expected_blocks(size) * DIGEST_SIZE
+    if len(cs.block_digests) != want:
+        raise InvalidArgument(
+            f"{what}: {len(cs.block_digests):,} digest bytes, but {size:,} bytes in blocks of "
+            f"{cs.block_size} need {want:,}"
+        )
+    return BlockChecksums(cs.block_size, cs.block_digests, ALGORITHM)
+
+
 def file_from_entry(e: common_pb2.FileEntry) -> FileRecord:
-    """A committed file as a peer describes it (`held` False: the copy is elsewhere)."""
-    cs = e.checksums
+    """A committed file as a peer describes it (`held` False: the copy is elsewhere),
+    every field validated (InvalidArgument)."""
+    name = check_file_name(e.name)
+    if e.size > MAX_FILE_SIZE:
+        raise InvalidArgument(f"file {name}: size {e.size} is larger than {MAX_FILE_SIZE}")
+    if e.rank < 0:
+        raise InvalidArgument(f"file {name}: rank {e.rank} is negative")
+    if not e.HasField("checksums"):
+        raise InvalidArgument(f"file {name}: no block checksums")
     return FileRecord(
-        name=check_file_name(e.name),
+        name=name,
         rank=e.rank,
         size=e.size,
-        checksums=BlockChecksums(cs.block_size, cs.block_digests, cs.algorithm),
-        owner_node=e.owner_node,
-        replica_nodes=list(e.replica_nodes),
+        checksums=check_checksums(e.checksums, e.size, f"file {name}"),
+        owner_node=check_node_id(e.owner_node, f"owner of {name}") if e.owner_node else "",
+        replica_nodes=_check_nodes(e.replica_nodes, f"file {name}"),
         held=False,
     )
 
 
-def to_info(view: CheckpointView) -> common_pb2.CheckpointInfo:
-    """A catalog snapshot as the wire CheckpointInfo (with each file's local path)."""
+def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.CheckpointInfo:
+    """A catalog snapshot as the wire CheckpointInfo; with each file's local path for a
+    local client, without (`local_paths=False`) for a peer: paths of this node are none
+    of its business."""
     return common_pb2.CheckpointInfo(
         ref=ref(view.namespace, view.checkpoint_id),
         state=_STATE[view.state.value],
@@ -68,25 +181,41 @@ def to_info(view: CheckpointView) -> common_pb2.CheckpointInfo:
         created_unix=view.created_unix,
         committed_unix=view.committed_unix,
         sequence=view.sequence,
-        files=[file_entry(f, view.local_paths[f.name]) for f in view.files],
+        files=[file_entry(f, view.local_paths[f.name] if local_paths else "") for f in view.files],
         tiers=list(view.tiers),
         pinned=view.pinned,
     )
 
 
-def record_from_info(info: common_pb2.CheckpointInfo) -> CheckpointRecord:
-    """A published cluster manifest as a committed record (no file held yet)."""
+def record_from_info(
+    info: common_pb2.CheckpointInfo, now: Callable[[], float] = time.time
+) -> CheckpointRecord:
+    """A published cluster manifest as a committed record (no file held yet), validated
+    field by field (InvalidArgument). A peer's pin is not taken over: pinned records are
+    exempt from retention, so only this node's operator pins here."""
+    namespace, checkpoint_id = check_ref(info.ref)
+    what = f"manifest of {namespace}/{checkpoint_id}"
+    if info.sequence > MAX_SEQUENCE:
+        raise InvalidArgument(f"{what}: sequence {info.sequence} is larger than {MAX_SEQUENCE}")
+    if len(info.files) > MAX_FILES:
+        raise InvalidArgument(f"{what}: {len(info.files):,} files, at most {MAX_FILES:,}")
     rec = CheckpointRecord(
-        namespace=info.ref.namespace,
-        checkpoint_id=info.ref.checkpoint_id,
+        namespace=namespace,
+        checkpoint_id=checkpoint_id,
         state=State.COMMITTED,
-        created_unix=info.created_unix,
+        created_unix=check_time(info.created_unix, f"{what}: created_unix", now),
         node_id="",
-        committed_unix=info.committed_unix,
+        committed_unix=check_time(info.committed_unix, f"{what}: committed_unix", now),
         sequence=info.sequence,
-        pinned=info.pinned,
+        pinned=False,  # a pin is this node's operator's decision, never a peer's
     )
+    total = 0
     for e in info.files:
         f = file_from_entry(e)
+        if f.name in rec.files:
+            raise InvalidArgument(f"{what}: file {f.name} is listed twice")
+        total += f.size
         rec.files[f.name] = f
+    if total > MAX_FILE_SIZE:
+        raise InvalidArgument(f"{what}: {total:,} bytes in all, more than {MAX_FILE_SIZE:,}")
     return rec

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from tierckpt import CheckpointNotFound, ChecksumMismatch
+from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tests.support import jobs
 from tests.support.backends import Directory, Tiered
@@ -191,3 +196,61 @@ def test_pin_exempts_from_retention_until_unpinned(daemon_factory: Any) -> None:
     assert cli_json(daemon.address, "unpin", NS, "step-000001")["pinned"] is False
     _save_plain(daemon, ["step-000004"])
     assert ls_ids(daemon.address, NS) == ["step-000004"]
+
+
+# Timestamps a peer could publish before the daemon bounded them (audit L2): `ls` used to
+# die with an OverflowError traceback on 1e308.
+HOSTILE_TIMES = {
+    "step-huge": 1e308,
+    "step-inf": math.inf,
+    "step-nan": math.nan,
+    "step-neg": -1e12,
+    "step-minus1": -1.0,
+    "step-year-10000": 253402300800.0,
+}
+
+
+class _HostileDaemon(daemon_pb2_grpc.DaemonServiceServicer):
+    """A real gRPC DaemonService that lists checkpoints with out-of-range timestamps."""
+
+    def ListCheckpoints(self, request: Any, context: Any) -> Any:
+        return daemon_pb2.ListCheckpointsResponse(
+            checkpoints=[
+                common_pb2.CheckpointInfo(
+                    ref=common_pb2.CheckpointRef(namespace=request.namespace, checkpoint_id=cid),
+                    state=common_pb2.COMMITTED,
+                    size_bytes=1,
+                    file_count=1,
+                    created_unix=ts,
+                    committed_unix=ts,
+                    tiers=["memory"],
+                )
+                for cid, ts in HOSTILE_TIMES.items()
+            ]
+        )
+
+
+@pytest.fixture
+def hostile_daemon(tmp_path: Path) -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    daemon_pb2_grpc.add_DaemonServiceServicer_to_server(_HostileDaemon(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_ls_survives_out_of_range_timestamps(hostile_daemon: str) -> None:
+    proc = cli(hostile_daemon, "ls", NS, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert set(rows) == set(HOSTILE_TIMES), proc.stdout
+    for cid in HOSTILE_TIMES:
+        assert " invalid " in rows[cid], rows[cid]
+    # --json stays strict JSON (no NaN/Infinity tokens): non-finite times become null.
+    proc = cli(hostile_daemon, "ls", NS, "--json", check=False)
+    assert proc.returncode == 0, proc
+    parsed = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    created = {r["id"]: r["created"] for r in parsed}
+    assert created["step-nan"] is None and created["step-inf"] is None
+    assert created["step-huge"] == 1e308 and created["step-neg"] == -1e12

@@ -1,5 +1,7 @@
 """Test certificates: a CA, node certs for 127.0.0.1/localhost, a rogue CA's cert.
 
+Every node cert names its node id as a DNS subjectAltName (the peer port binds a cert
+to the node it names, `tierckptd.auth`) besides the loopback names tests dial.
 Generated with `cryptography` (a moto dependency) so no openssl binary is needed.
 """
 
@@ -28,10 +30,12 @@ class Pair:
 @dataclass(frozen=True)
 class Certs:
     ca: str
-    node_a: Pair  # the server in these tests
-    node_b: Pair  # a peer with a cert from the same CA
-    rogue: Pair  # a cert with the same names from another CA
-    localhost_only: Pair  # names only DNS:localhost, not IP:127.0.0.1
+    node_a: Pair  # the server in these tests (node id node_ids[0])
+    node_b: Pair  # a peer with a cert from the same CA (node_ids[1])
+    rogue: Pair  # a cert with node_b's names from another CA
+    localhost_only: Pair  # names only DNS:localhost, not IP:127.0.0.1 (and no node)
+    stranger: Pair  # the right CA, but a node id no cluster configures ("node-stranger")
+    twin: Pair  # the right CA, naming both node ids (one cert for two nodes)
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -111,18 +115,22 @@ def _write_pair(
     return Pair(str(cert_path), str(key_path))
 
 
-def make_certs(directory: Path) -> Certs:
-    """Write a CA, two node certs, a rogue cert and a localhost-only cert into `directory`."""
+def make_certs(directory: Path, node_ids: tuple[str, str] = ("node0", "node1")) -> Certs:
+    """Write a CA, two node certs (for `node_ids`), a rogue cert, a localhost-only cert,
+    a stranger's and a twin cert into `directory`."""
     ca, other_ca = _ca("tierckpt-test-ca"), _ca("some-other-ca")
     (directory / "ca.crt").write_bytes(ca[1].public_bytes(serialization.Encoding.PEM))
     loopback: list[x509.GeneralName] = [
         x509.DNSName("localhost"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
+    a, b = (x509.DNSName(n) for n in node_ids)
     return Certs(
         ca=str(directory / "ca.crt"),
-        node_a=_write_pair(directory, "node-a", ca, loopback),
-        node_b=_write_pair(directory, "node-b", ca, loopback),
-        rogue=_write_pair(directory, "rogue", other_ca, loopback),
+        node_a=_write_pair(directory, "node-a", ca, [a, *loopback]),
+        node_b=_write_pair(directory, "node-b", ca, [b, *loopback]),
+        rogue=_write_pair(directory, "rogue", other_ca, [b, *loopback]),
         localhost_only=_write_pair(directory, "localhost-only", ca, [x509.DNSName("localhost")]),
+        stranger=_write_pair(directory, "stranger", ca, [x509.DNSName("node-stranger"), *loopback]),
+        twin=_write_pair(directory, "twin", ca, [a, b, *loopback]),
     )

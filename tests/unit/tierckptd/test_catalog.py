@@ -122,14 +122,19 @@ def test_commit_refuses_missing_and_open_files(catalog: Catalog) -> None:
         catalog.commit("run", "s", ["__0_0.distcp", ".metadata"])
 
 
-def test_excess_beyond_reservation_needs_budget(catalog: Catalog) -> None:
+def test_writing_beyond_the_reservation_is_refused(catalog: Catalog) -> None:
+    # Audit M2: a rank used to take free budget silently when it wrote more than it
+    # reserved; now the commit is refused whatever the budget says.
     catalog.begin("run", "s", 0)
     catalog.reserve("run", "s", 0, 100)
-    _write(catalog, "run", "s", "small", b"x" * 300)  # over the reservation, within budget
-    assert catalog.status().used_bytes == 300
+    with pytest.raises(MemoryBudgetExceeded, match=r"rank 0's reservation has only 100 B left"):
+        _write(catalog, "run", "s", "small", b"x" * 300)
+    assert catalog.status().used_bytes == 0
     catalog.reserve("run", "s", 1, 1000 * KiB)
     with pytest.raises(MemoryBudgetExceeded, match="reservation"):
         _write(catalog, "run", "s", "big", b"x" * (100 * KiB), rank=2)
+    _write(catalog, "run", "s", "fits", b"x" * 100)  # exactly the reservation
+    assert catalog.status().reserved_bytes == 1000 * KiB  # rank 1's, untouched
 
 
 def test_abort_collects_and_releases(catalog: Catalog) -> None:
@@ -260,11 +265,12 @@ def test_prewarm_fills_pool_within_budget(catalog: Catalog) -> None:
     assert catalog.prewarm(3 * 256 * KiB, segment_size=256 * KiB) == 768 * KiB
     assert catalog.status().pool_bytes == 768 * KiB
     assert catalog.prewarm(512 * KiB, segment_size=256 * KiB) == 256 * KiB  # budget caps it
+    # "@" with no namespace: fresh pages any namespace may take.
     assert sorted(p.name for p in catalog.tier.pool_dir.iterdir()) == [
-        "seg-0",
-        "seg-1",
-        "seg-2",
-        "seg-3",
+        "seg-0@",
+        "seg-1@",
+        "seg-2@",
+        "seg-3@",
     ]
 
 
@@ -307,3 +313,74 @@ def test_pin_survives_restart_and_unpin_lets_retention_evict(make_catalog, save)
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-3"]
     with pytest.raises(CheckpointNotFound):
         catalog.set_pinned("run", "step-1", True)
+
+
+def test_pool_segments_never_cross_namespaces(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
+    # Audit H1: a recycled segment handed to another job let it read the old bytes.
+    save(catalog, "job-a", "s1", {"__0_0.distcp": b"SECRET-WEIGHTS" * 1000})
+    catalog.delete("job-a", "s1")
+    assert [s.namespace for s in catalog.tier.segments] == ["job-a"]
+    catalog.begin("job-b", "s1", 0)
+    catalog.reserve("job-b", "s1", 0, 100 * KiB)
+    path, prealloc = catalog.open_file("job-b", "s1", "__0_0.distcp", 0)
+    assert prealloc == 0 and Path(path).read_bytes() == b""
+    catalog.begin("job-a", "s2", 0)
+    catalog.reserve("job-a", "s2", 0, 100 * KiB)
+    _, prealloc = catalog.open_file("job-a", "s2", "__0_0.distcp", 0)
+    assert prealloc == 14000  # the job's own warm pages
+
+
+def test_commit_file_refuses_a_file_still_open_for_writing(catalog: Catalog) -> None:
+    catalog.begin("run", "s", 0)
+    catalog.reserve("run", "s", 0, 10 * KiB)
+    path, _ = catalog.open_file("run", "s", "f", 0)
+    cs = checksum_bytes(b"z" * 100, block_size=1024)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, b"z" * 100)
+        with pytest.raises(CheckpointIncomplete, match="close the file before CommitFile"):
+            catalog.commit_file(
+                "run", "s", "f", 0, 100, algorithm=cs.algorithm, block_size=1024, digests=cs.digests
+            )
+    finally:
+        os.close(fd)
+    catalog.commit_file(
+        "run", "s", "f", 0, 100, algorithm=cs.algorithm, block_size=1024, digests=cs.digests
+    )
+    assert os.stat(path).st_mode & 0o777 == 0o440
+    with pytest.raises(InvalidArgument, match="opened by rank 0, not rank 1"):
+        catalog.open_file("run", "s", "g", 0)
+        catalog.commit_file(
+            "run", "s", "g", 1, 0, algorithm=cs.algorithm, block_size=1024, digests=b""
+        )
+
+
+def test_free_space_check_counts_unwritten_reservations(make_catalog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Audit M2: two 2.5 MiB reservations both passed on a tmpfs with 3.5 MiB free.
+    catalog = make_catalog(budget=64 << 20)
+    monkeypatch.setattr(catalog.tier, "free_bytes", lambda: 3584 * KiB)
+    catalog.begin("a", "s", 0)
+    catalog.begin("b", "s", 0)
+    catalog.reserve("a", "s", 0, 2560 * KiB)
+    with pytest.raises(MemoryBudgetExceeded, match=r"2\.5 MiB of it promised to reservations"):
+        catalog.reserve("b", "s", 0, 2560 * KiB)
+    catalog.abort("a", "s")
+    assert catalog.reserve("b", "s", 0, 2560 * KiB) == 2560 * KiB
+
+
+def test_budget_larger_than_the_filesystem_warns(make_catalog, caplog) -> None:  # type: ignore[no-untyped-def]
+    make_catalog(budget=1 << 60)
+    assert "is larger than the filesystem of the memory dir" in caplog.text
+
+
+def test_commit_messages_are_bounded(catalog: Catalog) -> None:
+    # Audit M5: 200k required names made a 22 MB log line and error.
+    catalog.begin("run", "s", 0)
+    names = [f"__{i}_0.distcp" for i in range(99_999)]
+    with pytest.raises(CheckpointIncomplete) as e:
+        catalog.commit("run", "s", names)
+    assert len(str(e.value)) < 400 and "and 99,994 more" in str(e.value)
+    with pytest.raises(InvalidArgument, match="200,000 required files, at most 100,000"):
+        catalog.commit("run", "s", names * 2 + ["x", "y"])
+    with pytest.raises(InvalidName):
+        catalog.commit("run", "s", ["../../etc/passwd"])

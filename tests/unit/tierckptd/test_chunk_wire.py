@@ -1,13 +1,18 @@
-"""The hand-framed FileChunk codec is byte-compatible with protobuf both ways."""
+"""The hand-framed FileChunk codec is byte-compatible with protobuf both ways, and the
+PeerService registration decodes every request itself (malformed: INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
 import pytest
+from tierckpt.errors import TierckptError, status_of
 from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.chunk_wire import (
     Chunk,
@@ -113,3 +118,89 @@ def test_stub_and_service_speak_the_codec_over_grpc() -> None:
             assert held == peer_pb2.HoldingsResponse()
     finally:
         server.stop(0)
+
+
+class _Guarded(_Echo):
+    """Refuses every call in its guard, before any request byte is read."""
+
+    def __init__(self) -> None:
+        self.guarded: list[str] = []
+
+    @contextmanager
+    def guard(self, method: str, context: Any) -> Iterator[Any]:
+        self.guarded.append(method)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not you")
+        yield  # pragma: no cover
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Any], grpc.Channel]]:
+    servers: list[Any] = []
+    channels: list[grpc.Channel] = []
+
+    def start(servicer: Any) -> grpc.Channel:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        register_peer_service(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        return channels[-1]
+
+    yield start
+    for channel in channels:
+        channel.close()
+    for server in servers:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("method", ["Holdings", "PublishCheckpoint", "ListManifests"])
+def test_malformed_requests_are_invalid_argument_never_internal(
+    serve: Callable[[Any], grpc.Channel], method: str
+) -> None:
+    channel = serve(_Echo())
+    call = channel.unary_unary(f"/tierckpt.v1.PeerService/{method}")
+    for junk in (b"\xff\xff", b"\x0a\x05ab", b"\x1f"):
+        with pytest.raises(grpc.RpcError) as e:
+            call(junk, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert method in e.value.details()
+    assert call(b"", timeout=10) is not None  # an empty message is a valid one
+
+
+def test_the_guard_runs_before_the_request_is_read(serve: Callable[[Any], grpc.Channel]) -> None:
+    servicer = _Guarded()
+    stub = PeerStub(serve(servicer))
+    never = threading.Event()
+
+    def silent() -> Iterator[Any]:
+        never.wait(20)
+        return
+        yield  # pragma: no cover
+
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushFile(silent(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.FetchFile(peer_pb2.FetchFileRequest(), timeout=10))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        never.set()
+    assert servicer.guarded == ["PushFile", "FetchFile"]
+
+
+def test_a_malformed_chunk_is_an_invalid_argument(serve: Callable[[Any], grpc.Channel]) -> None:
+    class Pusher(_Echo):
+        def PushFile(self, chunks: Any, context: Any) -> peer_pb2.PushFileResponse:
+            try:
+                return super().PushFile(chunks, context)
+            except TierckptError as e:
+                context.abort(status_of(e), str(e))
+                raise
+
+    push = serve(Pusher()).stream_unary("/tierckpt.v1.PeerService/PushFile")
+    with pytest.raises(grpc.RpcError) as e:
+        push(iter([encode_data_chunk(0, b"ok"), b"\x1a\x05abc"]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "runs past the end" in e.value.details()

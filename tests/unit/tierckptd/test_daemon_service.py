@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.checksum import checksum_bytes
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+from tierckptd import daemon_service, metrics
 from tierckptd.catalog import Catalog
 from tierckptd.health import Health
 from tierckptd.servers import AddressInUse, start_servers
@@ -126,3 +127,67 @@ def test_second_server_on_live_socket_is_refused(catalog: Catalog, tmp_path: Pat
     (tmp_path / "d.sock").touch()  # a stale file nobody answers on is replaced
     servers = start_servers(catalog, health, f"unix:{tmp_path}/d.sock", "")
     servers.stop(0)
+
+
+_METHODS = [m.name for m in daemon_pb2.DESCRIPTOR.services_by_name["DaemonService"].methods]
+# Bytes no request parses: a field tag with the invalid wire type 7, a truncated
+# varint, a length-delimited field running past the end, an overlong varint tag.
+MALFORMED = [b"\x0f", b"\x08", b"\x0a\x05ab", b"\xff" * 11]
+
+
+def test_malformed_requests_are_invalid_argument(
+    stub: daemon_pb2_grpc.DaemonServiceStub, tmp_path: Path
+) -> None:
+    malformed = metrics.MALFORMED_REQUESTS.labels(service="DaemonService")
+    before = malformed._value.get()
+    with grpc.insecure_channel(f"unix:{tmp_path}/d.sock") as channel:
+        for method in _METHODS:
+            call = channel.unary_unary(f"/tierckpt.v1.DaemonService/{method}")
+            for raw in MALFORMED:
+                with pytest.raises(grpc.RpcError) as e:
+                    call(raw, timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
+                assert "is not a valid tierckpt.v1." in e.value.details()
+    assert malformed._value.get() - before == len(_METHODS) * len(MALFORMED)
+
+
+def test_errors_carry_no_repr_path_or_unbounded_echo(
+    stub: daemon_pb2_grpc.DaemonServiceStub, catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise PermissionError(13, "Permission denied", "/secret/dir/file")
+
+    monkeypatch.setattr(catalog, "status", broken)
+    code, details = _code(lambda: stub.GetStatus(daemon_pb2.GetStatusRequest()))
+    assert code == grpc.StatusCode.INTERNAL
+    assert details == (
+        "GetStatus failed on the daemon with an internal error; the daemon log has the details"
+    )
+
+    # An error raised outside _call (building the reply) gets the same treatment, never
+    # UNKNOWN "Exception calling application".
+    def out_of_range(view: object) -> None:
+        raise ValueError("Value out of range: 18446744073709551616")
+
+    monkeypatch.setattr(daemon_service, "to_info", out_of_range)
+    ref = _ref("s")
+    stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=ref))
+    code, details = _code(
+        lambda: stub.CommitCheckpoint(daemon_pb2.CommitCheckpointRequest(ref=ref))
+    )
+    assert code == grpc.StatusCode.INTERNAL and "out of range" not in details
+    # A 1 MiB name comes back cut, with the message still naming the grammar.
+    code, details = _code(
+        lambda: stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=_ref("x" * (1 << 20))))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(details) <= daemon_service.MAX_DETAILS and "more characters" in details
+    code, details = _code(
+        lambda: stub.CommitCheckpoint(
+            daemon_pb2.CommitCheckpointRequest(
+                ref=ref, required_files=[f"f{i}" for i in range(200_000)]
+            )
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == "CommitCheckpoint: 200,000 required files, at most 100,000 per checkpoint"

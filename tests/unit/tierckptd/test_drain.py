@@ -4,15 +4,29 @@ The S3 (moto) paths are covered by tests/integration/test_persistent.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import os
+import pickle
+import shlex
+import shutil
+import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
+import zstandard
+from prometheus_client import REGISTRY
+from tierckpt.checksum import checksum_bytes
+from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, UnsafeMetadata
 from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig
 from tierckptd.drain import Drainer
+from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.persistent import PersistentTier, RetryPolicy
 
 from tests.support.dcp_files import (
@@ -159,3 +173,265 @@ def test_emergency_drains_the_newest_within_the_deadline(
     assert Drainer(node, store).emergency(deadline=30.0)
     assert store.list_durable(NS) == ["step-000009"]
     assert Drainer(node, store).emergency(deadline=30.0)  # nothing left to do
+
+
+# ---- untrusted .metadata (audit C1) ---------------------------------------------------------
+
+
+class _Shell:
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (self.cmd,))
+
+
+def _refused_count() -> float:
+    value = REGISTRY.get_sample_value("tierckpt_refused_metadata_total", {"where": "drain"})
+    return value or 0.0
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
+    make_catalog: MakeCatalog, save: Save, tmp_path: Path, compression: str
+) -> None:
+    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
+    store = PersistentTier.from_config(config, retry=FAST)
+    node = make_catalog(budget=64 << 20, memory_keep_last=1)
+    node.drain_every = 1
+    marker = tmp_path / "MARKER"
+    payload = pickle.dumps(_Shell(f"touch {shlex.quote(str(marker))}"))
+    save(node, NS, "step-000001", {"__0_0.distcp": b"x" * 100, ".metadata": payload})
+    drainer = Drainer(node, store)
+    before = _refused_count()
+    with pytest.raises(UnsafeMetadata, match=r"step-000001/\.metadata.*posix\.system"):
+        drainer.drain(NS, "step-000001")
+    assert not marker.exists()
+    assert _refused_count() == before + 1
+    assert "drain-failed" in node.get(NS, "step-000001").tiers
+    assert node.drain_failed() == {(NS, "step-000001"): True}
+    assert not store.is_durable(NS, "step-000001") and store.list_durable(NS) == []
+    # No longer due: not queued again at restart, and no longer pinned in memory.
+    assert node.due_not_durable() == [] and not node.is_due(NS, "step-000001")
+    with pytest.raises(UnsafeMetadata, match="was refused"):  # not decoded again
+        drainer.drain(NS, "step-000001")
+    assert _refused_count() == before + 1
+    saved = save_checkpoint(tmp_path / "hot")
+    _commit(save, node, "step-000002", saved)
+    assert [v.checkpoint_id for v in node.list_checkpoints(NS)] == ["step-000002"]
+    assert drainer.drain(NS, "step-000002")  # the next good one drains as usual
+    assert not marker.exists()
+
+
+def test_a_checkpoint_without_metadata_is_refused(
+    node: Catalog, save: Save, store: PersistentTier
+) -> None:
+    save(node, NS, "step-000001", {"__0_0.distcp": b"x" * 10})
+    with pytest.raises(UnsafeMetadata, match="no .metadata"):
+        Drainer(node, store).drain(NS, "step-000001")
+    assert "drain-failed" in node.get(NS, "step-000001").tiers
+
+
+def test_the_worker_never_retries_a_refused_one_until_the_operator_asks(
+    node: Catalog, save: Save, store: PersistentTier
+) -> None:
+    save(node, NS, "step-000001", {"__0_0.distcp": b"x", ".metadata": b"not a pickle"})
+    drainer = Drainer(node, store, poll=0.01, max_backoff=0.02)
+    before = _refused_count()
+    drainer.enqueue(NS, "step-000001")
+    drainer.start()
+    try:
+        _wait_for(lambda: _refused_count() == before + 1)
+        time.sleep(0.3)
+        assert _refused_count() == before + 1 and drainer.pending() == []
+        assert drainer.retry_failed() == 1  # SIGHUP: decoded again, refused again
+        _wait_for(lambda: _refused_count() == before + 2)
+        assert "drain-failed" in node.get(NS, "step-000001").tiers
+    finally:
+        drainer.stop()
+
+
+# ---- giving up and backing off (audit M7) -------------------------------------------------------
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+class CountingTier(PersistentTier):
+    """A real file:// tier that counts durability probes (the S3 requests of M7)."""
+
+    probes: list[float]
+
+    def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        self.probes.append(time.monotonic())
+        return super().is_durable(namespace, checkpoint_id)
+
+
+def test_failures_back_off_then_drain_failed_then_recover(
+    node: Catalog, save: Save, tmp_path: Path
+) -> None:
+    root = tmp_path / "store"
+    root.write_bytes(b"")  # a file where the tier's directory should be: every write fails
+    tier = CountingTier(f"file://{root}", retry=FAST)
+    tier.probes = []
+    saved = save_checkpoint(tmp_path / "hot")
+    _commit(save, node, "step-000001", saved)
+    drainer = Drainer(node, tier, poll=0.01, max_backoff=0.08, max_failures=4, failed_retry=0.6)
+    drainer.enqueue(NS, "step-000001")
+    drainer.start()
+    try:
+        _wait_for(lambda: "drain-failed" in node.get(NS, "step-000001").tiers)
+        assert len(tier.probes) == 4
+        gaps = [b - a for a, b in itertools.pairwise(tier.probes)]
+        assert gaps == sorted(gaps) and gaps[-1] >= 0.04  # exponential, not a fixed pace
+        assert node.drain_failed() == {(NS, "step-000001"): False}
+        assert node.due_not_durable() == [(NS, "step-000001")]  # still pinned: may drain
+        time.sleep(0.5)
+        assert len(tier.probes) == 4  # drain-failed: rare retries only
+        root.unlink()  # the outage ends: the next rare retry succeeds by itself
+        _wait_for(lambda: node.is_durable(NS, "step-000001"))
+        assert "drain-failed" not in node.get(NS, "step-000001").tiers
+        assert node.drain_failed() == {}
+    finally:
+        drainer.stop()
+
+
+def test_a_non_committer_polls_with_backoff_and_gives_up_waiting(
+    node: Catalog, tmp_path: Path
+) -> None:
+    """A checkpoint whose .metadata another node commits (or a peer merely published):
+    this node's probes slow down, and after max_wait it is drain-failed."""
+    tier = CountingTier(f"file://{tmp_path / 'store'}", retry=FAST)
+    tier.probes = []
+    cs = checksum_bytes(b"m")
+    published = CheckpointRecord(
+        namespace=NS,
+        checkpoint_id="step-000005",
+        state=State.COMMITTED,
+        created_unix=time.time(),
+        node_id="node-b",
+        committed_unix=time.time(),
+        sequence=5,
+        files={".metadata": FileRecord(".metadata", 0, 1, cs, owner_node="node-b", held=False)},
+    )
+    assert node.publish(published)
+    drainer = Drainer(node, tier, poll=0.01, max_backoff=0.16, max_wait=1.0, failed_retry=60.0)
+    drainer.enqueue(NS, "step-000005")
+    drainer.start()
+    try:
+        _wait_for(lambda: "drain-failed" in node.get(NS, "step-000005").tiers)
+        count = len(tier.probes)
+        assert 6 <= count <= 16, count  # 1 s at 10/s..., never 2 per poll interval
+        gaps = [b - a for a, b in itertools.pairwise(tier.probes)]
+        assert max(gaps) >= 0.15
+        time.sleep(0.4)
+        assert len(tier.probes) == count
+        assert drainer.retry_failed() == 1  # the operator override: probe now
+        _wait_for(lambda: len(tier.probes) > count)
+        assert "drain-failed" not in node.get(NS, "step-000005").tiers
+    finally:
+        drainer.stop()
+
+
+# ---- shutdown deadline (audit M9) -----------------------------------------------------------------
+
+
+def test_emergency_honours_the_deadline_with_s3_hanging(
+    node: Catalog, save: Save, tmp_path: Path
+) -> None:
+    """An endpoint that accepts connections and never answers: each botocore call would
+    wait 60 s per try; the deadline still holds, with the worker busy at the same time."""
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(64)
+        port = blackhole.getsockname()[1]
+        tier = PersistentTier(
+            f"s3://bucket-{port}/ckpts",
+            {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"},
+            retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0),  # the daemon's
+        )
+        saved = save_checkpoint(tmp_path / "hot")
+        _commit(save, node, "step-000001", saved)
+        drainer = Drainer(node, tier)
+        drainer.enqueue(NS, "step-000001")
+        drainer.start()
+        time.sleep(0.5)  # the worker is now inside a hanging call
+        started = time.monotonic()
+        assert not drainer.emergency(deadline=2.0)
+        took = time.monotonic() - started
+        drainer.stop()
+        assert took < 3.0, took
+        assert not node.is_durable(NS, "step-000001")
+
+
+# ---- adoption of an untrusted bucket (audit M8, L6) -------------------------------------------
+
+
+def _drained(
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path, ids: list[str]
+) -> None:
+    for i, cid in enumerate(ids):
+        _commit(save, node, cid, save_checkpoint(tmp_path / f"hot-{cid}", make_state(seed=i)))
+        assert Drainer(node, store).drain(NS, cid)
+
+
+def test_adoption_skips_bad_keys_and_bad_manifests(
+    node: Catalog, save: Save, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
+) -> None:
+    _drained(node, save, store, tmp_path, ["step-000001", "step-000002", "step-000003"])
+    root = tmp_path / "store"
+    book = root / ".tierckpt" / NS
+    # A key that is no checkpoint id, and a namespace that is no namespace.
+    (root / NS / "bad 0").mkdir()
+    (root / NS / "bad 0" / ".metadata").write_bytes(b"x")
+    (root / "bad ns" / "step-1").mkdir(parents=True)
+    (root / "bad ns" / "step-1" / ".metadata").write_bytes(b"x")
+    # Manifests whose numbers are poison: a NaN timestamp, a sequence past 2**63.
+    for cid, field, value in [
+        ("step-000002", "committed_unix", float("nan")),
+        ("step-000003", "sequence", 2**64 - 1),
+    ]:
+        path = book / cid / "manifest.json"
+        doc = json.loads(path.read_bytes())
+        doc[field] = value
+        path.write_text(json.dumps(doc))
+    node.tier.close()
+    shutil.rmtree(tmp_path / "mem")  # a replacement node: its memory tier is gone
+    fresh = make_catalog(budget=64 << 20, memory_keep_last=10)
+    fresh.drain_every = 1
+    assert Drainer(fresh, store).adopt_durable() == 1
+    assert [v.checkpoint_id for v in fresh.list_checkpoints(NS)] == ["step-000001"]
+    assert store.list_namespaces() == [NS]
+    assert store.list_durable(NS) == ["step-000001", "step-000002", "step-000003"]
+
+
+def test_a_zstd_bomb_in_the_bucket_is_refused_on_restore(
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
+) -> None:
+    _drained(node, save, store, tmp_path, ["step-000001"])
+    name = "__0_0.distcp"
+    marker = store.uploaded(NS, "step-000001")[name]
+    assert marker.index is not None
+    first = min(marker.index)
+    original = node.file_view(NS, "step-000001", name)[0].size
+    bombs = {
+        "declares": zstandard.ZstdCompressor().compress(bytes(64 << 20)),
+        "declares -1": zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 10),
+    }
+    assert node.drop_local_copy(NS, "step-000001", name)
+    for why, bomb in bombs.items():
+        stored = tmp_path / "store" / NS / "step-000001" / name
+        stored.write_bytes(bomb)
+        index = {first: (0, len(bomb))}
+        tampered = dataclasses.replace(marker, size=len(bomb), index=index)
+        (
+            tmp_path / "store" / ".tierckpt" / NS / "step-000001" / "files" / f"{name}.json"
+        ).write_bytes(tampered.to_json())
+        with pytest.raises(ChecksumMismatch, match=why):
+            Drainer(node, store).restore_file(NS, "step-000001", name)
+        assert node.file_view(NS, "step-000001", name)[1] == ""
+    assert original > 0

@@ -1,20 +1,26 @@
-"""The installed entry point end to end: start, health SERVING, SIGTERM -> exit 0."""
+"""The installed entry point end to end: start, health SERVING, probe, SIGTERM -> exit 0;
+logging that keeps secrets out, and a control socket that is never world-connectable."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckptd.main import main
+from tierckptd import servers
+from tierckptd.main import QUIET_LOGGERS, _QuietBelowInfo, main, set_log_level
 from tierckptd.malloc_tuning import tune_malloc
 
 
@@ -23,6 +29,16 @@ def test_bad_config_exits_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-
     path.write_text("[memory]\nbudgett = 1\n")
     assert main(["--config", str(path)]) == 2
     assert "valid keys of [memory]" in capsys.readouterr().err
+
+
+def test_network_peer_without_token_exits_2_naming_both_fixes(  # type: ignore[no-untyped-def]
+    tmp_path: Path, capsys
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[listen]\npeer = "0.0.0.0:7070"\n')
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "[security] token_file" in err and "allow_insecure_peers = true" in err, err
 
 
 def test_daemon_lifecycle(tmp_path: Path) -> None:
@@ -51,6 +67,7 @@ def test_daemon_lifecycle(tmp_path: Path) -> None:
         )
         assert response.status == health_pb2.HealthCheckResponse.SERVING
         channel.close()
+        assert main(["--config", str(config), "--probe"]) == 0  # the DaemonSet's exec probe
         config.write_text(config.read_text().replace('"1GiB"', '"2GiB"'))
         proc.send_signal(signal.SIGHUP)
         time.sleep(0.3)
@@ -65,6 +82,7 @@ def test_daemon_lifecycle(tmp_path: Path) -> None:
     assert "[n1]" in err and "memory.budget: 1073741824 -> 2147483648" in err
     assert "received SIGTERM" in err
     assert not (tmp_path / "d.sock").exists()
+    assert main(["--config", str(config), "--probe"]) == 1  # nobody serving: probe fails
 
 
 def test_tune_malloc_applies_on_glibc_and_defers_to_the_environment(
@@ -75,3 +93,69 @@ def test_tune_malloc_applies_on_glibc_and_defers_to_the_environment(
     assert tune_malloc() is (platform.libc_ver()[0] == "glibc")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert tune_malloc() is False
+
+
+@pytest.fixture
+def restore_logging() -> Any:
+    root = logging.getLogger()
+    saved = {name: logging.getLogger(name).level for name in ("", *QUIET_LOGGERS)}
+    yield
+    for name, level in saved.items():
+        (root if name == "" else logging.getLogger(name)).setLevel(level)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_debug_level_keeps_s3_client_loggers_at_info() -> None:
+    # botocore's DEBUG output carries X-Amz-Security-Token and the access key id (audit M4).
+    set_log_level("DEBUG")
+    assert logging.getLogger().getEffectiveLevel() == logging.DEBUG
+    for name in (*QUIET_LOGGERS, "botocore.endpoint", "botocore.auth", "s3fs.core"):
+        assert logging.getLogger(name).getEffectiveLevel() == logging.INFO, name
+        assert not logging.getLogger(name).isEnabledFor(logging.DEBUG), name
+    set_log_level("WARNING")
+    assert logging.getLogger("botocore").getEffectiveLevel() == logging.WARNING
+
+
+def test_handler_filter_drops_debug_of_s3_clients_even_if_they_lower_their_level() -> None:
+    quiet = _QuietBelowInfo()
+
+    def record(name: str, level: int) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, "headers %s", ("x",), None)
+
+    assert not quiet.filter(record("botocore.endpoint", logging.DEBUG))
+    assert not quiet.filter(record("urllib3.connectionpool", logging.DEBUG))
+    assert quiet.filter(record("botocore.endpoint", logging.WARNING))
+    assert quiet.filter(record("tierckptd.drain", logging.DEBUG))
+    assert quiet.filter(record("botocorex", logging.DEBUG))  # only those packages
+
+
+class _ModeAtBind:
+    """A real grpc server that records the socket's mode the moment it is bound."""
+
+    def __init__(self, path: Path) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        self.path = path
+        self.mode_at_bind = -1
+
+    def add_insecure_port(self, address: str) -> int:
+        port = int(self.server.add_insecure_port(address))
+        self.mode_at_bind = stat.S_IMODE(os.stat(self.path).st_mode)
+        return port
+
+
+def test_control_socket_is_never_world_connectable_even_under_umask_0(tmp_path: Path) -> None:
+    # Audit L4: grpc creates the socket file at bind; under umask 0 it used to be 0777
+    # until the chmod after start().
+    path = tmp_path / "d.sock"
+    recorder = _ModeAtBind(path)
+    old = os.umask(0)
+    try:
+        servers._bind_unix(recorder, f"unix:{path}", path)
+        assert os.umask(0) == 0  # the process umask is restored
+    finally:
+        os.umask(old)
+    try:
+        assert recorder.mode_at_bind & 0o077 == 0, oct(recorder.mode_at_bind)
+        assert stat.S_IMODE(path.stat().st_mode) == servers.SOCKET_MODE
+    finally:
+        recorder.server.stop(None)

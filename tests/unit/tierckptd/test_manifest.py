@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
 from tierckpt.checksum import checksum_bytes
+from tierckpt.errors import MemoryBudgetExceeded
+from tierckptd import manifest as manifest_module
 from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError, atomic_write, read_manifest, write_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
@@ -114,3 +118,142 @@ def test_pool_over_budget_is_dropped_on_adoption(make_catalog, save) -> None:  #
     first.tier.close()
     second: Catalog = make_catalog(budget=500_000)
     assert second.status().pool_bytes == 0
+
+
+def _enospc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full filesystem at the os.write boundary (the tmpfs variant is in
+    tests/integration/test_local_attacks.py)."""
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manifest_module.os, "write", full)
+
+
+def test_enospc_is_resource_exhausted_and_leaves_no_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.json"
+    atomic_write(path, b"old")
+    _enospc(monkeypatch)
+    with pytest.raises(MemoryBudgetExceeded, match="memory tier: the filesystem of .* is full"):
+        atomic_write(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_tmp_file_is_unpredictable_and_links_are_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    # The old predictable temp name, planted as a link: never opened, never truncated.
+    (tmp_path / f".m.json.tmp-{os.getpid()}").symlink_to(victim)
+    write_manifest(tmp_path / "m.json", _record())
+    assert victim.read_bytes() == b"keep"
+    link = tmp_path / "linked.json"
+    link.symlink_to(victim)
+    with pytest.raises(ManifestError, match="cannot read manifest linked.json"):
+        read_manifest(link)
+
+
+def test_pin_and_commit_are_persisted_before_they_change_memory(
+    make_catalog, save, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    catalog: Catalog = make_catalog()
+    save(catalog, "run", "step-1", {"a": b"a"})
+    catalog.begin("run", "step-2", 0)
+    catalog.reserve("run", "step-2", 0, 10)
+    path, _ = catalog.open_file("run", "step-2", "a", 0)
+    Path(path).write_bytes(b"b")
+    cs = checksum_bytes(b"b")
+    catalog.commit_file(
+        "run",
+        "step-2",
+        "a",
+        0,
+        1,
+        algorithm=cs.algorithm,
+        block_size=cs.block_size,
+        digests=cs.digests,
+    )
+    with monkeypatch.context() as m:
+        _enospc(m)
+        with pytest.raises(MemoryBudgetExceeded):
+            catalog.set_pinned("run", "step-1", True)
+        with pytest.raises(MemoryBudgetExceeded):
+            catalog.commit("run", "step-2", ["a"])
+    # Audit M3: the refused pin is not in memory either, so a retry really writes it.
+    assert not catalog.get("run", "step-1").pinned
+    assert '"pinned": false' in catalog.tier.manifest_path("run", "step-1").read_text()
+    views = catalog.list_checkpoints("run", include_uncommitted=True)
+    assert [(v.checkpoint_id, v.state) for v in views] == [
+        ("step-1", State.COMMITTED),
+        ("step-2", State.WRITING),
+    ]
+    assert sorted(p.name for p in catalog.tier.manifest_path("run", "x").parent.iterdir()) == [
+        "step-1.json"
+    ]
+    assert catalog.set_pinned("run", "step-1", True).pinned
+    assert catalog.commit("run", "step-2", ["a"]).sequence == 2
+    catalog.tier.close()
+    again: Catalog = make_catalog()
+    assert [(v.checkpoint_id, v.pinned) for v in again.list_checkpoints("run")] == [
+        ("step-1", True),
+        ("step-2", False),
+    ]
+
+
+def test_keep_persistent_only_writes_the_manifest_before_releasing(
+    make_catalog, save, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # Audit L3: a failure (or crash) between the two must not lose the files of a
+    # manifest that still lists them as held.
+    catalog: Catalog = make_catalog(memory_keep_last=1)
+    catalog.drain_every = 1
+    save(catalog, "run", "step-1", {"a": b"a" * 100})
+    save(catalog, "run", "step-2", {"a": b"b" * 100})
+    with monkeypatch.context() as m:
+        _enospc(m)
+        with pytest.raises(MemoryBudgetExceeded):
+            catalog.mark_durable("run", "step-1")
+    assert catalog.tier.file_path("run", "step-1", "a").exists()
+    assert read_manifest(catalog.tier.manifest_path("run", "step-1")).files["a"].held
+    catalog.forget_persistent("run", "step-1")
+    assert catalog.mark_durable("run", "step-1")
+    assert not catalog.tier.file_path("run", "step-1", "a").exists()
+    assert not read_manifest(catalog.tier.manifest_path("run", "step-1")).files["a"].held
+
+
+def test_adoption_never_follows_planted_links(make_catalog, save, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Audit H2, restart-time damage: links planted in the layout are removed, their
+    # targets untouched.
+    first: Catalog = make_catalog()
+    save(first, "run", "step-1", {"a": b"a" * 100})
+    save(first, "run", "step-2", {"a": b"b" * 100})
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("notes")
+    (target / "app.json").write_text("{}")
+    target2 = tmp_path / "target2"
+    (target2 / "keepme").mkdir(parents=True)
+    (target2 / "keepme" / "x").write_text("x")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"b" * 100)
+    secret.chmod(0o600)
+    tier = first.tier
+    (tier.manifest_root / "evil").symlink_to(target)
+    (tier.data_root / "evil2").symlink_to(target2)
+    (tier.data_root / "run" / "evil3").symlink_to(target2)
+    data = tier.file_path("run", "step-2", "a")
+    data.unlink()
+    data.symlink_to(secret)
+    tier.close()
+
+    second: Catalog = make_catalog()
+    assert sorted(p.name for p in target.iterdir()) == ["app.json", "notes.txt"]
+    assert (target2 / "keepme" / "x").read_text() == "x"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    for link in ("manifests/evil", "data/evil2", "data/run/evil3"):
+        assert not os.path.lexists(second.tier.root / link)
+    # The checkpoint whose file became a link is not served (quarantined), step-1 is.
+    assert [v.checkpoint_id for v in second.list_checkpoints("run")] == ["step-1"]
+    assert not os.path.lexists(data)

@@ -5,15 +5,35 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
-from tierckpt.checksum import checksum_bytes
-from tierckpt.errors import ChecksumMismatch, InvalidArgument, MemoryBudgetExceeded
+from tierckpt.checksum import BlockChecksums, checksum_bytes
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    InvalidArgument,
+    InvalidName,
+    MemoryBudgetExceeded,
+)
+from tierckpt.v1 import common_pb2, peer_pb2
+from tierckptd.auth import node_client_interceptor
 from tierckptd.catalog import Catalog
+from tierckptd.chunk_wire import PeerStub
+from tierckptd.config import PeerConfig
+from tierckptd.health import Health
 from tierckptd.manifest import read_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
-from tierckptd.peers import IncomingFile, restore_plan
+from tierckptd.peer_service import PeerService, add_peer_service
+from tierckptd.peers import Cluster, IncomingFile, restore_plan
+from tierckptd.servers import start_servers
+from tierckptd.wire import record_from_info
 
 from .conftest import MakeCatalog, Save
 
@@ -80,6 +100,9 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     }
     rec = CheckpointRecord("run", "s2", State.COMMITTED, 1.0, "node-a", 2.0, 7, files=published)
     assert catalog.publish(rec)
+    # Node a coordinates it: its manifest counts against this node's budget too.
+    charged = catalog.used_bytes() - 100
+    assert 0 < charged < 2048
     view = catalog.get("run", "s2")
     assert view.sequence == 7 and view.local_paths["__1_0.distcp"]
     assert not view.local_paths["__0_0.distcp"]
@@ -102,13 +125,13 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     _receive(catalog, "run", "s2", "__0_0.distcp", data)
     view = catalog.get("run", "s2")
     assert Path(view.local_paths["__0_0.distcp"]).read_bytes() == data
-    assert catalog.used_bytes() == 5100
+    assert catalog.used_bytes() == 5100 + charged
     manifest = read_manifest(catalog.tier.manifest_path("run", "s2"))
     assert manifest.files["__0_0.distcp"].held
     assert manifest.files["__0_0.distcp"].replica_nodes == ["node-b"]
     # Dropping a corrupt copy gives the bytes back and stops serving it.
     assert catalog.drop_local_copy("run", "s2", "__0_0.distcp")
-    assert catalog.used_bytes() == 100
+    assert catalog.used_bytes() == 100 + charged
     assert catalog.file_view("run", "s2", "__0_0.distcp")[1] == ""
 
 
@@ -232,3 +255,273 @@ def test_a_corrupt_last_short_block_is_caught_at_finish(tmp_path: Path) -> None:
             incoming.finish()
     finally:
         incoming.close()
+
+
+# ---- names, bounds and locks at the peer edge (audit C2, M1, M6) ---------------------------
+
+
+def _entry(name: str, data: bytes, owner: str = "node-x") -> common_pb2.FileEntry:
+    cs = checksum_bytes(data)
+    return common_pb2.FileEntry(
+        name=name,
+        size=len(data),
+        checksums=common_pb2.BlockChecksums(
+            algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
+        ),
+        owner_node=owner,
+    )
+
+
+def _info(**fields: object) -> common_pb2.CheckpointInfo:
+    info = common_pb2.CheckpointInfo(
+        ref=common_pb2.CheckpointRef(namespace="run", checkpoint_id="s1"),
+        created_unix=time.time(),
+        committed_unix=time.time(),
+        sequence=3,
+        files=[_entry(".metadata", b"meta")],
+    )
+    for key, value in fields.items():
+        if key in ("namespace", "checkpoint_id"):
+            setattr(info.ref, key, value)
+        else:
+            setattr(info, key, value)
+    return info
+
+
+def _with_file(**fields: object) -> common_pb2.CheckpointInfo:
+    info = _info()
+    e = info.files.add()
+    e.CopyFrom(_entry("__0_0.distcp", b"d" * 3000))
+    for key, value in fields.items():
+        if key in ("algorithm", "block_size", "block_digests"):
+            setattr(e.checksums, key, value)
+        elif key == "replica_nodes":
+            e.replica_nodes.extend(value)  # type: ignore[call-overload]
+        else:
+            setattr(e, key, value)
+    return info
+
+
+@pytest.mark.parametrize(
+    ("info", "message"),
+    [
+        (_info(namespace="../../tmp"), "invalid namespace"),
+        (_info(namespace="/tmp/abs"), "invalid namespace"),
+        (_info(checkpoint_id=".."), "invalid checkpoint id"),
+        (_info(sequence=2**64 - 1), "sequence"),
+        (_info(committed_unix=4e9), "committed_unix"),
+        (_info(created_unix=float("nan")), "created_unix"),
+        (_info(committed_unix=-1.0), "committed_unix"),
+        (_with_file(name="../x"), "invalid file name"),
+        (_with_file(owner_node="a/b"), "invalid owner"),
+        (_with_file(replica_nodes=["ok", "../x"]), "invalid replica node"),
+        (_with_file(replica_nodes=[f"n{i}" for i in range(65)]), "replica nodes"),
+        (_with_file(algorithm="md5"), "not supported"),
+        (_with_file(block_size=1), "block_size"),
+        (_with_file(block_size=64 << 20), "block_size"),
+        (_with_file(block_digests=b"\0" * 48), "digest bytes"),
+        (_with_file(block_digests=b"\0" * 15), "digest bytes"),
+        (_with_file(size=2**62), "larger than"),
+        (_with_file(rank=-1), "negative"),
+    ],
+)
+def test_a_peers_manifest_is_validated_field_by_field(
+    info: common_pb2.CheckpointInfo, message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=message) as e:
+        record_from_info(info)
+    assert len(str(e.value)) < 600
+
+
+def test_a_valid_manifest_is_taken_without_its_pin() -> None:
+    rec = record_from_info(_with_file())
+    assert rec.key == ("run", "s1") and set(rec.files) == {".metadata", "__0_0.distcp"}
+    assert not rec.pinned and not any(f.held for f in rec.files.values())
+    assert record_from_info(_info(sequence=2**63 - 1)).sequence == 2**63 - 1
+
+
+def test_file_locks_do_not_outlive_their_calls(catalog: Catalog, save: Save) -> None:
+    cluster = Cluster(catalog, channel_factory=grpc.insecure_channel)
+    for i in range(1000):
+        with pytest.raises(CheckpointNotFound):
+            cluster.ensure_local("run", f"s{i}", f"__{i}_0.distcp")
+    for bad in ("../x", "a/b", "x" * 5000, ""):
+        with pytest.raises(InvalidName):
+            cluster.ensure_local("run", "s1", bad)
+    save(catalog, "run", "kept", {"__0_0.distcp": b"k" * 100})
+    assert cluster.ensure_local("run", "kept", "__0_0.distcp")[1]
+    assert cluster.file_locks_in_use() == 0
+
+
+def test_a_publish_keeps_committed_files_and_counts_its_manifest(
+    make_catalog: MakeCatalog,
+) -> None:
+    from .conftest import write_file
+
+    catalog = make_catalog(node_id="node-b", budget=1 << 20)
+    catalog.begin("run", "s1", 1)
+    catalog.reserve("run", "s1", 1, 200)
+    write_file(catalog, "run", "s1", "__1_0.distcp", b"m" * 100, rank=1)
+    write_file(catalog, "run", "s1", "__1_1.distcp", b"n" * 100, rank=1)
+    meta = _remote(".metadata", b"meta", "node-a")
+    other = _remote("__1_0.distcp", b"X" * 100, "node-b")  # other bytes than ours
+    rec = CheckpointRecord("run", "s1", State.COMMITTED, 1.0, "", 9e9, 5)
+    rec.files = {meta.name: meta, other.name: other}
+    with pytest.raises(CheckpointIncomplete, match="the local file is kept"):
+        catalog.publish(rec)
+    # Same bytes, but __1_1 is not in the manifest: it stays, held (never unlinked).
+    mine = catalog.holdings("run", "s1")[1][0]
+    rec.files = {meta.name: meta, mine.name: dataclasses.replace(mine, owner_node="node-x")}
+    used = catalog.used_bytes()
+    assert catalog.publish(rec)
+    view = catalog.get("run", "s1")
+    assert {f.name for f in view.files if f.held} == {"__1_0.distcp", "__1_1.distcp"}
+    assert view.files[1].owner_node == "node-b"  # a file committed here is ours
+    assert catalog.used_bytes() > used  # node-a's manifest costs budget here
+    # A far-future commit time is dated when it arrived (clamped to this node's clock).
+    assert view.committed_unix <= time.time()
+
+
+def test_a_manifest_over_the_budget_is_refused(make_catalog: MakeCatalog) -> None:
+    catalog = make_catalog(budget=64 << 10)
+    big = FileRecord(
+        "__0_0.distcp", 0, 4 << 30, BlockChecksums(1 << 20, b"\0" * (4096 * 16)), "node-x"
+    )
+    meta = _remote(".metadata", b"m", "node-x")
+    rec = CheckpointRecord("run", "s1", State.COMMITTED, 1.0, "", 2.0, 5)
+    rec.files = {big.name: big, meta.name: meta}
+    with pytest.raises(MemoryBudgetExceeded, match="manifest"):
+        catalog.publish(rec)
+    assert catalog.list_checkpoints("run") == [] and catalog.used_bytes() == 0
+
+
+def test_retention_never_lets_one_coordinators_checkpoints_push_out_anothers(
+    make_catalog: MakeCatalog, save: Save
+) -> None:
+    catalog = make_catalog(memory_keep_last=1)
+    save(catalog, "run", "mine-1", {".metadata": b"a", "__0_0.distcp": b"x" * 10})
+    for i in (1, 2, 3):
+        meta = _remote(".metadata", b"f", "node-x")
+        rec = CheckpointRecord("run", f"fake-{i}", State.COMMITTED, 1.0, "", 9e9, 99)
+        rec.files = {meta.name: meta}
+        assert catalog.publish(rec)
+    assert {v.checkpoint_id for v in catalog.list_checkpoints("run")} == {"mine-1", "fake-3"}
+    save(catalog, "run", "mine-2", {".metadata": b"b", "__0_0.distcp": b"y" * 10})
+    assert catalog.get("run").checkpoint_id == "mine-2"
+    assert {v.checkpoint_id for v in catalog.list_checkpoints("run")} == {"mine-2", "fake-3"}
+
+
+# ---- the PeerService edge on a real server ------------------------------------------------
+
+
+@dataclass
+class PeerPort:
+    address: str
+    service: PeerService
+    cluster: Cluster
+    catalog: Catalog
+
+    def stub(self, node: str | None = "node-m") -> PeerStub:
+        channel = grpc.insecure_channel(self.address)
+        if node is not None:
+            channel = grpc.intercept_channel(channel, node_client_interceptor(node))
+        return PeerStub(channel)
+
+
+@pytest.fixture
+def peer_port(make_catalog: MakeCatalog, tmp_path: Path) -> Iterator[PeerPort]:
+    catalog = make_catalog(budget=256 << 20)
+    cluster = Cluster(
+        catalog,
+        peers=[PeerConfig("node-m", "127.0.0.1:1")],
+        channel_factory=grpc.insecure_channel,
+    )
+    services: list[PeerService] = []
+
+    def register(server: Any) -> None:
+        services.append(add_peer_service(cluster, server, stall_timeout=1.0, max_per_peer=3))
+
+    servers = start_servers(
+        catalog,
+        Health(),
+        f"unix://{tmp_path}/d.sock",
+        "127.0.0.1:0",
+        register_peer=register,
+        cluster=cluster,
+    )
+    yield PeerPort(f"127.0.0.1:{servers.peer_port}", services[0], cluster, catalog)
+    servers.stop(0)
+
+
+def _until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_stalled_streams_are_cancelled_and_their_slots_come_back(peer_port: PeerPort) -> None:
+    release = threading.Event()
+
+    def stalled() -> Iterator[bytes]:
+        release.wait(30)
+        return
+        yield b""  # pragma: no cover
+
+    stub = peer_port.stub()
+    calls = [stub.PushFile.future(stalled(), timeout=30) for _ in range(4)]
+    try:
+        started = time.monotonic()
+        codes = sorted(str(c.exception(timeout=10).code()) for c in calls)  # type: ignore[union-attr]
+        # One over the limit at once; the three admitted cancelled after ~1 s of silence.
+        assert codes == sorted(["StatusCode.CANCELLED"] * 3 + ["StatusCode.RESOURCE_EXHAUSTED"])
+        assert time.monotonic() - started < 4
+    finally:
+        release.set()
+    _until(lambda: peer_port.service.admission.in_flight() == 0)
+    assert peer_port.service.watchdog.watched() == 0
+    held = stub.Holdings(common_pb2.CheckpointRef(namespace="run", checkpoint_id="s1"), timeout=5)
+    assert held.state == common_pb2.CHECKPOINT_STATE_UNSPECIFIED
+
+
+def test_a_fetcher_that_stops_reading_is_cancelled(peer_port: PeerPort, save: Save) -> None:
+    # More than gRPC buffers for a reader that does not read: the server's send blocks.
+    save(peer_port.catalog, "run", "big", {"__0_0.distcp": os.urandom(64 << 20)})
+    ref = common_pb2.CheckpointRef(namespace="run", checkpoint_id="big")
+    chunks = peer_port.stub().FetchFile(
+        peer_pb2.FetchFileRequest(ref=ref, file_name="__0_0.distcp"), timeout=30
+    )
+    assert next(chunks).header is not None
+    _until(lambda: peer_port.service.admission.in_flight() == 0, timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        list(chunks)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_malformed_and_unexpected_errors_get_fixed_statuses(
+    peer_port: PeerPort, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    catalog = peer_port.catalog
+    stub = peer_port.stub()
+    raw = grpc.intercept_channel(
+        grpc.insecure_channel(peer_port.address), node_client_interceptor("node-m")
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        raw.unary_unary("/tierckpt.v1.PeerService/Holdings")(b"\xff\xff", timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = _with_file(algorithm="md5")  # a checksum error is the caller's: not INTERNAL
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PublishCheckpoint(bad, timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"boom at {catalog.tier.root}/secret")
+
+    monkeypatch.setattr(catalog, "list_checkpoints", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ListManifests(peer_pb2.ListManifestsRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in e.value.details() and "internal error" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        peer_port.stub("node-z").ListManifests(peer_pb2.ListManifestsRequest(), timeout=5)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

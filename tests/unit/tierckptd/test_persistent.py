@@ -6,8 +6,11 @@ Every drained checkpoint is loaded back with stock DCP only (`dcp.load` with an
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -329,3 +332,93 @@ def test_is_transient_table() -> None:
     assert not is_transient(PersistentTierUnavailable("down"))
     copy = pickle.loads(pickle.dumps(PersistentTierUnavailable("ns/step-1: down")))
     assert type(copy) is PersistentTierUnavailable and str(copy) == "ns/step-1: down"
+
+
+# ---- an untrusted bucket (audit M8, L6) and the shutdown deadline (M9) --------------------
+
+
+def test_listing_skips_keys_that_are_not_names(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
+    saved = save_checkpoint(tmp_path / "hot")
+    tier = make_tier(s3, "none")
+    drain(tier, saved, "step-000001")
+    fs = s3.fs()
+    for key in (f"{NS}/bad 0/.metadata", f"{NS}/..x/y/.metadata", "bad ns/step-1/.metadata"):
+        fs.pipe_file(f"{s3.name}/ckpts/{key}", b"x")
+    assert tier.list_namespaces() == [NS]
+    assert tier.list_durable(NS) == ["step-000001"]
+
+
+def _marker_path(tier: PersistentTier, ckpt: str, name: str) -> str:
+    return f"{tier.root}/.tierckpt/{NS}/{ckpt}/files/{name}.json"
+
+
+_BAD_MARKERS: list[dict[str, Any]] = [
+    {"size": -1},
+    {"source_size": 1e308},
+    {"size": "12"},
+    {"size": True},
+    {"index": [[0, -5, 10]]},
+    {"index": [[0, 0]]},
+    {"index": "x"},
+    {"name": "../x"},
+    {"name": "__9_0.distcp"},  # describes another file than the one it is stored as
+    {"compression": "gzip"},
+]
+
+
+def test_a_bad_marker_counts_as_not_uploaded(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
+    saved = save_checkpoint(tmp_path / "hot")
+    name = saved.data_names[0]
+    tier = make_tier(s3)
+    items = data_files(saved.metadata)[name].items
+    tier.upload_file(NS, "step-000001", name, saved.data(name), items=items)
+    path = _marker_path(tier, "step-000001", name)
+    good = json.loads(tier.fs.cat_file(path))
+    for change in _BAD_MARKERS:
+        tier.fs.pipe_file(path, json.dumps({**good, **change}).encode())
+        assert tier.uploaded(NS, "step-000001") == {}, change
+        with pytest.raises(CheckpointIncomplete):
+            tier.upload_metadata_last(NS, "step-000001", saved.metadata)
+    tier.fs.pipe_file(path, json.dumps(good).encode())
+    assert set(tier.uploaded(NS, "step-000001")) == {name}
+
+
+def test_retry_call_honours_a_deadline_set_meanwhile() -> None:
+    clock = [0.0]
+    until: list[float | None] = [None]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+        until[0] = 3.0  # shutdown begins while we back off
+
+    def down() -> None:
+        raise OSError("503 SlowDown")
+
+    policy = RetryPolicy(max_attempts=0, deadline=300.0, base=1.0, cap=1.0)
+    with pytest.raises(PersistentTierUnavailable):
+        retry_call(down, "op", policy, sleep=sleep, clock=lambda: clock[0], until=lambda: until[0])
+    assert clock[0] <= 3.0
+    clock[0] = 5.0
+    with pytest.raises(PersistentTierUnavailable, match="not attempted"):
+        retry_call(lambda: "ok", "op", policy, clock=lambda: clock[0], until=lambda: until[0])
+
+
+def test_a_deadline_abandons_a_call_that_hangs() -> None:
+    """An endpoint that accepts and never answers: botocore would wait its read timeout
+    (60 s) per try; set_deadline bounds the call, and a later one fails at once."""
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(16)
+        port = blackhole.getsockname()[1]
+        tier = PersistentTier(
+            f"s3://bucket-{port}/x",
+            {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"},
+        )
+        tier.set_deadline(1.0)
+        started = time.monotonic()
+        with pytest.raises(PersistentTierUnavailable, match="deadline"):
+            tier.is_durable(NS, "step-000001")
+        assert time.monotonic() - started < 1.6
+        with pytest.raises(PersistentTierUnavailable, match="deadline"):
+            tier.list_namespaces()
+        assert time.monotonic() - started < 1.8

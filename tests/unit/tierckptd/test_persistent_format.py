@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 import pickle
+import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
 import zstandard
-from tierckpt.errors import ChecksumMismatch
+from tierckpt.errors import ChecksumMismatch, UnsafeMetadata
 from tierckptd.persistent_format import (
     ZSTD_DESCRIPTOR,
     BytesSource,
@@ -106,3 +110,30 @@ def test_bad_items_are_refused() -> None:
         compress_items(src, [(90, 20)], io.BytesIO())
     with pytest.raises(ValueError, match="overlaps"):
         compress_items(src, [(0, 50), (40, 10)], io.BytesIO())
+
+
+class _Shell:
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (self.cmd,))
+
+
+def test_metadata_is_decoded_with_the_allow_list_never_unpickled(tmp_path: Path) -> None:
+    """C1: the drain's two readers of `.metadata` refuse a pickle payload without running
+    it; a rewrite re-pickles what DCP reads back."""
+    marker = tmp_path / "MARKER"
+    hostile = pickle.dumps(_Shell(f"touch {shlex.quote(str(marker))}"))
+    with pytest.raises(UnsafeMetadata, match=r"ns/step-1/\.metadata.*posix\.system"):
+        data_files(hostile, what="ns/step-1/.metadata")
+    with pytest.raises(UnsafeMetadata):
+        rewrite_metadata(hostile, {"__0_0.distcp": {0: (0, 1)}})
+    assert not marker.exists()
+    saved = save_checkpoint(tmp_path / "hot")
+    md = pickle.loads(saved.metadata)
+    md.storage_data = {
+        k: dataclasses.replace(v, relative_path="../escape") for k, v in md.storage_data.items()
+    }
+    with pytest.raises(UnsafeMetadata, match="escape"):
+        data_files(pickle.dumps(md))
