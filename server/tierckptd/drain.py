@@ -272,8 +272,11 @@ class Drainer:
                 self._give_up(key, why)
                 failing = True
             elif now - since >= self.max_wait:
-                self._give_up(key, f"not durable after {now - since:.0f}s of waiting for the "
-                              "node that holds .metadata to commit it")  # fmt: skip
+                why = (
+                    f"is not durable after {now - since:.0f}s of waiting (for other nodes' "
+                    "uploads, or for the node that owns .metadata to commit it)"
+                )
+                self._give_up(key, why)
                 failing = True
         if failing:
             return self.failed_retry
@@ -286,8 +289,8 @@ class Drainer:
         logger.error(
             "persistent tier drain of %s/%s %s; marked drain-failed (see tierckpt ls) and "
             "retried every %.0fs; it stays in memory until it is durable. Fix the cause "
-            "(the persistent tier's reachability, credentials, or the other nodes), then "
-            "SIGHUP retries at once",
+            "(the persistent tier's reachability, credentials, or the other nodes); "
+            "Drainer.retry_failed() (SIGHUP) retries at once",
             *key,
             why,
             self.failed_retry,

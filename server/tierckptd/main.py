@@ -31,13 +31,11 @@ from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.config import (
     Config,
     ConfigError,
-    config_changes,
-    config_file_warnings,
     exposure_warnings,
     format_size,
     load_config,
-    redact,
 )
+from tierckptd.config_secrets import config_changes, config_file_warnings, redact
 from tierckptd.drain import Drainer
 from tierckptd.health import Health
 from tierckptd.local_access import IsolationUnsupported, open_local_access

@@ -684,18 +684,30 @@ class PersistentTier:
             lambda: self._put_bytes(path, data), f"write {namespace}/{checkpoint_id} {name}"
         )
 
-    def read_bookkeeping(self, namespace: str, checkpoint_id: str, name: str) -> bytes | None:
-        """A bookkeeping object stored by `put_bookkeeping`, or None if there is none."""
+    def read_bookkeeping(
+        self, namespace: str, checkpoint_id: str, name: str, *, max_bytes: int = 1 << 30
+    ) -> bytes | None:
+        """A bookkeeping object stored by `put_bookkeeping`, or None if there is none.
+
+        Raises:
+            ValueError: it is larger than `max_bytes` (a tampered bucket); not read whole.
+        """
         check_file_name(name)
         path = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{name}"
 
         def read() -> bytes | None:
             try:
-                return bytes(self.fs.cat_file(path))
+                return bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
             except FileNotFoundError:
                 return None
 
-        return self._retry(read, f"read {namespace}/{checkpoint_id} {name}")
+        data = self._retry(read, f"read {namespace}/{checkpoint_id} {name}")
+        if data is not None and len(data) > max_bytes:
+            raise ValueError(
+                f"{namespace}/{checkpoint_id} {name} in the persistent tier is larger than "
+                f"{max_bytes} bytes; refused"
+            )
+        return data
 
     # ---- queries -----------------------------------------------------------------
 

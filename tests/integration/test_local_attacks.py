@@ -9,11 +9,11 @@ messages) and issue item 6 (a malformed-message flood keeps RSS flat).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -82,23 +82,42 @@ def _save(stub: Stub, ns: str, cid: str, data: bytes) -> str:
     return path
 
 
-def _as_other_uid(script: str, base: Path) -> dict[str, str]:
-    """Run `script` (Python; it sets `result`) as OTHER_UID in the daemon's group (gid of
-    the memory dir); returns `result`. The base dir is opened for traversal only."""
+def _attempts(**calls: Callable[[], object]) -> dict[str, str]:
+    """Run each call; "ok" or the errno name it failed with."""
+    result = {}
+    for name, call in calls.items():
+        try:
+            call()
+            result[name] = "ok"
+        except OSError as e:
+            result[name] = errno.errorcode[e.errno or 0]
+    return result
+
+
+def _as_other_uid(base: Path, **calls: Callable[[], object]) -> dict[str, str]:
+    """`_attempts(**calls)` in a forked child running as OTHER_UID in the daemon's group
+    (the memory dir's gid), like a training user; the base dir opens for traversal."""
     os.chmod(base, 0o711)
     gid = os.stat(base / "mem").st_gid
-    code = f"import errno, json, os\nresult = {{}}\n{script}\nprint(json.dumps(result))"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        user=OTHER_UID,
-        group=gid,
-        extra_groups=[],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    result: dict[str, str] = json.loads(out.stdout)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, only os calls, then _exit
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(OTHER_UID)
+            os.write(write_end, json.dumps(_attempts(**calls)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        raw = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    result: dict[str, str] = json.loads(raw)
     return result
 
 
@@ -168,22 +187,13 @@ def test_other_uids_cannot_change_the_memory_dir_or_committed_files(daemon: Any)
     for d in [daemon.memory_dir, *(p for p in daemon.memory_dir.rglob("*") if p.is_dir())]:
         assert not d.stat().st_mode & 0o022, d
     result = _as_other_uid(
-        f"""
-path = {path!r}
-def attempt(name, fn):
-    try:
-        fn()
-        result[name] = "ok"
-    except OSError as e:
-        result[name] = errno.errorcode[e.errno]
-attempt("read", lambda: os.close(os.open(path, os.O_RDONLY)))
-attempt("write", lambda: os.close(os.open(path, os.O_WRONLY)))
-attempt("unlink", lambda: os.unlink(path))
-attempt("replace", lambda: os.rename(path, path + ".x"))
-attempt("plant", lambda: os.symlink("/etc", os.path.join(os.path.dirname(path), "evil")))
-attempt("chmod", lambda: os.chmod(path, 0o666))
-""",
         daemon.base_dir,
+        read=lambda: os.close(os.open(path, os.O_RDONLY)),
+        write=lambda: os.close(os.open(path, os.O_WRONLY)),
+        unlink=lambda: os.unlink(path),
+        replace=lambda: os.rename(path, path + ".x"),
+        plant=lambda: os.symlink("/etc", os.path.join(os.path.dirname(path), "evil")),
+        chmod=lambda: os.chmod(path, 0o666),
     )
     assert result == {
         "read": "ok",  # the group loads checkpoints
@@ -211,16 +221,7 @@ def test_a_rank_that_keeps_its_fd_open_cannot_commit(daemon: Any) -> None:
         os.close(fd)
     _commit_file(stub, "job", "step-1", ".metadata", data)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o440
-    result = _as_other_uid(
-        f"""
-try:
-    os.open({path!r}, os.O_WRONLY)
-    result["write"] = "ok"
-except OSError as e:
-    result["write"] = errno.errorcode[e.errno]
-""",
-        daemon.base_dir,
-    )
+    result = _as_other_uid(daemon.base_dir, write=lambda: os.open(path, os.O_WRONLY))
     assert result == {"write": "EACCES"}
 
 

@@ -5,7 +5,9 @@ call `i` of seed `s` from its own `random.Random(f"{s}/{i}")`, so any call repro
 its own, whatever the daemon answered before: `python -m tests.support.fuzz SEED INDEX`
 prints it. A payload is random bytes, a message built from the generated protobuf classes
 with the audit's hostile names and numbers (or a plausible one, so deeper code runs), or a
-mutation of a serialized message (bit flips, truncation, duplicated fields, bogus lengths).
+mutation of a serialized message (bit flips, truncation, duplicated fields, bogus lengths;
+tests/support/fuzz_wire.py). One call in a hundred is a whole local save (`SAVE`) whose
+`.metadata` may be hostile, so the drain to the persistent tier is fuzzed too.
 
 Names may hold '/' and '..' (audit C2: an unvalidated peer name becomes a path). So that a
 daemon with that bug cannot touch the host, every message passes `Fuzzer.escapes`: no
@@ -32,15 +34,19 @@ from google.protobuf.message import DecodeError, Message
 from tierckpt.checksum import checksum_bytes
 from tierckpt.v1 import common_pb2, daemon_pb2, peer_pb2
 
+from tests.support.fuzz_wire import message_strings, mutate, raw_strings
+
 __all__ = [
     "ESCAPE_MARK",
+    "MAX_UPS",
     "NODE_ID",
     "NODE_METADATA",
     "PEER_ID",
-    "MAX_UPS",
+    "SAVE",
     "Call",
     "Fuzzer",
     "Method",
+    "Save",
     "methods",
 ]
 
@@ -171,85 +177,6 @@ class Call:
         return f"python -m tests.support.fuzz {self.seed} {self.index}"
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _spans(buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
-    """(field, wire type, start, value start, end) of each field, until the first error."""
-    pos, n = 0, len(buf)
-    while pos < n:
-        start = pos
-        key = shift = 0
-        while True:
-            if pos >= n or shift > 63:
-                return
-            byte = buf[pos]
-            pos += 1
-            key |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                break
-        field, wire = key >> 3, key & 7
-        vstart = pos
-        if wire == 0:
-            while pos < n and buf[pos] & 0x80:
-                pos += 1
-            pos += 1
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            length = shift = 0
-            while True:
-                if pos >= n or shift > 63:
-                    return
-                byte = buf[pos]
-                pos += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            vstart = pos
-            pos += length
-        elif wire not in (3, 4):  # groups: their fields follow at this level
-            return
-        if pos > n:
-            return
-        yield field, wire, start, vstart, pos
-
-
-def _raw_strings(buf: bytes, depth: int = 0) -> Iterator[str]:
-    """Every length-delimited value, at every depth, that is UTF-8: a superset of the
-    strings any protobuf decoder (or a lenient hand-written one) could see in `buf`."""
-    for _field, wire, _start, vstart, end in _spans(buf):
-        if wire != 2:
-            continue
-        value = buf[vstart:end]
-        try:
-            yield value.decode()
-        except UnicodeDecodeError:
-            pass
-        if depth < 6:
-            yield from _raw_strings(value, depth + 1)
-
-
-def _message_strings(msg: Message) -> Iterator[str]:
-    for f, value in msg.ListFields():
-        values = value if f.is_repeated else [value]
-        for v in values:
-            if f.type == pb.FieldDescriptor.TYPE_STRING:
-                yield v
-            elif f.type == pb.FieldDescriptor.TYPE_MESSAGE:
-                yield from _message_strings(v)
-
-
 class Fuzzer:
     """Deterministic payloads per (seed, index) for the methods of both services.
 
@@ -320,14 +247,14 @@ class Fuzzer:
     # -- entry point ---------------------------------------------------------------
     def call(self, index: int) -> Call:
         rng = random.Random(f"{self.seed}/{index}")
-        method = rng.choice(self.methods)
+        method = rng.choice(self.methods) if self.methods else SAVE
         caller = rng.choice(self.callers)
         metadata = (
             ()
             if caller is None or "PeerService" not in method.service
             else ((NODE_METADATA, caller),)
         )
-        if self.saves and rng.random() < SAVE_SHARE:
+        if method is SAVE or (self.saves and rng.random() < SAVE_SHARE):
             return Call(self.seed, index, SAVE, (), ("save",), save=self._save(rng))
         messages: tuple[bytes, ...] = (b"",)
         kinds: tuple[str, ...] = ("empty",)
@@ -351,9 +278,9 @@ class Fuzzer:
     def escapes(self, raw: bytes, request: type[Message]) -> bool:
         """Whether some string the daemon could read from `raw` leaves the sandbox."""
         try:
-            strings: Iterator[str] = _message_strings(request.FromString(raw))
+            strings: Iterator[str] = message_strings(request.FromString(raw))
         except DecodeError:
-            strings = _raw_strings(raw)
+            strings = raw_strings(raw)
         return any(self._escaping(s) for s in strings)
 
     def _escaping(self, s: str) -> bool:
@@ -384,7 +311,7 @@ class Fuzzer:
         if r < 0.75:
             return self._plausible(rng, method).SerializeToString(), "plausible"
         hostility = rng.choice((0.05, 0.5))
-        return self._mutate(
+        return mutate(
             rng, self._build(rng, method.request.DESCRIPTOR, hostility).SerializeToString()
         )
 
@@ -520,37 +447,6 @@ class Fuzzer:
             numbers = [v.number for v in f.enum_type.values]
             return rng.choice((*numbers, 99, -1, 2**31 - 1)) if hostile else rng.choice(numbers)
         raise TypeError(f"the fuzzer has no values for field {f.full_name} (type {t})")
-
-    # -- mutations -----------------------------------------------------------------
-    def _mutate(self, rng: random.Random, raw: bytes) -> tuple[bytes, str]:
-        buf = bytearray(raw)
-        ops = []
-        for _ in range(rng.randint(1, 3)):
-            op = rng.choice(("flip", "truncate", "duplicate", "insert", "bad-length", "unknown"))
-            ops.append(op)
-            spans = list(_spans(bytes(buf)))
-            if op == "flip" and buf:
-                for _ in range(rng.randint(1, 8)):
-                    buf[rng.randrange(len(buf))] ^= 1 << rng.randrange(8)
-            elif op == "truncate" and buf:
-                del buf[rng.randrange(len(buf)) :]
-            elif op == "duplicate" and spans:
-                _, _, start, _, end = rng.choice(spans)
-                at = rng.choice([s[2] for s in spans] + [len(buf)])
-                buf[at:at] = buf[start:end]
-            elif op == "insert":
-                at = rng.randint(0, len(buf))
-                buf[at:at] = rng.randbytes(rng.randint(1, 16))
-            elif op == "bad-length":
-                lengths = [s for s in spans if s[1] == 2]
-                if lengths:
-                    field, _, start, vstart, end = rng.choice(lengths)
-                    huge = _varint(rng.choice((2**31, 2**63, end - vstart + 1)))
-                    buf[start:vstart] = _varint(field << 3 | 2) + huge
-            else:
-                field, wire = rng.choice((15, 1000, 2**29 - 1)), rng.choice((0, 1, 2, 3, 5, 7))
-                buf += _varint(field << 3 | wire) + rng.randbytes(rng.randint(0, 9))
-        return bytes(buf), f"mutated({','.join(ops)})"
 
 
 def main(argv: list[str]) -> int:

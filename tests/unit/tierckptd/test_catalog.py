@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from tierckpt.errors import (
     MemoryBudgetExceeded,
 )
 from tierckptd.catalog import Catalog
-from tierckptd.model import State
+from tierckptd.model import CheckpointRecord, FileRecord, State
 
 KiB = 1024
 
@@ -384,3 +385,53 @@ def test_commit_messages_are_bounded(catalog: Catalog) -> None:
         catalog.commit("run", "s", names * 2 + ["x", "y"])
     with pytest.raises(InvalidName):
         catalog.commit("run", "s", ["../../etc/passwd"])
+
+
+def test_only_the_saves_own_calls_keep_it_alive(catalog: Catalog, save, clock) -> None:  # type: ignore[no-untyped-def]
+    # Audit M2 "keep-alive": reads of the catalog must not refresh an abandoned save.
+    save(catalog, "run", "step-1", {"a": b"x"})
+    catalog.begin("run", "idle", 0)
+    for _ in range(3):
+        clock.now += 400
+        catalog.status()
+        catalog.list_checkpoints("run", include_uncommitted=True)
+        catalog.get("run", "step-1")
+        catalog.verify("run", "step-1")
+        catalog.set_pinned("run", "step-1", True)
+    assert catalog.sweep() == [("run", "idle")]
+
+
+def test_a_received_copy_is_held_only_once_its_manifest_is_written(
+    catalog: Catalog, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # Audit M3 (finish_incoming): a manifest write that fails leaves the copy not held,
+    # in memory and on disk, and no stray file.
+    from tierckptd import manifest as manifest_module
+
+    data = os.urandom(3000)
+    remote = FileRecord("__0_0.distcp", 1, len(data), checksum_bytes(data), "node-x", held=False)
+    rec = CheckpointRecord(
+        "run", "s1", State.COMMITTED, 1.0, "node-x", 1.0, 1, files={remote.name: remote}
+    )
+    assert catalog.publish(rec)
+    tmp = catalog.start_incoming("run", "s1", remote.name)
+    assert tmp is not None
+    tmp.write_bytes(data)
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(manifest_module.os, "write", full)
+        with pytest.raises(MemoryBudgetExceeded, match="is full"):
+            catalog.finish_incoming("run", "s1", remote.name, tmp, True)
+    f, path = catalog.file_view("run", "s1", remote.name)
+    assert not f.held and path == ""
+    assert list(catalog.tier.data_dir("run", "s1").iterdir()) == []
+    tmp = catalog.start_incoming("run", "s1", remote.name)
+    assert tmp is not None
+    tmp.write_bytes(data)
+    assert catalog.finish_incoming("run", "s1", remote.name, tmp, True)
+    f, path = catalog.file_view("run", "s1", remote.name)
+    assert f.held and Path(path).read_bytes() == data
+    assert os.stat(path).st_mode & 0o777 == 0o440

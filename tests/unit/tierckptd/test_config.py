@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 from tierckptd.config import (
-    REDACTED,
     Config,
     ConfigError,
-    config_changes,
-    config_file_warnings,
     exposure_warnings,
     is_loopback_address,
     load_config,
     parse_config,
     parse_size,
 )
+from tierckptd.config_secrets import REDACTED, config_changes, config_file_warnings
 
 EXAMPLE = Path(__file__).parents[3] / "deploy" / "tierckptd.example.toml"
 

@@ -296,7 +296,7 @@ def _with_file(**fields: object) -> common_pb2.CheckpointInfo:
         if key in ("algorithm", "block_size", "block_digests"):
             setattr(e.checksums, key, value)
         elif key == "replica_nodes":
-            e.replica_nodes.extend(value)  # type: ignore[call-overload]
+            e.replica_nodes.extend(list(value))  # type: ignore[call-overload]
         else:
             setattr(e, key, value)
     return info
@@ -472,7 +472,7 @@ def test_stalled_streams_are_cancelled_and_their_slots_come_back(peer_port: Peer
     calls = [stub.PushFile.future(stalled(), timeout=30) for _ in range(4)]
     try:
         started = time.monotonic()
-        codes = sorted(str(c.exception(timeout=10).code()) for c in calls)  # type: ignore[union-attr]
+        codes = sorted(str(c.exception(timeout=10).code()) for c in calls)
         # One over the limit at once; the three admitted cancelled after ~1 s of silence.
         assert codes == sorted(["StatusCode.CANCELLED"] * 3 + ["StatusCode.RESOURCE_EXHAUSTED"])
         assert time.monotonic() - started < 4

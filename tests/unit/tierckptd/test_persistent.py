@@ -381,6 +381,13 @@ def test_a_bad_marker_counts_as_not_uploaded(s3: moto_s3.S3Bucket, tmp_path: Pat
             tier.upload_metadata_last(NS, "step-000001", saved.metadata)
     tier.fs.pipe_file(path, json.dumps(good).encode())
     assert set(tier.uploaded(NS, "step-000001")) == {name}
+    # Bookkeeping objects are read with a bound, never whole if a tampered one is huge.
+    tier.put_bookkeeping(NS, "step-000001", "manifest.json", b"m" * 100)
+    assert tier.read_bookkeeping(NS, "step-000001", "manifest.json") == b"m" * 100
+    assert tier.read_bookkeeping(NS, "step-000001", "manifest.json", max_bytes=100) == b"m" * 100
+    with pytest.raises(ValueError, match="larger than 99 bytes"):
+        tier.read_bookkeeping(NS, "step-000001", "manifest.json", max_bytes=99)
+    assert tier.read_bookkeeping(NS, "step-000001", "missing.json") is None
 
 
 def test_retry_call_honours_a_deadline_set_meanwhile() -> None:
