@@ -24,10 +24,17 @@ _STEP = re.compile(r"(\d+)$")
 METADATA_FILE = ".metadata"
 
 
+def _shown(value: object) -> str:
+    """`value` as an error message quotes it: bounded, whatever a caller sent."""
+    text = repr(value)
+    return text if len(text) <= 160 else f"{text[:64]}... ({len(text)} characters)"
+
+
 def _check(kind: str, value: object) -> str:
     if not isinstance(value, str) or not _NAME.fullmatch(value) or value in (".", ".."):
         raise InvalidName(
-            f"invalid {kind} {value!r}: use 1-128 characters from [A-Za-z0-9._-], not '.' or '..'"
+            f"invalid {kind} {_shown(value)}: use 1-128 characters from [A-Za-z0-9._-], "
+            "not '.' or '..'"
         )
     return value
 

@@ -88,7 +88,6 @@ READ_CHUNK = 8 << 20
 MAX_INT = 2**63 - 1
 MAX_CLOCK_SKEW = 86400.0  # a timestamp later than now + this is refused
 MAX_FILES = 1 << 20
-_ZSTD_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX
 
 
 def fingerprint(f: FileRecord) -> str:
@@ -681,7 +680,7 @@ def _decompress_item(stored: _StoredRange, limit: int, what: str) -> Iterator[by
     one READ_CHUNK: the frame must declare its content size (ours always do) and be
     complete."""
     try:
-        declared = zstandard.frame_content_size(stored.peek(_ZSTD_HEADER_MAX))
+        declared = zstandard.frame_content_size(stored.peek(READ_CHUNK))  # one request
     except zstandard.ZstdError as e:
         raise ChecksumMismatch(f"{what} is not a zstd frame ({e})") from None
     if declared < 0 or declared > limit:

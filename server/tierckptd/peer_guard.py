@@ -84,8 +84,9 @@ class Ticket:
 class Watchdog:
     """One thread cancelling watched calls past their deadline (checked every `tick`)."""
 
-    def __init__(self, tick: float = 0.5) -> None:
+    def __init__(self, tick: float = 0.5, level: int = logging.WARNING) -> None:
         self.tick = tick
+        self.level = level
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
         self._ids = itertools.count()
@@ -127,7 +128,7 @@ class Watchdog:
                     del self._tickets[key]
             for _, t in late:
                 why = "over its time limit" if now >= t.end else f"no message for {t.stall:g} s"
-                logger.warning("cancelled %s: %s", t.what, why)
+                logger.log(self.level, "cancelled %s: %s", t.what, why)
                 try:
                     t.cancel()
                 except Exception as e:  # a call that ended meanwhile
@@ -142,7 +143,7 @@ class HealthGuard(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, stall: float = 5.0) -> None:
         self.stall = stall
-        self.watchdog = Watchdog()
+        self.watchdog = Watchdog(level=logging.DEBUG)  # anyone may call: no log flood
 
     def intercept_service(
         self,

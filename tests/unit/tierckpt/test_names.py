@@ -85,3 +85,13 @@ def test_step_of_takes_the_trailing_integer(checkpoint_id: str, step: int) -> No
 @pytest.mark.parametrize("checkpoint_id", ["", "latest", "step-1a", "step-", "12-final"])
 def test_step_of_is_none_without_trailing_integer(checkpoint_id: str) -> None:
     assert step_of(checkpoint_id) is None
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKERS))
+def test_error_quotes_a_huge_name_bounded(kind: str) -> None:
+    # Audit M5: a 5 MiB name must not become a 5 MiB error message or log line.
+    with pytest.raises(InvalidName) as info:
+        CHECKERS[kind]("x" * 5_000_000)
+    message = str(info.value)
+    assert len(message) < 300
+    assert "5000002 characters" in message

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.checksum import BlockChecksums, checksum_bytes
 from tierckpt.errors import (
     CheckpointIncomplete,
@@ -525,3 +526,24 @@ def test_malformed_and_unexpected_errors_get_fixed_statuses(
     with pytest.raises(grpc.RpcError) as e:
         peer_port.stub("node-z").ListManifests(peer_pb2.ListManifestsRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_health_on_the_peer_port_decodes_its_requests_and_stays_non_blocking(
+    peer_port: PeerPort,
+) -> None:
+    channel = grpc.insecure_channel(peer_port.address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        for junk in (b"\xff\xff", b"\x0a\x05ab"):
+            with pytest.raises(grpc.RpcError) as e:
+                channel.unary_unary("/grpc.health.v1.Health/Check")(junk, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # More watchers than the server has threads: Watch still holds none.
+        watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=10) for _ in range(40)]
+        assert {next(w).status for w in watches} == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        check = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        for w in watches:
+            w.cancel()
+    finally:
+        channel.close()
