@@ -247,7 +247,10 @@ class Daemon:
                     return
 
     def _reload(self) -> None:
-        """SIGHUP: re-read the config file and log what changed."""
+        """SIGHUP: retry drain-failed checkpoints now (the operator's override), re-read
+        the config file and log what changed."""
+        if self.drainer is not None:
+            self.drainer.retry_failed()
         if self.config_path is None:
             logger.info("SIGHUP: no --config file to reload")
             return
