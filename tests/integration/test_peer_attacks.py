@@ -28,7 +28,6 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckpt.checksum import checksum_bytes
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from tierckptd.auth import node_client_interceptor, peer_channel_factory
@@ -38,6 +37,7 @@ from tierckptd.config import SecurityConfig
 from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess
 from tests.support.ports import free_ports
+from tests.support.raw_rpc import file_entry, write_files
 
 pytestmark = pytest.mark.integration
 
@@ -145,21 +145,6 @@ def victim() -> Iterator[Victim]:
 # ---- helpers ---------------------------------------------------------------------------
 
 
-def entry(
-    name: str, data: bytes, owner: str, replicas: tuple[str, ...] = ()
-) -> common_pb2.FileEntry:
-    cs = checksum_bytes(data)
-    return common_pb2.FileEntry(
-        name=name,
-        size=len(data),
-        checksums=common_pb2.BlockChecksums(
-            algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
-        ),
-        owner_node=owner,
-        replica_nodes=replicas,
-    )
-
-
 def manifest(
     ns: str,
     cid: str,
@@ -177,7 +162,7 @@ def manifest(
         created_unix=min(now, time.time()),
         committed_unix=now,
         sequence=sequence,
-        files=files if files is not None else [entry(".metadata", b"fake-meta", owner)],
+        files=files if files is not None else [file_entry(".metadata", b"fake-meta", owner)],
         pinned=True,
     )
 
@@ -198,18 +183,7 @@ def publish(v: Victim, info: common_pb2.CheckpointInfo, node: str = "mallory") -
 
 def write(v: Victim, ns: str, cid: str, files: dict[str, bytes], rank: int = 0) -> None:
     """Write and commit files of a save on the victim (the save stays WRITING)."""
-    c = v.client
-    c.begin_checkpoint(ns, cid, rank)
-    c.reserve_space(ns, cid, rank, sum(len(d) for d in files.values()))
-    for name, data in files.items():
-        path = c.open_file(ns, cid, name, rank).path
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.ftruncate(fd, len(data))
-        finally:
-            os.close(fd)
-        c.commit_file(ns, cid, name, rank, len(data), checksum_bytes(data))
+    write_files(v.client, ns, cid, files, rank)
 
 
 def save(v: Victim, ns: str, cid: str, files: dict[str, bytes] | None = None) -> None:
@@ -256,11 +230,13 @@ def test_traversal_names_write_and_delete_nothing_outside_the_memory_dir(
         assert publish(victim, manifest(ns, cid)) == CODE.INVALID_ARGUMENT, (ns, cid)
     for name in ("../../x", str(outside / "f"), "..", "a/b"):
         info = manifest(
-            "trav", "step-1", [entry(".metadata", b"m", "mallory"), entry(name, b"d", "mallory")]
+            "trav",
+            "step-1",
+            [file_entry(".metadata", b"m", "mallory"), file_entry(name, b"d", "mallory")],
         )
         assert publish(victim, info) == CODE.INVALID_ARGUMENT, name
     for node in ("../x", "a/b"):
-        info = manifest("trav", "step-2", [entry(".metadata", b"m", "mallory", (node,))])
+        info = manifest("trav", "step-2", [file_entry(".metadata", b"m", "mallory", (node,))])
         assert publish(victim, info) == CODE.INVALID_ARGUMENT, node
     assert (tree(tmp_path), tree(target)) == before
     assert (target / "secret.bin").read_bytes() == b"keep me"
@@ -300,7 +276,10 @@ def test_a_publish_never_loses_a_save(victim: Victim) -> None:
     other = manifest(
         ns,
         cid,
-        [entry(".metadata", b"evil-meta", "mallory"), entry("__0_0.distcp", b"x" * 5000, "victim")],
+        [
+            file_entry(".metadata", b"evil-meta", "mallory"),
+            file_entry("__0_0.distcp", b"x" * 5000, "victim"),
+        ],
     )
     assert publish(victim, other) == CODE.FAILED_PRECONDITION
     # Matching data checksums, but the .metadata committed here: this node commits it.
@@ -308,8 +287,8 @@ def test_a_publish_never_loses_a_save(victim: Victim) -> None:
         ns,
         cid,
         [
-            entry(".metadata", b"evil-meta", "mallory"),
-            entry("__0_0.distcp", files["__0_0.distcp"], "victim"),
+            file_entry(".metadata", b"evil-meta", "mallory"),
+            file_entry("__0_0.distcp", files["__0_0.distcp"], "victim"),
         ],
     )
     assert publish(victim, same) == CODE.FAILED_PRECONDITION
@@ -366,15 +345,17 @@ def info_entry(f: Any) -> common_pb2.FileEntry:
 def test_commit_time_holdings_are_claims_on_own_files_only(victim: Victim) -> None:
     ns = "jobHold"
     theirs = b"rank-1-bytes" * 100
-    victim.fakes["buddy"].holdings["step-1"] = [entry("__1_0.distcp", theirs, "mallory")]
+    victim.fakes["buddy"].holdings["step-1"] = [file_entry("__1_0.distcp", theirs, "mallory")]
     write(victim, ns, "step-1", {".metadata": b"m1", "__0_0.distcp": b"a" * 100})
     info = victim.client.commit_checkpoint(
         ns, "step-1", [".metadata", "__0_0.distcp", "__1_0.distcp"]
     )
     assert info.file("__1_0.distcp").owner_node == "buddy"  # whatever it said
     # Two peers claiming one file with different bytes: refused, never "first wins".
-    victim.fakes["buddy"].holdings["step-2"] = [entry("__1_0.distcp", theirs, "buddy")]
-    victim.fakes["mallory"].holdings["step-2"] = [entry("__1_0.distcp", b"evil" * 300, "mallory")]
+    victim.fakes["buddy"].holdings["step-2"] = [file_entry("__1_0.distcp", theirs, "buddy")]
+    victim.fakes["mallory"].holdings["step-2"] = [
+        file_entry("__1_0.distcp", b"evil" * 300, "mallory")
+    ]
     write(victim, ns, "step-2", {".metadata": b"m2", "__0_0.distcp": b"b" * 100})
     with pytest.raises(Exception, match="different contents") as e:
         victim.client.commit_checkpoint(ns, "step-2", [".metadata", "__0_0.distcp", "__1_0.distcp"])
@@ -409,7 +390,7 @@ def test_a_poisoned_sequence_is_refused_and_listing_still_works(victim: Victim) 
 def test_oversized_and_malformed_manifests_are_refused(victim: Victim) -> None:
     ns = "jobBig"
     used = victim.client.status().used_bytes
-    meta = entry(".metadata", b"m", "mallory")
+    meta = file_entry(".metadata", b"m", "mallory")
     tiny_blocks = common_pb2.FileEntry(
         name="__0_0.distcp",
         size=4 * MIB // 16,
@@ -419,13 +400,13 @@ def test_oversized_and_malformed_manifests_are_refused(victim: Victim) -> None:
         owner_node="mallory",
     )
     assert publish(victim, manifest(ns, "s1", [meta, tiny_blocks])) == CODE.INVALID_ARGUMENT
-    bad_digests = entry("__0_0.distcp", b"z" * 3000, "mallory")
+    bad_digests = file_entry("__0_0.distcp", b"z" * 3000, "mallory")
     bad_digests.checksums.block_digests += b"\0" * 16
     assert publish(victim, manifest(ns, "s2", [meta, bad_digests])) == CODE.INVALID_ARGUMENT
-    bad_algorithm = entry("__0_0.distcp", b"z" * 3000, "mallory")
+    bad_algorithm = file_entry("__0_0.distcp", b"z" * 3000, "mallory")
     bad_algorithm.checksums.algorithm = "md5"
     assert publish(victim, manifest(ns, "s3", [meta, bad_algorithm])) == CODE.INVALID_ARGUMENT
-    many = [meta] + [entry(f"__{i}_0.distcp", b"", "mallory") for i in range(100_000)]
+    many = [meta] + [file_entry(f"__{i}_0.distcp", b"", "mallory") for i in range(100_000)]
     assert publish(victim, manifest(ns, "s4", many)) == CODE.INVALID_ARGUMENT
     for when in (float("nan"), float("inf"), -1.0):
         assert publish(victim, manifest(ns, "s5", committed=when)) == CODE.INVALID_ARGUMENT

@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 import pytest
 import torch.distributed.checkpoint as dcp
-from tierckpt.checksum import checksum_bytes
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import UnsafeMetadata
 from tierckpt.storage_reader import TieredStorageReader
@@ -36,6 +35,7 @@ from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dcp_files import save_checkpoint
 from tests.support.ports import free_ports
+from tests.support.raw_rpc import file_entry, raw_save
 
 pytestmark = pytest.mark.integration
 
@@ -53,22 +53,6 @@ class P:
 
 def payload(marker: Path) -> bytes:
     return pickle.dumps(P(f"touch {shlex.quote(str(marker))}"))
-
-
-def save(client: DaemonClient, ns: str, cid: str, files: dict[str, bytes], rank: int = 0) -> None:
-    """The audit's raw save: Begin/Reserve/Open/write/CommitFile/Commit."""
-    client.begin_checkpoint(ns, cid, rank)
-    client.reserve_space(ns, cid, rank, sum(len(d) for d in files.values()))
-    for name, data in files.items():
-        path = client.open_file(ns, cid, name, rank).path
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.write(fd, data)
-            os.ftruncate(fd, len(data))
-        finally:
-            os.close(fd)
-        client.commit_file(ns, cid, name, rank, len(data), checksum_bytes(data))
-    client.commit_checkpoint(ns, cid, list(files))
 
 
 def metric(url: str, sample: str) -> float:
@@ -117,7 +101,7 @@ def test_the_drain_refuses_a_hostile_metadata_and_keeps_running(
     marker = tmp_path / "MARKER"
     refused = 'tierckpt_refused_metadata_total{where="drain"}'
     before = metric(metrics_url, refused)
-    save(client, "rce", "step-1", {".metadata": payload(marker)})
+    raw_save(client, "rce", "step-1", {".metadata": payload(marker)})
     wait_for(lambda: "drain-failed" in tiers(client, "rce", "step-1"), what="drain-failed")
     rows = {row["id"]: row for row in ls_json(daemon.address, "rce")}
     assert "drain-failed" in rows["step-1"]["tiers"]  # what `tierckpt ls` shows
@@ -134,14 +118,14 @@ def test_the_drain_refuses_a_hostile_metadata_and_keeps_running(
     assert not fs.exists(f"{s3.name}/rce/step-1/.metadata")
     # A data file with the payload as .metadata beside it: refused the same way, nothing
     # of it uploaded.
-    save(client, "rce", "step-2", {"__0_0.distcp": b"d" * 100, ".metadata": payload(marker)})
+    raw_save(client, "rce", "step-2", {"__0_0.distcp": b"d" * 100, ".metadata": payload(marker)})
     wait_for(lambda: "drain-failed" in tiers(client, "rce", "step-2"), what="step-2")
     fs.invalidate_cache()
     assert not fs.exists(f"{s3.name}/rce/step-2")
     # A real checkpoint saved afterwards drains as usual.
     good = save_checkpoint(tmp_path / "good")
     names = [*good.data_names, ".metadata"]
-    save(client, "rce", "step-3", {n: (good.directory / n).read_bytes() for n in names})
+    raw_save(client, "rce", "step-3", {n: (good.directory / n).read_bytes() for n in names})
     wait_for(lambda: "persistent" in tiers(client, "rce", "step-3"), what="durable")
     assert "drain-failed" not in tiers(client, "rce", "step-3")
     assert not marker.exists() and daemon.running
@@ -152,7 +136,7 @@ def test_the_reader_refuses_a_hostile_metadata(
 ) -> None:
     daemon, client, _ = drainer_node
     marker = tmp_path / "MARKER"
-    save(client, "victim-job", "step-9", {".metadata": payload(marker)})
+    raw_save(client, "victim-job", "step-9", {".metadata": payload(marker)})
     reader = TieredStorageReader("victim-job", daemon=daemon.address)
     reader.reset("step-9")
     with pytest.raises(UnsafeMetadata, match=r"victim-job/step-9/\.metadata.*posix\.system"):
@@ -177,18 +161,6 @@ class Mallory(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
 
     def ListManifests(self, request: Any, context: Any) -> Any:
         return peer_pb2.ListManifestsResponse()
-
-
-def _entry(name: str, data: bytes, owner: str) -> common_pb2.FileEntry:
-    cs = checksum_bytes(data)
-    return common_pb2.FileEntry(
-        name=name,
-        size=len(data),
-        checksums=common_pb2.BlockChecksums(
-            algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
-        ),
-        owner_node=owner,
-    )
 
 
 def _code(call: Callable[[], Any]) -> grpc.StatusCode:
@@ -236,7 +208,7 @@ def test_a_peer_pushed_pickle_runs_nowhere(s3: moto_s3.S3Bucket, tmp_path: Path)
                 created_unix=time.time(),
                 committed_unix=time.time(),
                 sequence=1,
-                files=[_entry(".metadata", evil, owner)],
+                files=[file_entry(".metadata", evil, owner)],
             )
             published.append(_code(lambda i=info: stub.PublishCheckpoint(i, timeout=10)))
             header = peer_pb2.FileHeader(ref=info.ref, file=info.files[0])
@@ -285,7 +257,7 @@ def test_sigterm_with_s3_down_returns_within_the_deadline(
         client = DaemonClient(daemon.address, timeout_s=30)
         good = save_checkpoint(tmp_path / "good")
         names = [*good.data_names, ".metadata"]
-        save(client, "job", "step-1", {n: (good.directory / n).read_bytes() for n in names})
+        raw_save(client, "job", "step-1", {n: (good.directory / n).read_bytes() for n in names})
         client.close()
         moto_server.stop()
         started = time.monotonic()

@@ -181,7 +181,8 @@ def test_errors_carry_no_repr_path_or_unbounded_echo(
         lambda: stub.BeginCheckpoint(daemon_pb2.BeginCheckpointRequest(ref=_ref("x" * (1 << 20))))
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(details) <= daemon_service.MAX_DETAILS and "more characters" in details
+    assert len(details) <= daemon_service.MAX_DETAILS and "characters)" in details
+    assert "A-Za-z0-9" in details
     code, details = _code(
         lambda: stub.CommitCheckpoint(
             daemon_pb2.CommitCheckpointRequest(

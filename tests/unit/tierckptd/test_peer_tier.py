@@ -36,6 +36,8 @@ from tierckptd.peers import Cluster, IncomingFile, restore_plan
 from tierckptd.servers import start_servers
 from tierckptd.wire import record_from_info
 
+from tests.support.raw_rpc import file_entry
+
 from .conftest import MakeCatalog, Save
 
 
@@ -262,15 +264,7 @@ def test_a_corrupt_last_short_block_is_caught_at_finish(tmp_path: Path) -> None:
 
 
 def _entry(name: str, data: bytes, owner: str = "node-x") -> common_pb2.FileEntry:
-    cs = checksum_bytes(data)
-    return common_pb2.FileEntry(
-        name=name,
-        size=len(data),
-        checksums=common_pb2.BlockChecksums(
-            algorithm=cs.algorithm, block_size=cs.block_size, block_digests=cs.digests
-        ),
-        owner_node=owner,
-    )
+    return file_entry(name, data, owner)
 
 
 def _info(**fields: object) -> common_pb2.CheckpointInfo:
