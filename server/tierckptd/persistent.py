@@ -38,9 +38,7 @@ range is ignored (the file counts as not uploaded, and the next drain rewrites i
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,8 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import fsspec
-from tierckpt.checksum import BytesLike
-from tierckpt.errors import CheckpointIncomplete, InvalidName, TierckptError
+from tierckpt.errors import CheckpointIncomplete, InvalidName
 from tierckpt.names import (
     METADATA_FILE,
     check_checkpoint_id,
@@ -62,13 +59,27 @@ from tierckpt.names import (
 
 from tierckptd.persistent_format import (
     DEFAULT_CHUNK_SIZE,
-    BytesSource,
     FileIndex,
     Item,
     RangeSource,
     compress_items,
     data_files,
     rewrite_metadata,
+)
+from tierckptd.persistent_markers import (
+    COMPRESSIONS,
+    FileUpload,
+    Source,
+    UploadedFile,
+    as_range_source,
+    check_relative_path,
+)
+from tierckptd.persistent_retry import (
+    PersistentTierUnavailable,
+    RetryPolicy,
+    discard_partial_write,
+    is_transient,
+    retry_call,
 )
 
 if TYPE_CHECKING:
@@ -89,7 +100,6 @@ __all__ = [
 logger: logging.Logger = logging.getLogger(__name__)
 
 BOOKKEEPING_DIR = ".tierckpt"
-COMPRESSIONS = ("zstd", "none")
 DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
 _DEADLINE_POLL = 0.2  # how often a waiting caller looks at the shutdown deadline
 _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
@@ -97,251 +107,10 @@ _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
 T = TypeVar("T")
 
 
-class PersistentTierUnavailable(ConnectionError):
-    """The persistent tier kept failing for longer than the retry policy allows.
-
-    Nothing was lost: what was not confirmed is simply not there yet (no `.metadata`
-    without its data). Keep the checkpoint pending and retry the same call later.
-    A daemon-side error, not a `TierckptError`: it is never sent to clients as such
-    (those see the checkpoint as not yet durable). Picklable with its message.
-    """
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long to keep retrying a transient failure of one remote operation.
-
-    Attempt n (from 1) failing is followed by a sleep drawn uniformly from
-    ``[d/2, d]`` with ``d = min(cap, base * 2**(n-1))``. It gives up after
-    `max_attempts` attempts (0: no limit) or when the next attempt would start more
-    than `deadline` seconds after the first (None: no limit), whichever comes first.
-    """
-
-    max_attempts: int = 8
-    deadline: float | None = 300.0
-    base: float = 0.5
-    cap: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 0 or (self.max_attempts == 0 and self.deadline is None):
-            raise ValueError(
-                f"retry policy never gives up ({self.max_attempts=}, {self.deadline=}); "
-                "set max_attempts >= 1 or a deadline"
-            )
-        if self.base <= 0 or self.cap < self.base:
-            raise ValueError(f"retry backoff needs 0 < base <= cap ({self.base=}, {self.cap=})")
-        if self.deadline is not None and self.deadline <= 0:
-            raise ValueError(f"retry deadline must be positive ({self.deadline=})")
-
-    def backoff(self, attempt: int, draw: Callable[[], float] = random.random) -> float:
-        """Seconds to wait after failed attempt number `attempt` (1-based)."""
-        ceiling = min(self.cap, self.base * 2.0 ** min(attempt - 1, 62))
-        return float(ceiling / 2 + draw() * ceiling / 2)
-
-
-# OSErrors that describe the request, not the service: retrying cannot help.
-_PERMANENT_OS_ERRORS = (
-    FileNotFoundError,
-    FileExistsError,
-    PermissionError,
-    IsADirectoryError,
-    NotADirectoryError,
-)
-# Transport failures that do not derive from a builtin (botocore, aiohttp), by class name
-# so that neither needs importing here.
-_TRANSIENT_NAMES = frozenset(
-    {
-        "HTTPClientError",
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ResponseStreamingError",
-        "IncompleteReadError",
-        "ClientPayloadError",
-        "ServerDisconnectedError",
-        "ClientConnectionError",
-    }
-)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying `exc` may succeed: the one table of what the tier retries."""
-    if isinstance(exc, TierckptError | PersistentTierUnavailable):
-        return False  # ChecksumMismatch is an OSError, this one a ConnectionError: final
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    if isinstance(exc, _PERMANENT_OS_ERRORS):
-        return False
-    if isinstance(exc, OSError):  # s3fs: 5xx, SlowDown (EBUSY), InternalError, ...
-        return True
-    return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__)
-
-
-def retry_call(
-    fn: Callable[[], T],
-    what: str,
-    policy: RetryPolicy,
-    *,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-    until: Callable[[], float | None] = lambda: None,
-) -> T:
-    """Run `fn` under `policy`; return its result or raise.
-
-    `until` gives an absolute deadline on `clock` (None: none), read before every
-    attempt and every sleep, so one set meanwhile (shutdown) is honoured too.
-
-    Raises:
-        PersistentTierUnavailable: transient failures outlasted the policy (chained to
-            the last one).
-        Exception: the first permanent failure, unchanged.
-    """
-    start = clock()
-    attempt = 0
-    while True:
-        attempt += 1
-        end = until()
-        if end is not None and clock() >= end:
-            raise PersistentTierUnavailable(
-                f"{what}: not attempted, the shutdown deadline has passed; the checkpoint "
-                "stays pending"
-            )
-        try:
-            return fn()
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            delay = policy.backoff(attempt)
-            elapsed = clock() - start
-            end = until()
-            if (
-                (policy.max_attempts and attempt >= policy.max_attempts)
-                or (policy.deadline is not None and elapsed + delay > policy.deadline)
-                or (end is not None and clock() + delay > end)
-            ):
-                raise PersistentTierUnavailable(
-                    f"{what}: the persistent tier failed {attempt} times over {elapsed:.1f}s "
-                    f"({type(exc).__name__}: {exc}); the checkpoint stays pending, retry later"
-                ) from exc
-            limit = policy.max_attempts or "unlimited"
-            logger.warning(
-                "%s failed (attempt %d of %s): %s: %s; retrying in %.2fs",
-                what,
-                attempt,
-                limit,
-                type(exc).__name__,
-                exc,
-                delay,
-            )
-            sleep(delay)
-
-
-@dataclass(frozen=True)
-class UploadedFile:
-    """The marker of one data file in the persistent tier.
-
-    `index` is the per-item zstd index (None: the object holds the source verbatim).
-    `fingerprint` is whatever the caller passed to identify the source (e.g. its
-    checksum summary), so a resumed drain can tell whether the object is still current.
-    """
-
-    name: str
-    source_size: int
-    size: int
-    compression: str
-    index: FileIndex | None = None
-    fingerprint: str = ""
-
-    def to_json(self) -> bytes:
-        index = None if self.index is None else [[o, n, s] for o, (n, s) in self.index.items()]
-        return json.dumps(
-            {
-                "name": self.name,
-                "source_size": self.source_size,
-                "size": self.size,
-                "compression": self.compression,
-                "index": index,
-                "fingerprint": self.fingerprint,
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> UploadedFile:
-        """Parse a marker read back from the store (not trusted: a tampered bucket).
-
-        Raises:
-            ValueError: not a marker, or a field out of range.
-        """
-        try:
-            raw = json.loads(data)
-            index = raw.get("index")
-            if index is not None and (not isinstance(index, list) or len(index) > _MAX_INDEX):
-                raise ValueError("the index is not a list of at most 2**24 items")
-            marker = cls(
-                name=check_file_name(raw["name"]),
-                source_size=_bounded_int(raw["source_size"]),
-                size=_bounded_int(raw["size"]),
-                compression=str(raw["compression"]),
-                index=None
-                if index is None
-                else {_bounded_int(o): (_bounded_int(n), _bounded_int(s)) for o, n, s in index},
-                fingerprint=str(raw.get("fingerprint", ""))[:256],
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # InvalidName too
-            raise ValueError(
-                f"not a valid upload marker: {type(e).__name__}: {str(e)[:160]}"
-            ) from None
-        if marker.compression not in COMPRESSIONS:
-            raise ValueError(f"not a valid upload marker: compression {marker.compression[:32]!r}")
-        return marker
-
-
-Source = RangeSource | BytesLike
-"""What `upload_file` reads: a `RangeSource` (e.g. a `VerifiedFile`) or a buffer."""
-
-
-@dataclass(frozen=True)
-class FileUpload:
-    """One data file for `PersistentTier.upload_files`; fields as in `upload_file`."""
-
-    name: str
-    source: Source
-    size: int | None = None
-    items: Sequence[Item] | None = None
-    fingerprint: str = ""
-
-
-_MAX_INDEX = 1 << 24  # items of one file a marker may describe
-_MAX_SIZE = (1 << 63) - 1
-
-
-def _bounded_int(value: object) -> int:
-    """An int in 0..2**63-1 from JSON (bool, float and str are refused)."""
-    if type(value) is not int or not 0 <= value <= _MAX_SIZE:
-        raise ValueError(f"{str(value)[:32]!r} is not an int in 0..2**63-1")
-    return value
-
-
 @dataclass
 class _Counter:
     written: int = 0
     index: FileIndex | None = field(default=None)
-
-
-def _as_range_source(source: Source) -> RangeSource:
-    if isinstance(source, bytes | bytearray | memoryview):
-        return BytesSource(source)
-    return source
-
-
-def _check_relative_path(name: str, *, data_only: bool = True) -> str:
-    for part in name.split("/"):
-        check_file_name(part)
-    if data_only and name == METADATA_FILE:
-        raise InvalidName(f"{name!r} is the commit marker: upload it with upload_metadata_last")
-    return name
 
 
 class PersistentTier:
@@ -516,9 +285,9 @@ class PersistentTier:
         Raises:
             PersistentTierUnavailable: the tier stayed down past the retry policy.
         """
-        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{_check_relative_path(name)}"
+        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{check_relative_path(name)}"
         marker = self._marker_path(namespace, checkpoint_id, name)
-        src = _as_range_source(source)
+        src = as_range_source(source)
         if size is not None and src.size != size:
             raise ValueError(f"{name}: the source has {src.size} bytes, expected {size}")
         compress = self.compression == "zstd" and items is not None
@@ -565,7 +334,7 @@ class PersistentTier:
                     counter.written += len(data)
             f.close()
         except BaseException:
-            _discard(f, path)
+            discard_partial_write(f, path)
             raise
         self.fs.invalidate_cache(path)
         stored = int(self.fs.size(path))
@@ -640,7 +409,7 @@ class PersistentTier:
         what = f"{namespace}/{checkpoint_id}/{METADATA_FILE}"
         needed = sorted(data_files(metadata, what=what))
         for name in needed:
-            _check_relative_path(name)
+            check_relative_path(name)
         markers = self.uploaded(namespace, checkpoint_id)
 
         def stored_sizes() -> dict[str, int]:
@@ -767,7 +536,7 @@ class PersistentTier:
             raise ValueError(f"bad range ({offset=}, {length=})")
         path = (
             f"{self.checkpoint_path(namespace, checkpoint_id)}/"
-            f"{_check_relative_path(name, data_only=False)}"
+            f"{check_relative_path(name, data_only=False)}"
         )
         if length == 0:
             return b""
@@ -824,20 +593,3 @@ def _valid_namespace(name: str) -> bool:
 def _step_order(checkpoint_id: str) -> tuple[int, int, str]:
     step = step_of(checkpoint_id)
     return (0, step, checkpoint_id) if step is not None else (1, 0, checkpoint_id)
-
-
-def _discard(f: Any, path: str) -> None:
-    """Abandon a failed write without committing it (aborts an S3 multipart upload)."""
-    buffered = callable(getattr(f, "discard", None)) and hasattr(f, "buffer")
-    try:
-        if buffered:
-            f.discard()
-        else:
-            f.close()  # local files: a partial object is harmless without its marker
-    except Exception:
-        logger.warning("could not abandon the partial upload of %s", path, exc_info=True)
-    finally:
-        if buffered:
-            # Never let close() or __del__ complete this upload later: a stale partial
-            # object could overwrite the one a successful retry wrote meanwhile.
-            f.closed = True
