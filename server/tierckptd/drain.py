@@ -47,19 +47,14 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import IO, cast
 
-import xxhash
-import zstandard
 from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
-    ChecksumMismatch,
     TierckptError,
     UnsafeMetadata,
 )
@@ -70,10 +65,15 @@ from tierckptd import metrics
 from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError
 from tierckptd.manifest import from_json as manifest_from_json
-from tierckptd.model import CheckpointRecord, FileRecord, State
+from tierckptd.model import FileRecord
 from tierckptd.peers import SAVE_YIELD_MAX, Cluster, install_copy
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent_format import DataFile, data_files
+from tierckptd.persistent_markers import fingerprint
+from tierckptd.persistent_readback import (
+    check_stored_record,
+    original_chunks,
+)
 from tierckptd.persistent_retention import persistent_evictions
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "fingerprint"]
@@ -83,18 +83,6 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]
 MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeeping area
 METADATA_OBJECT = "metadata.orig"  # the memory tier's (uncompressed) .metadata
-READ_CHUNK = 8 << 20
-# Bookkeeping read back from the store is not trusted (a tampered bucket, audit M8/L6).
-MAX_INT = 2**63 - 1
-MAX_CLOCK_SKEW = 86400.0  # a timestamp later than now + this is refused
-MAX_FILES = 1 << 20
-
-
-def fingerprint(f: FileRecord) -> str:
-    """Identifies a file's bytes (its block checksums) in its upload marker."""
-    assert f.checksums is not None
-    cs = f.checksums
-    return f"{cs.algorithm}:{cs.block_size}:{xxhash.xxh3_128_hexdigest(cs.digests)}"
 
 
 class _StepAsideForSaves:
@@ -601,132 +589,11 @@ class Drainer:
             marker = self.tier.uploaded(namespace, checkpoint_id).get(name)
             if marker is None:
                 raise CheckpointNotFound(f"{what}: not in the persistent tier")
-            chunks = self._original_chunks(namespace, checkpoint_id, name, marker.index, f.size)
+            chunks = original_chunks(
+                self.tier, namespace, checkpoint_id, name, marker.index, f.size
+            )
         taken = install_copy(self.catalog, namespace, checkpoint_id, name, chunks, what=what)
         if not taken:
             return 0
         logger.info("restored %s (%d bytes)", what, f.size)
         return f.size
-
-    def _original_chunks(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        name: str,
-        index: dict[int, tuple[int, int]] | None,
-        size: int,
-    ) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) of the original file, in order, from the stored object.
-
-        An item decompresses to at most the bytes up to the next item (its original
-        length): a tampered frame cannot make a restore allocate more (audit L6)."""
-        if index is None:
-            for start in range(0, size, READ_CHUNK):
-                n = min(READ_CHUNK, size - start)
-                yield start, self.tier.read_range(namespace, checkpoint_id, name, start, n)
-            return
-        where = f"{namespace}/{checkpoint_id}/{name}"
-        olds = sorted(index)
-        position = 0
-        for i, old in enumerate(olds):
-            if old < position or old > size:
-                raise ChecksumMismatch(f"{where}: the stored index has an item at {old} outside")
-            if old > position:  # bytes outside every item (none in DCP files): zeros
-                yield position, bytes(old - position)
-                position = old
-            new_offset, new_length = index[old]
-            limit = (olds[i + 1] if i + 1 < len(olds) else size) - old
-            stored = _StoredRange(self.tier, namespace, checkpoint_id, name, new_offset, new_length)
-            for data in _decompress_item(stored, limit, f"{where}: the stored item at {old}"):
-                yield position, data
-                position += len(data)
-        if position < size:
-            yield position, bytes(size - position)
-
-
-class _StoredRange:
-    """Sequential reads of ``[start, start+length)`` of a stored object (for zstd)."""
-
-    def __init__(
-        self, tier: PersistentTier, namespace: str, checkpoint_id: str, name: str, start: int,
-        length: int,
-    ) -> None:  # fmt: skip
-        self._tier = tier
-        self._file = (namespace, checkpoint_id, name)
-        self._position = start
-        self._end = start + length
-        self._head = b""
-
-    def peek(self, n: int) -> bytes:
-        """Up to `n` bytes that the next `read` returns again."""
-        self._head = self.read(n)
-        return self._head
-
-    def read(self, n: int = -1) -> bytes:
-        if self._head:
-            head, self._head = self._head, b""
-            return head
-        left = self._end - self._position
-        n = left if n < 0 else min(n, left)
-        if n <= 0:
-            return b""
-        data = self._tier.read_range(*self._file, self._position, min(n, READ_CHUNK))
-        self._position += len(data)
-        return data
-
-
-def _decompress_item(stored: _StoredRange, limit: int, what: str) -> Iterator[bytes]:
-    """The item's original bytes, at most `limit` of them and never more in memory than
-    one READ_CHUNK: the frame must declare its content size (ours always do) and be
-    complete."""
-    try:
-        declared = zstandard.frame_content_size(stored.peek(READ_CHUNK))  # one request
-    except zstandard.ZstdError as e:
-        raise ChecksumMismatch(f"{what} is not a zstd frame ({e})") from None
-    if declared < 0 or declared > limit:
-        raise ChecksumMismatch(
-            f"{what} declares {declared} bytes; the item has room for {limit} (a frame without "
-            "its size, or a tampered one)"
-        )
-    reader = zstandard.ZstdDecompressor().stream_reader(
-        cast(IO[bytes], stored), read_size=READ_CHUNK, read_across_frames=False
-    )
-    got = 0
-    try:
-        while data := reader.read(min(READ_CHUNK, declared - got + 1)):
-            got += len(data)
-            if got > declared:
-                raise ChecksumMismatch(f"{what} decompresses past its declared size")
-            yield data
-    except zstandard.ZstdError as e:
-        raise ChecksumMismatch(f"{what} is corrupt ({e})") from None
-    if got != declared:
-        raise ChecksumMismatch(f"{what} is truncated ({got} of {declared} bytes)")
-
-
-def check_stored_record(rec: CheckpointRecord, now: float) -> None:
-    """Refuse a manifest read back from the persistent tier whose numbers are out of
-    range (a tampered bucket): non-finite or future timestamps, a sequence or sizes
-    outside 0..2**63-1, checksums that do not cover the file.
-
-    Raises:
-        ManifestError: naming the field.
-    """
-    if rec.state is not State.COMMITTED:
-        raise ManifestError(f"state {rec.state.value} is not COMMITTED")
-    for field, t in (("created_unix", rec.created_unix), ("committed_unix", rec.committed_unix)):
-        if not math.isfinite(t) or not 0 <= t <= now + MAX_CLOCK_SKEW:
-            raise ManifestError(f"{field} {t!r} is not a time between 1970 and now")
-    if not 0 <= rec.sequence <= MAX_INT:
-        raise ManifestError(f"sequence {str(rec.sequence)[:32]} is outside 0..2**63-1")
-    if len(rec.files) > MAX_FILES:
-        raise ManifestError(f"{len(rec.files)} files, more than {MAX_FILES}")
-    total = 0
-    for f in rec.files.values():
-        if not 0 <= f.size <= MAX_INT or not 0 <= f.rank < 2**31:
-            raise ManifestError(f"{f.name}: size or rank out of range")
-        if f.checksums is None or f.checksums.block_count != f.checksums.expected_blocks(f.size):
-            raise ManifestError(f"{f.name}: its block checksums do not cover its {f.size} bytes")
-        total += f.size
-    if total > MAX_INT:
-        raise ManifestError(f"the files add up to {total} bytes, more than 2**63-1")

@@ -9,10 +9,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import InvalidName
 from tierckpt.names import METADATA_FILE, check_file_name
 
+from tierckptd.model import FileRecord
 from tierckptd.persistent_format import BytesSource, FileIndex, Item, RangeSource
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "UploadedFile",
     "as_range_source",
     "check_relative_path",
+    "fingerprint",
 ]
 
 COMPRESSIONS = ("zstd", "none")
@@ -126,3 +129,10 @@ def check_relative_path(name: str, *, data_only: bool = True) -> str:
     if data_only and name == METADATA_FILE:
         raise InvalidName(f"{name!r} is the commit marker: upload it with upload_metadata_last")
     return name
+
+
+def fingerprint(f: FileRecord) -> str:
+    """Identifies a file's bytes (its block checksums) in its upload marker."""
+    assert f.checksums is not None
+    cs = f.checksums
+    return f"{cs.algorithm}:{cs.block_size}:{xxhash.xxh3_128_hexdigest(cs.digests)}"
