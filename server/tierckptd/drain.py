@@ -65,8 +65,9 @@ from tierckptd import metrics
 from tierckptd.catalog import Catalog
 from tierckptd.manifest import ManifestError
 from tierckptd.manifest import from_json as manifest_from_json
+from tierckptd.memory_copies import install_copy
 from tierckptd.model import FileRecord
-from tierckptd.peers import SAVE_YIELD_MAX, Cluster, install_copy
+from tierckptd.peers import SAVE_YIELD_MAX, Cluster
 from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent_format import DataFile, data_files
 from tierckptd.persistent_markers import fingerprint

@@ -16,7 +16,6 @@ checkpoint refuses pushes and publishes of it until it restarts.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from tierckpt.checksum import BlockChecksums, BlockHasher, BytesLike
+from tierckpt.checksum import BlockChecksums
 from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
@@ -43,6 +42,7 @@ from tierckptd.auth import node_client_interceptor
 from tierckptd.catalog import Catalog
 from tierckptd.chunk_wire import Chunk, PeerStub, encode_data_chunk
 from tierckptd.config import PeerConfig, format_size
+from tierckptd.memory_copies import install_copy, restore_plan
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.placement import Member, file_key, preference, replica_count
 from tierckptd.wire import (
@@ -55,7 +55,7 @@ from tierckptd.wire import (
     to_info,
 )
 
-__all__ = ["PEER_CHANNEL_OPTIONS", "Cluster", "IncomingFile", "install_copy"]
+__all__ = ["PEER_CHANNEL_OPTIONS", "Cluster"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,112 +83,6 @@ SAVE_YIELD_MAX = 30.0
 # A push stepping aside sends an empty chunk this often, so the receiver's watchdog
 # (peer_service.STALL_TIMEOUT) sees a live stream.
 HEARTBEAT = 2.0
-
-
-class IncomingFile:
-    """Writes a file arriving in chunks at increasing offsets, verifying every block
-    against the manifest's checksums as soon as it is complete."""
-
-    def __init__(self, path: Path, size: int, checksums: BlockChecksums, what: str) -> None:
-        self.size = size
-        self.what = what
-        self._checksums = checksums
-        self._fd = os.open(path, os.O_WRONLY)
-        self._position = 0
-        self._hasher = BlockHasher(checksums.block_size)
-        self._checked = 0
-
-    def write(self, offset: int, data: BytesLike) -> None:
-        if offset != self._position:
-            raise InvalidArgument(
-                f"{self.what}: chunk at offset {offset}, expected {self._position}"
-            )
-        if offset + len(data) > self.size:
-            raise InvalidArgument(f"{self.what}: chunk past the end of its {self.size} bytes")
-        view = memoryview(data)
-        while view.nbytes:
-            view = view[os.pwrite(self._fd, view, self._position) :]
-            self._position = offset + len(data) - view.nbytes
-        self._hasher.update(data)
-        for block in range(self._checked, self._hasher.closed_blocks):
-            self._check(block, self._hasher.block_digest(block))
-
-    def _check(self, block: int, digest: bytes) -> None:
-        self._checksums.check_block(block, digest, what=self.what)
-        self._checked = block + 1
-
-    def finish(self) -> None:
-        if self._position != self.size:
-            raise InvalidArgument(
-                f"{self.what}: stream ended at {self._position} of {self.size} bytes"
-            )
-        final = self._hasher.finish()
-        for block in range(self._checked, final.block_count):
-            self._check(block, final.digest(block))
-        os.ftruncate(self._fd, self.size)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
-def install_copy(
-    catalog: Catalog,
-    namespace: str,
-    checkpoint_id: str,
-    name: str,
-    pieces: Iterable[tuple[int, BytesLike]],
-    *,
-    what: str,
-) -> int:
-    """Store a copy of a committed file arriving as (offset, bytes) pieces from another
-    tier (a peer's stream, the persistent tier): budget-checked, written into a warm
-    segment when one fits, every block verified, installed only when complete.
-    Returns the bytes taken (0 when the file was already held)."""
-    f, _ = catalog.file_view(namespace, checkpoint_id, name)
-    assert f.checksums is not None
-    tmp = catalog.start_incoming(namespace, checkpoint_id, name)
-    if tmp is None:
-        return 0
-    ok = False
-    try:
-        incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
-        try:
-            for offset, data in pieces:
-                incoming.write(offset, data)
-            incoming.finish()
-        finally:
-            incoming.close()
-        ok = True
-    finally:
-        held = catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
-    if not held:
-        raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
-    return f.size
-
-
-def restore_plan(node_id: str, adopted: Iterable[CheckpointRecord]) -> list[tuple[int, str]]:
-    """(size, name) of the pool segments a node that came back empty preallocates: the
-    files it owned, then those it kept copies of, in the newest checkpoint of each
-    namespace. A restore or healing brings exactly those back, and a fresh tmpfs page
-    costs several times a warm one (the main cost of a peer restore), so allocating them
-    while the job is being rescheduled takes that cost off the restore."""
-    newest: dict[str, CheckpointRecord] = {}
-    for rec in adopted:
-        have = newest.get(rec.namespace)
-        if have is None or (rec.committed_unix, rec.created_unix) > (
-            have.committed_unix,
-            have.created_unix,
-        ):
-            newest[rec.namespace] = rec
-    owned: list[tuple[int, str]] = []
-    kept: list[tuple[int, str]] = []
-    for rec in newest.values():
-        for f in rec.files.values():
-            if f.size and f.owner_node == node_id:
-                owned.append((f.size, f.name))
-            elif f.size and node_id in f.replica_nodes:
-                kept.append((f.size, f.name))
-    return owned + kept
 
 
 def _unreachable(e: grpc.RpcError) -> bool:

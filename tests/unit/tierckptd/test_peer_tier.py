@@ -30,9 +30,10 @@ from tierckptd.chunk_wire import PeerStub
 from tierckptd.config import PeerConfig
 from tierckptd.health import Health
 from tierckptd.manifest import read_manifest
+from tierckptd.memory_copies import IncomingFile, restore_plan
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peer_service import PeerService, add_peer_service
-from tierckptd.peers import Cluster, IncomingFile, restore_plan
+from tierckptd.peers import Cluster
 from tierckptd.servers import start_servers
 from tierckptd.wire import record_from_info
 
