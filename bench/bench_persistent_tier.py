@@ -67,7 +67,7 @@ def zstd_on_training_state(table: Table) -> str:
     """Compress a real DCP checkpoint of model + AdamW state item by item, as the drain does."""
     from tierckpt.checksum import checksum_bytes
     from tierckpt.memory_files import VerifiedFile
-    from tierckptd.persistent_format import compress_file, data_files
+    from tierckptd.persistent.format import compress_file, data_files
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])

@@ -26,7 +26,7 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierckptd import __version__, auth, metrics
+from tierckptd import __version__
 from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.config import (
     Config,
@@ -36,16 +36,18 @@ from tierckptd.config import (
     load_config,
 )
 from tierckptd.config_secrets import config_changes, config_file_warnings, redact
-from tierckptd.drain import Drainer
-from tierckptd.health import Health
-from tierckptd.local_access import IsolationUnsupported, open_local_access
-from tierckptd.malloc_tuning import tune_malloc
-from tierckptd.memory_tier import MemoryTier, MemoryTierLocked
-from tierckptd.peer_service import add_peer_service
-from tierckptd.peers import PEER_CHANNEL_OPTIONS, Cluster
-from tierckptd.persistent import PersistentTier, RetryPolicy
-from tierckptd.servers import AddressInUse, Servers, parse_local, start_servers
-from tierckptd.systemd import sd_notify
+from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
+from tierckptd.ops import metrics
+from tierckptd.ops.malloc_tuning import tune_malloc
+from tierckptd.ops.systemd import sd_notify
+from tierckptd.peers import security as auth
+from tierckptd.peers.cluster import PEER_CHANNEL_OPTIONS, Cluster
+from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
+from tierckptd.rpc.peer_service import add_peer_service
+from tierckptd.rpc.servers import AddressInUse, Servers, parse_local, start_servers
 
 __all__ = ["Daemon", "main"]
 

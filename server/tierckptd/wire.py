@@ -21,7 +21,19 @@ from tierckpt.errors import InvalidArgument, InvalidName
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.v1 import common_pb2
 
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
+from tierckptd.model import (
+    CLOCK_SKEW,
+    MAX_BLOCK_SIZE,
+    MAX_FILE_SIZE,
+    MAX_FILES,
+    MAX_REPLICAS,
+    MAX_SEQUENCE,
+    MIN_BLOCK_SIZE,
+    CheckpointRecord,
+    CheckpointView,
+    FileRecord,
+    State,
+)
 
 __all__ = [
     "CLOCK_SKEW",
@@ -41,18 +53,6 @@ __all__ = [
     "to_info",
 ]
 
-# Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
-# the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
-# ceiling keeps a pushed chunk (one block) and a fetched one (4 blocks) within the
-# peer port's message limit.
-MAX_SEQUENCE = 2**63 - 1
-MAX_FILE_SIZE = 2**62 - 1
-MAX_FILES = 100_000
-MAX_REPLICAS = 64
-MIN_BLOCK_SIZE = 64 << 10
-MAX_BLOCK_SIZE = 16 << 20
-# How far in the future a peer's timestamp may be (clocks of a cluster disagree a bit).
-CLOCK_SKEW = 300.0
 
 _STATE = {
     "WRITING": common_pb2.WRITING,

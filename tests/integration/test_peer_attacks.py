@@ -30,9 +30,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from tierckptd.auth import node_client_interceptor, peer_channel_factory
-from tierckptd.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.config import SecurityConfig
+from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.security import node_client_interceptor, peer_channel_factory
 
 from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess

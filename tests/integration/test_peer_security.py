@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import pytest
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from tierckptd.auth import peer_channel_factory
 from tierckptd.config import SecurityConfig
+from tierckptd.peers.security import peer_channel_factory
 
 from tests.support import jobs
 from tests.support.backends import Nodes

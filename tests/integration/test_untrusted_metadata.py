@@ -26,8 +26,8 @@ from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import UnsafeMetadata
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from tierckptd.auth import node_client_interceptor
-from tierckptd.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.security import node_client_interceptor
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.support import moto_s3

@@ -1,7 +1,7 @@
 """Test certificates: a CA, node certs for 127.0.0.1/localhost, a rogue CA's cert.
 
 Every node cert names its node id as a DNS subjectAltName (the peer port binds a cert
-to the node it names, `tierckptd.auth`) besides the loopback names tests dial.
+to the node it names, `tierckptd.peers.security`) besides the loopback names tests dial.
 Generated with `cryptography` (a moto dependency) so no openssl binary is needed.
 """
 

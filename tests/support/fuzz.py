@@ -52,7 +52,7 @@ __all__ = [
 
 NODE_ID = "fznode"  # the fuzzed daemon's node id
 PEER_ID = "fzpeer"  # the configured peer the fuzzer poses as
-NODE_METADATA = "x-tierckpt-node"  # a peer's claimed node id (tierckptd.auth)
+NODE_METADATA = "x-tierckpt-node"  # a peer's claimed node id (tierckptd.peers.security)
 ESCAPE_MARK = "fuzzesc"  # every name meant to escape a directory contains this
 MAX_UPS = 2  # '..' components allowed in one string (a path joins at most 3 names)
 _MAX_DEPTH = 4  # nesting of generated messages

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import Catalog
-from tierckptd.memory_tier import MemoryTier
+from tierckptd.memory.tier import MemoryTier
 
 
 class FakeClock:

@@ -17,17 +17,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from tierckptd.auth import (
+from tierckptd.catalog import Catalog
+from tierckptd.config import ConfigError, SecurityConfig
+from tierckptd.peers.security import (
     TOKEN_METADATA,
     UNAUTHENTICATED_MESSAGE,
     peer_channel_factory,
     peer_server_security,
     read_token,
 )
-from tierckptd.catalog import Catalog
-from tierckptd.config import ConfigError, SecurityConfig
-from tierckptd.health import Health
-from tierckptd.servers import start_servers
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.servers import start_servers
 
 from tests.support.certs import Certs, Pair, make_certs
 
@@ -205,7 +205,7 @@ def test_token_missing_or_wrong_is_refused_before_the_servicer(
     wrong = tmp_path / "wrong"
     wrong.write_text(TOKEN + "x")
     wrong.chmod(0o600)
-    caplog.set_level(logging.DEBUG, logger="tierckptd.auth")
+    caplog.set_level(logging.DEBUG, logger="tierckptd.peers.security")
     for client in (SecurityConfig(), SecurityConfig(token_file=str(wrong))):
         channel = _open(channels, client, listener.address)
         assert _each_shape_refused(channel) == [grpc.StatusCode.UNAUTHENTICATED] * 3
@@ -261,7 +261,7 @@ def test_world_or_group_readable_token_warns(
 ) -> None:
     path = tmp_path / "token"
     path.write_text(TOKEN)
-    caplog.set_level(logging.WARNING, logger="tierckptd.auth")
+    caplog.set_level(logging.WARNING, logger="tierckptd.peers.security")
     # The daemon's group holds every training user (audit M4): 0640 is no secret either.
     for mode, expected in ((0o644, "readable by every user"), (0o640, "readable by its group")):
         path.chmod(mode)

@@ -406,7 +406,7 @@ def test_a_received_copy_is_held_only_once_its_manifest_is_written(
 ) -> None:  # type: ignore[no-untyped-def]
     # Audit M3 (finish_incoming): a manifest write that fails leaves the copy not held,
     # in memory and on disk, and no stray file.
-    from tierckptd import manifest as manifest_module
+    from tierckptd.memory import manifest as manifest_module
 
     data = os.urandom(3000)
     remote = FileRecord("__0_0.distcp", 1, len(data), checksum_bytes(data), "node-x", held=False)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from tierckpt.errors import TierckptError, status_of
 from tierckpt.v1 import common_pb2, peer_pb2
-from tierckptd.chunk_wire import (
+from tierckptd.peers.chunk_wire import (
     Chunk,
     PeerStub,
     decode_chunk,

@@ -10,10 +10,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.checksum import checksum_bytes
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
-from tierckptd import daemon_service, metrics
 from tierckptd.catalog import Catalog
-from tierckptd.health import Health
-from tierckptd.servers import AddressInUse, start_servers
+from tierckptd.ops import metrics
+from tierckptd.rpc import daemon_service
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.servers import AddressInUse, start_servers
 
 
 @pytest.fixture

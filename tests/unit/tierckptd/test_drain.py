@@ -25,9 +25,9 @@ from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, UnsafeMetadata
 from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig
-from tierckptd.drain import Drainer
 from tierckptd.model import CheckpointRecord, FileRecord, State
-from tierckptd.persistent import PersistentTier, RetryPolicy
+from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.store import PersistentTier, RetryPolicy
 
 from tests.support.dcp_files import (
     SavedCheckpoint,

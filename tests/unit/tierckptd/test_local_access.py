@@ -14,15 +14,15 @@ from tierckpt.daemon_client import DaemonClient
 from tierckpt.endpoint import login, login_path
 from tierckpt.errors import InvalidName, MemoryBudgetExceeded, PermissionDenied
 from tierckptd.catalog import Catalog
-from tierckptd.health import Health
-from tierckptd.local_access import (
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.local_access import (
     LocalAccess,
     Unauthenticated,
     open_local_access,
     release_isolation,
 )
-from tierckptd.local_login import LoginServer, Sessions
-from tierckptd.servers import start_servers
+from tierckptd.rpc.local_login import LoginServer, Sessions
+from tierckptd.rpc.servers import start_servers
 
 from tests.unit.tierckptd.conftest import FakeClock, MakeCatalog, Save
 

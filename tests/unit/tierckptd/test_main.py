@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckptd import servers
 from tierckptd.main import QUIET_LOGGERS, _QuietBelowInfo, main, set_log_level
-from tierckptd.malloc_tuning import tune_malloc
+from tierckptd.ops.malloc_tuning import tune_malloc
+from tierckptd.rpc import servers
 
 
 def test_bad_config_exits_2(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -125,7 +125,7 @@ def test_handler_filter_drops_debug_of_s3_clients_even_if_they_lower_their_level
     assert not quiet.filter(record("botocore.endpoint", logging.DEBUG))
     assert not quiet.filter(record("urllib3.connectionpool", logging.DEBUG))
     assert quiet.filter(record("botocore.endpoint", logging.WARNING))
-    assert quiet.filter(record("tierckptd.drain", logging.DEBUG))
+    assert quiet.filter(record("tierckptd.persistent.drain", logging.DEBUG))
     assert quiet.filter(record("botocorex", logging.DEBUG))  # only those packages
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import MemoryBudgetExceeded
-from tierckptd import manifest as manifest_module
 from tierckptd.catalog import Catalog
-from tierckptd.manifest import ManifestError, atomic_write, read_manifest, write_manifest
+from tierckptd.memory import manifest as manifest_module
+from tierckptd.memory.manifest import ManifestError, atomic_write, read_manifest, write_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
 

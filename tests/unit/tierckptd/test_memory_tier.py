@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from tierckpt.errors import CheckpointIncomplete, InvalidName
-from tierckptd.memory_tier import MemoryTier, MemoryTierLocked, Segment, UnsafePath
+from tierckptd.memory.tier import MemoryTier, MemoryTierLocked, Segment, UnsafePath
 
 
 def test_layout_modes_and_exclusive_lock(tmp_path: Path) -> None:

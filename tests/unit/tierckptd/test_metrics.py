@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from tierckptd import metrics
 from tierckptd.catalog import Catalog
+from tierckptd.ops import metrics
 
 
 def test_metrics_endpoint_reports_catalog(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]

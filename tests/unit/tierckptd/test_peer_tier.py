@@ -24,17 +24,17 @@ from tierckpt.errors import (
     MemoryBudgetExceeded,
 )
 from tierckpt.v1 import common_pb2, peer_pb2
-from tierckptd.auth import node_client_interceptor
 from tierckptd.catalog import Catalog
-from tierckptd.chunk_wire import PeerStub
 from tierckptd.config import PeerConfig
-from tierckptd.health import Health
-from tierckptd.manifest import read_manifest
-from tierckptd.memory_copies import IncomingFile, restore_plan
+from tierckptd.memory.incoming import IncomingFile, restore_plan
+from tierckptd.memory.manifest import read_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
-from tierckptd.peer_service import PeerService, add_peer_service
-from tierckptd.peers import Cluster
-from tierckptd.servers import start_servers
+from tierckptd.peers.chunk_wire import PeerStub
+from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.security import node_client_interceptor
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.peer_service import PeerService, add_peer_service
+from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info
 
 from tests.support.raw_rpc import file_entry

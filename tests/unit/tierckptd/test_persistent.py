@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 import zstandard
 from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, InvalidName
 from tierckptd.config import PersistentConfig
-from tierckptd.persistent import (
+from tierckptd.persistent.format import ZSTD_DESCRIPTOR, BytesSource, data_files
+from tierckptd.persistent.store import (
     FileUpload,
     PersistentTier,
     PersistentTierUnavailable,
@@ -27,7 +28,6 @@ from tierckptd.persistent import (
     is_transient,
     retry_call,
 )
-from tierckptd.persistent_format import ZSTD_DESCRIPTOR, BytesSource, data_files
 
 from tests.support import moto_s3
 from tests.support.dcp_files import (
@@ -213,7 +213,7 @@ def test_outage_mid_upload_then_resume(
     big = bytes(range(256)) * (11 << 12)  # 11 MiB: a multipart upload of 5 MiB parts
     tier = make_tier(s3, "none", block_size=5 << 20)
     source = StopsServer(big, moto_server)
-    with caplog.at_level(logging.WARNING, logger="tierckptd.persistent"):
+    with caplog.at_level(logging.WARNING, logger="tierckptd.persistent.store"):
         with pytest.raises(PersistentTierUnavailable, match="retry later"):
             tier.upload_file(NS, "step-000001", "__1_0.distcp", source, len(big))
         with pytest.raises(PersistentTierUnavailable):

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 import zstandard
 from tierckpt.errors import ChecksumMismatch, UnsafeMetadata
-from tierckptd.persistent_format import (
+from tierckptd.persistent.format import (
     ZSTD_DESCRIPTOR,
     BytesSource,
     compress_file,

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tierckptd.persistent_retention import persistent_evictions
+from tierckptd.persistent.retention import persistent_evictions
 
 
 def saves(*steps: int) -> list[tuple[str, int]]:

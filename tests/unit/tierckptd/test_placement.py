@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tierckptd.placement import Member, buddies, file_key, preference, replica_count
+from tierckptd.peers.placement import Member, buddies, file_key, preference, replica_count
 
 NODES = [
     Member("a1", "rack-a"),

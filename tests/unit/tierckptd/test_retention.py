@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tierckptd.retention import Candidate, memory_evictions
+from tierckptd.catalog.retention import Candidate, memory_evictions
 
 
 def test_keep_last() -> None:

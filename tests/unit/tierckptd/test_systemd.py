@@ -4,7 +4,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from tierckptd.systemd import sd_notify
+from tierckptd.ops.systemd import sd_notify
 
 
 def test_noop_without_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:

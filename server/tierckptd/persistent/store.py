@@ -57,7 +57,7 @@ from tierckpt.names import (
     step_of,
 )
 
-from tierckptd.persistent_format import (
+from tierckptd.persistent.format import (
     DEFAULT_CHUNK_SIZE,
     FileIndex,
     Item,
@@ -66,7 +66,7 @@ from tierckptd.persistent_format import (
     data_files,
     rewrite_metadata,
 )
-from tierckptd.persistent_markers import (
+from tierckptd.persistent.markers import (
     COMPRESSIONS,
     FileUpload,
     Source,
@@ -74,7 +74,7 @@ from tierckptd.persistent_markers import (
     as_range_source,
     check_relative_path,
 )
-from tierckptd.persistent_retry import (
+from tierckptd.persistent.retry import (
     PersistentTierUnavailable,
     RetryPolicy,
     discard_partial_write,

@@ -33,15 +33,23 @@ from tierckpt.errors import (
 )
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
 
-from tierckptd import __version__, metrics
+from tierckptd import __version__
+from tierckptd.catalog.retention import Candidate, memory_evictions
 from tierckptd.config import format_size
-from tierckptd.manifest import ManifestError, read_manifest, write_manifest
-from tierckptd.manifest import to_json as manifest_to_json
-from tierckptd.memory_tier import MemoryTier, Segment, UnsafePath, hash_rate, no_space
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, NodeStatusView, State
-from tierckptd.placement import coordinator_of
-from tierckptd.retention import Candidate, memory_evictions
-from tierckptd.wire import MAX_REPLICAS, MAX_SEQUENCE
+from tierckptd.memory.manifest import ManifestError, read_manifest, write_manifest
+from tierckptd.memory.manifest import to_json as manifest_to_json
+from tierckptd.memory.tier import MemoryTier, Segment, UnsafePath, hash_rate, no_space
+from tierckptd.model import (
+    MAX_REPLICAS,
+    MAX_SEQUENCE,
+    CheckpointRecord,
+    CheckpointView,
+    FileRecord,
+    NodeStatusView,
+    State,
+)
+from tierckptd.ops import metrics
+from tierckptd.peers.placement import coordinator_of
 
 __all__ = ["Catalog", "Sweeper", "VerifyResult"]
 

@@ -12,9 +12,9 @@ from typing import IO, cast
 import zstandard
 from tierckpt.errors import ChecksumMismatch
 
-from tierckptd.manifest import ManifestError
+from tierckptd.memory.manifest import ManifestError
 from tierckptd.model import CheckpointRecord, State
-from tierckptd.persistent import PersistentTier
+from tierckptd.persistent.store import PersistentTier
 
 __all__ = [
     "READ_CHUNK",

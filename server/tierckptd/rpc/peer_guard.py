@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from tierckptd.auth import HEALTH_PREFIX
+from tierckptd.peers.security import HEALTH_PREFIX
 
 __all__ = ["Admission", "HealthGuard", "Ticket", "Watchdog"]
 

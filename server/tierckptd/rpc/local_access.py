@@ -1,6 +1,6 @@
 """Per-uid isolation of namespaces on one node (`[security] local_isolation = "uid"`).
 
-Who calls is proven by a session token from the login socket (tierckptd.local_login:
+Who calls is proven by a session token from the login socket (tierckptd.rpc.local_login:
 SO_PEERCRED on a unix socket beside the control socket), sent as `x-tierckpt-session`
 metadata on every DaemonService call.
 
@@ -39,8 +39,8 @@ from tierckpt.errors import MemoryBudgetExceeded, PermissionDenied, TierckptErro
 from tierckpt.names import check_namespace
 
 from tierckptd.catalog import Catalog
-from tierckptd.local_login import Sessions
-from tierckptd.memory_tier import MemoryTier
+from tierckptd.memory.tier import MemoryTier
+from tierckptd.rpc.local_login import Sessions
 
 __all__ = [
     "IsolationUnsupported",

@@ -25,10 +25,10 @@ from google.protobuf.message import Message
 from tierckpt.errors import TierckptError, status_of
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
-from tierckptd import metrics
 from tierckptd.catalog import MAX_FILES, Catalog
-from tierckptd.local_access import LocalAccess
-from tierckptd.peers import Cluster
+from tierckptd.ops import metrics
+from tierckptd.peers.cluster import Cluster
+from tierckptd.rpc.local_access import LocalAccess
 from tierckptd.wire import file_entry, to_info
 
 __all__ = ["DaemonService", "add_daemon_service", "bounded", "to_info"]

@@ -19,15 +19,15 @@ from typing import Any
 
 import grpc
 
-from tierckptd.auth import PeerServerSecurity
 from tierckptd.catalog import Catalog
-from tierckptd.daemon_service import add_daemon_service
-from tierckptd.health import Health
-from tierckptd.local_access import LocalAccess
-from tierckptd.local_login import LoginServer, login_path_for
-from tierckptd.peer_guard import HealthGuard
-from tierckptd.peer_service import WORKERS as PEER_SERVICE_WORKERS
-from tierckptd.peers import Cluster
+from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.security import PeerServerSecurity
+from tierckptd.rpc.daemon_service import add_daemon_service
+from tierckptd.rpc.health import Health
+from tierckptd.rpc.local_access import LocalAccess
+from tierckptd.rpc.local_login import LoginServer, login_path_for
+from tierckptd.rpc.peer_guard import HealthGuard
+from tierckptd.rpc.peer_service import WORKERS as PEER_SERVICE_WORKERS
 
 __all__ = ["AddressInUse", "Servers", "parse_local", "start_servers"]
 

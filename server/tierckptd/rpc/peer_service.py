@@ -42,13 +42,13 @@ from tierckpt.errors import (
 from tierckpt.names import check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
-from tierckptd import metrics
-from tierckptd.auth import caller_names
-from tierckptd.chunk_wire import Chunk, register_peer_service
 from tierckptd.model import FileRecord, State
-from tierckptd.peer_guard import Admission, Ticket, Watchdog
-from tierckptd.peers import TRANSFER_TIMEOUT, Cluster
-from tierckptd.placement import coordinator_of
+from tierckptd.ops import metrics
+from tierckptd.peers.chunk_wire import Chunk, register_peer_service
+from tierckptd.peers.cluster import TRANSFER_TIMEOUT, Cluster
+from tierckptd.peers.placement import coordinator_of
+from tierckptd.peers.security import caller_names
+from tierckptd.rpc.peer_guard import Admission, Ticket, Watchdog
 from tierckptd.wire import (
     MAX_REPLICAS,
     bounded,

@@ -61,21 +61,21 @@ from tierckpt.errors import (
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
-from tierckptd import metrics
 from tierckptd.catalog import Catalog
-from tierckptd.manifest import ManifestError
-from tierckptd.manifest import from_json as manifest_from_json
-from tierckptd.memory_copies import install_copy
+from tierckptd.memory.incoming import install_copy
+from tierckptd.memory.manifest import ManifestError
+from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord
-from tierckptd.peers import SAVE_YIELD_MAX, Cluster
-from tierckptd.persistent import FileUpload, PersistentTier, PersistentTierUnavailable
-from tierckptd.persistent_format import DataFile, data_files
-from tierckptd.persistent_markers import fingerprint
-from tierckptd.persistent_readback import (
+from tierckptd.ops import metrics
+from tierckptd.peers.cluster import SAVE_YIELD_MAX, Cluster
+from tierckptd.persistent.format import DataFile, data_files
+from tierckptd.persistent.markers import fingerprint
+from tierckptd.persistent.readback import (
     check_stored_record,
     original_chunks,
 )
-from tierckptd.persistent_retention import persistent_evictions
+from tierckptd.persistent.retention import persistent_evictions
+from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "fingerprint"]
 

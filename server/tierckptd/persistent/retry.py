@@ -23,7 +23,7 @@ __all__ = [
     "retry_call",
 ]
 
-logger: logging.Logger = logging.getLogger("tierckptd.persistent")
+logger: logging.Logger = logging.getLogger("tierckptd.persistent.store")
 
 T = TypeVar("T")
 

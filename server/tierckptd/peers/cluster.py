@@ -37,14 +37,14 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
-from tierckptd import metrics
-from tierckptd.auth import node_client_interceptor
 from tierckptd.catalog import Catalog
-from tierckptd.chunk_wire import Chunk, PeerStub, encode_data_chunk
 from tierckptd.config import PeerConfig, format_size
-from tierckptd.memory_copies import install_copy, restore_plan
+from tierckptd.memory.incoming import install_copy, restore_plan
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
-from tierckptd.placement import Member, file_key, preference, replica_count
+from tierckptd.ops import metrics
+from tierckptd.peers.chunk_wire import Chunk, PeerStub, encode_data_chunk
+from tierckptd.peers.placement import Member, file_key, preference, replica_count
+from tierckptd.peers.security import node_client_interceptor
 from tierckptd.wire import (
     bounded,
     file_entry,

@@ -28,8 +28,8 @@ from google.protobuf.message import Message
 from tierckpt.errors import InvalidArgument
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-from tierckptd import metrics
-from tierckptd.peer_guard import Ticket
+from tierckptd.ops import metrics
+from tierckptd.rpc.peer_guard import Ticket
 
 __all__ = [
     "Chunk",

@@ -15,7 +15,7 @@ from tierckpt.errors import InvalidName
 from tierckpt.names import METADATA_FILE, check_file_name
 
 from tierckptd.model import FileRecord
-from tierckptd.persistent_format import BytesSource, FileIndex, Item, RangeSource
+from tierckptd.persistent.format import BytesSource, FileIndex, Item, RangeSource
 
 __all__ = [
     "COMPRESSIONS",

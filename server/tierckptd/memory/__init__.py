@@ -1,0 +1,1 @@
+"""The memory tier: files under memory.dir, the warm pool, manifests, adoption, incoming copies."""

@@ -1,0 +1,1 @@
+"""Process operations: metrics, systemd notification, allocator tuning."""

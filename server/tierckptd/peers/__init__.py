@@ -1,0 +1,1 @@
+"""The peer tier: membership, the peer client, cluster commit, replication and healing."""

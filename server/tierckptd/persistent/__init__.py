@@ -1,0 +1,1 @@
+"""The persistent tier: the fsspec store, its format, the drain, retention, durability."""

@@ -1,0 +1,1 @@
+"""The RPC edge: servicers, wire mapping, access control and the listeners."""
