@@ -20,6 +20,7 @@ __all__ = [
     "InvalidName",
     "MemoryBudgetExceeded",
     "PermissionDenied",
+    "TierUnavailable",
     "TierckptError",
     "UnsafeMetadata",
     "error_from_status",
@@ -79,6 +80,17 @@ class DaemonUnavailable(TierckptError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class TierUnavailable(TierckptError, ConnectionError):
+    """The daemon answered, but a tier it needed could not be reached (a peer down, an S3
+    outage or refusal): the copy may exist there. Retry once the named tier is back.
+    Travels as UNAVAILABLE with a message starting with `TIER_UNAVAILABLE_PREFIX`."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+TIER_UNAVAILABLE_PREFIX = "tier unavailable: "
+
+
 class DaemonTimeout(TierckptError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -106,4 +118,6 @@ def status_of(error: BaseException) -> grpc.StatusCode:
 
 def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
     """The client-side exception for a failed RPC; unknown codes become TierckptError."""
+    if code == grpc.StatusCode.UNAVAILABLE and message.startswith(TIER_UNAVAILABLE_PREFIX):
+        return TierUnavailable(message)
     return _BY_CODE.get(code, TierckptError)(message)

@@ -1,0 +1,213 @@
+"""One restore chain: a verified local copy of a committed file, from the nearest tier.
+
+Every way a file comes back into the memory tier goes through `Restorer.ensure_local`:
+the EnsureLocal RPC (the reader, `tierckpt pull`), the drain's `.metadata`, healing's
+repairs and a replacement node's prefetch. The restorer tries its sources in order
+(memory, each peer holder, the persistent tier), lands a copy through
+`memory.incoming.install_copy` (budget-checked, every block verified against the
+manifest's checksums as it arrives) and, when no source had a valid copy, raises one
+error naming every source tried and why:
+
+- DATA_LOSS (`ChecksumMismatch`) only when every copy found was corrupt;
+- UNAVAILABLE (`TierUnavailable`) when some tier could not be asked (it may hold one);
+- NOT_FOUND (`CheckpointNotFound`) when nobody had it.
+
+`FileSource` is the one small interface every tier implements. Its contract (enforced by
+`tests/conformance/`): `chunks` yields the file's original bytes as (offset, data)
+pieces at increasing offsets, or raises `CheckpointNotFound` (this source does not hold
+it), `SourceUnavailable` (the tier could not be asked) or `ChecksumMismatch` (what it
+holds is damaged and it knows so). A source never installs anything itself; verification
+happens where the bytes land, so a source that hands out a flipped byte is caught there.
+
+Lock order: restorer file lock -> catalog lock (install_copy takes the catalog lock
+briefly; a source never holds a lock of its own across a yield).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from tierckpt.checksum import BytesLike
+from tierckpt.errors import (
+    TIER_UNAVAILABLE_PREFIX,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    TierUnavailable,
+)
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+
+from tierckptd.catalog import Catalog
+from tierckptd.errors import SourceUnavailable
+from tierckptd.memory.incoming import install_copy
+from tierckptd.model import FileRecord
+from tierckptd.ops import metrics
+
+__all__ = [
+    "Attempt",
+    "FileSource",
+    "Outcome",
+    "Restorer",
+    "SourcesFor",
+    "final_error",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class FileSource(Protocol):
+    """A tier that may hold a committed file's bytes (see the module docstring)."""
+
+    @property
+    def name(self) -> str:
+        """What the source is, for errors and logs: "memory", "peer node-b",
+        "persistent s3://bucket/prefix"."""
+        ...
+
+    def chunks(
+        self, namespace: str, checkpoint_id: str, f: FileRecord
+    ) -> Iterator[tuple[int, BytesLike]]:
+        """The original bytes of `f` as (offset, data) pieces at increasing offsets."""
+        ...
+
+
+SourcesFor = Callable[[str, str, FileRecord], Sequence[FileSource]]
+"""The remote sources to try for one file, nearest first (peer holders, then S3)."""
+
+
+class Outcome(enum.Enum):
+    MISSING = "missing"
+    UNAVAILABLE = "unavailable"
+    CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    source: str
+    outcome: Outcome
+    cause: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.outcome.value} ({self.cause})"
+
+
+def final_error(what: str, attempts: Sequence[Attempt]) -> Exception:
+    """The one error for a file no source could give: UNAVAILABLE if a tier could not be
+    asked, else DATA_LOSS if a copy was found and every one was corrupt, else NOT_FOUND."""
+    tried = "; ".join(str(a) for a in attempts) or "no source to ask"
+    outcomes = {a.outcome for a in attempts}
+    if Outcome.UNAVAILABLE in outcomes:
+        down = ", ".join(a.source for a in attempts if a.outcome is Outcome.UNAVAILABLE)
+        return TierUnavailable(
+            f"{TIER_UNAVAILABLE_PREFIX}{down}: no valid copy of {what} could be restored "
+            f"(tried {tried}); retry once {down} is reachable"
+        )
+    if Outcome.CORRUPT in outcomes:
+        return ChecksumMismatch(f"every copy of {what} found is corrupt (tried {tried})")
+    return CheckpointNotFound(f"no copy of {what} on any tier (tried {tried})")
+
+
+class Restorer:
+    """Brings a verified copy of a committed file into the local memory tier."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        sources_for: SourcesFor,
+        *,
+        on_corrupt_local: Callable[[str, str, str, str], None] | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.sources_for = sources_for
+        self.on_corrupt_local = on_corrupt_local
+        self._lock = threading.Lock()
+        self._file_locks: dict[tuple[str, str, str], tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def file_lock(self, namespace: str, checkpoint_id: str, name: str) -> Iterator[None]:
+        """Hold the lock of one file (validated names only); the entry goes with its last
+        user, so names asked about once do not stay in memory (audit M6)."""
+        key = (
+            check_namespace(namespace),
+            check_checkpoint_id(checkpoint_id),
+            check_file_name(name),
+        )
+        with self._lock:
+            lock, users = self._file_locks.get(key, (threading.Lock(), 0))
+            self._file_locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._lock:
+                lock, users = self._file_locks[key]
+                if users > 1:
+                    self._file_locks[key] = (lock, users - 1)
+                else:
+                    del self._file_locks[key]
+
+    def file_locks_in_use(self) -> int:
+        with self._lock:
+            return len(self._file_locks)
+
+    def ensure_local(
+        self, namespace: str, checkpoint_id: str, name: str, repair: bool = False
+    ) -> tuple[FileRecord, str]:
+        """A verified local copy of one file: (its record, its local path). With `repair`
+        the local copy is verified first and replaced when corrupt."""
+        what = f"{namespace}/{checkpoint_id}/{name}"
+        with self.file_lock(namespace, checkpoint_id, name):
+            f, path = self.catalog.file_view(namespace, checkpoint_id, name)
+            if f.checksums is None:
+                raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
+            attempts: list[Attempt] = []
+            if path and not repair:
+                return f, path
+            if path:
+                ok, reason = self.catalog.tier.verify_file(Path(path), f.size, f.checksums)
+                if ok:
+                    logger.info("repair of %s asked, but the local copy verifies", what)
+                    return f, path
+                attempts.append(Attempt("memory", Outcome.CORRUPT, reason))
+                metrics.CORRUPT_COPIES.labels(where="local").inc()
+                self.catalog.drop_local_copy(namespace, checkpoint_id, name)
+                logger.error("corrupt local copy of %s: %s; restoring another", what, reason)
+                if self.on_corrupt_local is not None:
+                    self.on_corrupt_local(namespace, checkpoint_id, name, reason)
+            else:
+                attempts.append(Attempt("memory", Outcome.MISSING, "not held on this node"))
+            for source in self.sources_for(namespace, checkpoint_id, f):
+                try:
+                    got = install_copy(
+                        self.catalog,
+                        namespace,
+                        checkpoint_id,
+                        name,
+                        source.chunks(namespace, checkpoint_id, f),
+                        what=f"{what} from {source.name}",
+                    )
+                except CheckpointNotFound as e:
+                    attempts.append(Attempt(source.name, Outcome.MISSING, str(e)))
+                    continue
+                except SourceUnavailable as e:
+                    logger.warning("restore of %s: %s", what, e)
+                    attempts.append(Attempt(source.name, Outcome.UNAVAILABLE, e.cause))
+                    continue
+                except ChecksumMismatch as e:
+                    logger.error("restore of %s from %s: %s", what, source.name, e)
+                    metrics.CORRUPT_COPIES.labels(where=source.name.split()[0]).inc()
+                    attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
+                    continue
+                metrics.FETCHED_BYTES.inc(got)
+                f, path = self.catalog.file_view(namespace, checkpoint_id, name)
+                if path:
+                    logger.info("restored %s from %s (%d bytes)", what, source.name, f.size)
+                    return f, path
+                attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
+            raise final_error(what, attempts)
