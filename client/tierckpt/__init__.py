@@ -7,6 +7,7 @@ shared-memory tier. They are imported lazily so the CLI starts without importing
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.errors import (
@@ -21,6 +22,7 @@ from tierckpt.errors import (
     MemoryBudgetExceeded,
     PermissionDenied,
     TierckptError,
+    TierUnavailable,
     UnsafeMetadata,
 )
 
@@ -29,6 +31,10 @@ if TYPE_CHECKING:
     from tierckpt.storage_writer import TieredStorageWriter
 
 __version__ = "0.1.0"
+
+# A library logs but never configures logging: without a handler of the application's,
+# nothing is printed (not even via logging.lastResort).
+logging.getLogger("tierckpt").addHandler(logging.NullHandler())
 
 __all__ = [
     "CheckpointExists",
@@ -41,6 +47,7 @@ __all__ = [
     "InvalidName",
     "MemoryBudgetExceeded",
     "PermissionDenied",
+    "TierUnavailable",
     "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",

@@ -16,22 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierckpt import __version__
-from tierckpt.daemon_client import CheckpointInfo, DaemonClient
-from tierckpt.errors import TierckptError
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
+from tierckpt.errors import ChecksumMismatch, TierckptError
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+from tierckpt.units import format_size
 
 __all__ = ["main"]
 
 _COPY_CHUNK = 16 << 20
 _YEAR_10000 = 253402300800.0  # the first Unix time a 4-digit year cannot show
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _when(ts: float) -> str:
@@ -66,7 +59,7 @@ def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
     rows = client.list_checkpoints(check_namespace(args.namespace), include_uncommitted=args.all)
     lines = [f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5}  {'CREATED':<19}  TIERS"]
     lines += [
-        f"{c.checkpoint_id:<24} {c.state:<10} {_human(c.size_bytes):>12} {c.file_count:>5}  "
+        f"{c.checkpoint_id:<24} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5}  "
         f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
         for c in rows
     ]
@@ -91,16 +84,35 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
     }
     text = (
         f"node {s.node_id} (failure domain {s.failure_domain}) at {client.address}, tierckptd {s.version}\n"
-        f"memory {s.memory_dir}: {_human(s.used_bytes)} used + {_human(s.reserved_bytes)} reserved "
-        f"+ {_human(s.pool_bytes)} warm pool of {_human(s.budget_bytes)} budget\n"
+        f"memory {s.memory_dir}: {format_size(s.used_bytes)} used + {format_size(s.reserved_bytes)} reserved "
+        f"+ {format_size(s.pool_bytes)} warm pool of {format_size(s.budget_bytes)} budget\n"
         f"{s.checkpoints} committed checkpoints in {len(s.namespaces)} namespaces: {', '.join(s.namespaces) or '-'}"
     )
     _emit(args, payload, text)
     return 0
 
 
-def _pull(info: CheckpointInfo, dest: str) -> int:
-    """Copy every file, verified block by block, then `.metadata` last (the commit marker)."""
+def _copy_verified(entry: FileEntry, what: str, target: str) -> None:
+    """`entry`'s local copy into `target`, every block verified (ChecksumMismatch if not)."""
+    tmp = f"{target}.tmp"
+    with (
+        entry.open_verified(what) as src,
+        open(tmp, "wb") as out,
+    ):
+        for start in range(0, entry.size, _COPY_CHUNK):
+            out.write(src.read(start, min(_COPY_CHUNK, entry.size - start)))
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, target)
+
+
+def _pull(client: DaemonClient, info: CheckpointInfo, dest: str) -> int:
+    """Copy every file, verified block by block, then `.metadata` last (the commit marker).
+
+    Each file goes through the daemon's restore chain first (EnsureLocal): a file this
+    node does not hold is restored from a peer or the persistent tier into memory, and a
+    local copy that fails verification is replaced (once), as `dcp.load` would.
+    """
     os.makedirs(dest, exist_ok=True)
     if os.path.exists(os.path.join(dest, METADATA_FILE)):
         raise FileExistsError(
@@ -108,19 +120,18 @@ def _pull(info: CheckpointInfo, dest: str) -> int:
         )
     total = 0
     ordered = sorted(info.files, key=lambda f: f.name == METADATA_FILE)
-    for entry in ordered:
-        target = os.path.join(dest, entry.name)
-        tmp = f"{target}.tmp"
-        what = f"{info.namespace}/{info.checkpoint_id}/{entry.name}"
-        with (
-            entry.open_verified(what) as src,
-            open(tmp, "wb") as out,
-        ):
-            for start in range(0, entry.size, _COPY_CHUNK):
-                out.write(src.read(start, min(_COPY_CHUNK, entry.size - start)))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
+    for listed in ordered:
+        target = os.path.join(dest, listed.name)
+        what = f"{info.namespace}/{info.checkpoint_id}/{listed.name}"
+        entry = client.ensure_local(info.namespace, info.checkpoint_id, listed.name)
+        try:
+            _copy_verified(entry, what, target)
+        except ChecksumMismatch as e:
+            print(f"tierckpt pull: {e}; asking tierckptd to repair it", file=sys.stderr)
+            entry = client.ensure_local(
+                info.namespace, info.checkpoint_id, listed.name, repair=True
+            )
+            _copy_verified(entry, what, target)
         total += entry.size
     return total
 
@@ -128,7 +139,7 @@ def _pull(info: CheckpointInfo, dest: str) -> int:
 def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
     info = client.get_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
     started = time.perf_counter()
-    total = _pull(info, args.dest)
+    total = _pull(client, info, args.dest)
     elapsed = time.perf_counter() - started
     payload = {
         "id": info.checkpoint_id,
@@ -139,7 +150,7 @@ def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
     }
     text = (
         f"pulled {info.namespace}/{info.checkpoint_id} into {args.dest}: {len(info.files)} files, "
-        f"{_human(total)} in {elapsed:.2f} s; load it with FileSystemReader({args.dest!r})"
+        f"{format_size(total)} in {elapsed:.2f} s; load it with FileSystemReader({args.dest!r})"
     )
     _emit(args, payload, text)
     return 0
@@ -150,7 +161,7 @@ def _cmd_rm(client: DaemonClient, args: argparse.Namespace) -> int:
     _emit(
         args,
         {"id": args.id, "freed_bytes": freed},
-        f"removed {args.namespace}/{args.id} ({_human(freed)})",
+        f"removed {args.namespace}/{args.id} ({format_size(freed)})",
     )
     return 0
 
@@ -171,7 +182,7 @@ def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
     )
     payload = {"id": args.id, "ok": ok, "verified_bytes": verified, "corrupt_files": corrupt}
     text = (
-        f"{args.namespace}/{args.id}: ok, {_human(verified)} verified"
+        f"{args.namespace}/{args.id}: ok, {format_size(verified)} verified"
         if ok
         else f"{args.namespace}/{args.id}: CORRUPT files {', '.join(corrupt)}"
     )

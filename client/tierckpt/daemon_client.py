@@ -16,11 +16,13 @@ import grpc
 from tierckpt.checksum import BlockChecksums
 from tierckpt.endpoint import open_channel, resolve_daemon_address
 from tierckpt.errors import (
+    TIER_UNAVAILABLE_PREFIX,
     CheckpointIncomplete,
     DaemonTimeout,
     DaemonUnavailable,
     PermissionDenied,
     TierckptError,
+    TierUnavailable,
     error_from_status,
 )
 from tierckpt.memory_files import VerifiedFile
@@ -181,11 +183,15 @@ class DaemonClient:
         try:
             return method(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise self._translate(e) from None
+            # The gRPC error stays as the cause (for tracebacks; pickling drops it).
+            raise self._translate(e) from e
 
     def _translate(self, e: grpc.RpcError) -> TierckptError:
         code: grpc.StatusCode = e.code()
         details: str = e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and details.startswith(TIER_UNAVAILABLE_PREFIX):
+            # The daemon answered: a tier behind it (a peer, S3) is down, not the daemon.
+            return TierUnavailable(details)
         if code == grpc.StatusCode.UNAVAILABLE:
             return DaemonUnavailable(
                 f"tierckptd is not reachable at {self.address} ({details}): start it "
@@ -259,8 +265,11 @@ class DaemonClient:
     def ensure_local(
         self, namespace: str, checkpoint_id: str, file_name: str, *, repair: bool = False
     ) -> FileEntry:
-        """Have the daemon make a valid local copy of one file (fetched from a peer when
-        this node lacks it, or replaced when `repair` says the local copy is corrupt)."""
+        """Have the daemon make a valid local copy of one file: restored from a peer or the
+        persistent tier when this node lacks it, or replaced when `repair` says the local
+        copy is corrupt. TierUnavailable when no copy could be had because a tier was
+        down (retry later); CheckpointNotFound when no tier holds it; ChecksumMismatch
+        only when every copy found was corrupt."""
         req = daemon_pb2.EnsureLocalRequest(
             ref=_ref(namespace, checkpoint_id), file_name=file_name, repair=repair
         )

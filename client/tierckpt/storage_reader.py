@@ -31,7 +31,12 @@ from torch.futures import Future
 
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
 from tierckpt.dcp_metadata import load_metadata
-from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, TierckptError
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    ChecksumMismatch,
+    TierckptError,
+    TierUnavailable,
+)
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.saved_tensor import parse_saved_tensor
@@ -143,6 +148,9 @@ class TieredStorageReader(StorageReader):
                 mismatch = e
         try:
             repaired = self._open(name, repair=True)
+        except TierUnavailable as e:
+            # A tier that may hold a valid copy is down: retryable, not data loss.
+            raise TierUnavailable(f"{e} (the local copy failed verification: {mismatch})") from e
         except TierckptError as e:
             raise ChecksumMismatch(f"{mismatch}; no valid copy could be fetched: {e}") from e
         with repaired as f:

@@ -36,7 +36,6 @@ __all__ = [
     "RetentionConfig",
     "SecurityConfig",
     "exposure_warnings",
-    "format_size",
     "is_loopback_address",
     "load_config",
     "parse_config",
@@ -89,15 +88,6 @@ def parse_size(value: object, *, what: str = "size") -> int:
     )
 
 
-def format_size(n: float) -> str:
-    """Human-readable binary size with one decimal, as error messages quote budgets."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 @dataclass(frozen=True)
 class NodeConfig:
     id: str = ""  # "" = the hostname (resolved by load)
@@ -141,12 +131,18 @@ class PersistentConfig:
     compression: str = "zstd"
     level: int = 3
     shutdown_deadline: float = 60.0
+    # Seconds a node's view of a namespace in the persistent tier may age before "the
+    # newest" or a listing re-lists it (checkpoints other clusters drained meanwhile).
+    relist_interval: float = 30.0
 
 
 @dataclass(frozen=True)
 class RetentionConfig:
+    # Bounds every copy this node holds: its ranks' files and the copies it keeps for
+    # buddies (one record per checkpoint). A separate window for buddies' copies
+    # (`replica_keep_last`, never read) was removed: the healer re-pushes any copy missing
+    # from a committed checkpoint, so a smaller one would fight it.
     memory_keep_last: int = 2
-    replica_keep_last: int = 2
     persistent_keep_last: int = 0
     persistent_keep_every: int = 0
 
@@ -228,10 +224,21 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: object, default: obj
     return value
 
 
+# Keys that existed once, with why they went: a clearer refusal than "unknown key".
+_REMOVED = {
+    "retention": {
+        "replica_keep_last": "memory_keep_last bounds the copies a node keeps for its "
+        "buddies too (it was never read)",
+    },
+}
+
+
 def _section(name: str, cls: type[Any], table: object) -> Any:
     if not isinstance(table, dict):
         raise ConfigError(f"[{name}] must be a table, got {table!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in sorted(set(table) & set(_REMOVED.get(name, {}))):
+        raise ConfigError(f"[{name}] {key} was removed: {_REMOVED[name][key]}; delete the line")
     unknown = sorted(set(table) - set(fields))
     if unknown:
         raise ConfigError(

@@ -25,6 +25,7 @@ from types import FrameType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tierckpt.units import format_size
 
 from tierckptd import __version__
 from tierckptd.catalog import Catalog, Sweeper
@@ -32,18 +33,24 @@ from tierckptd.config import (
     Config,
     ConfigError,
     exposure_warnings,
-    format_size,
     load_config,
 )
 from tierckptd.config_secrets import config_changes, config_file_warnings, redact
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
+from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
 from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.ops.systemd import sd_notify
 from tierckptd.peers import security as auth
-from tierckptd.peers.cluster import PEER_CHANNEL_OPTIONS, Cluster
+from tierckptd.peers.client import PeerClient
+from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
+from tierckptd.peers.source import peer_sources
+from tierckptd.persistent.discovery import Discovery
 from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.restore import FileSource, Restorer
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
 from tierckptd.rpc.peer_service import add_peer_service
@@ -111,6 +118,12 @@ class Daemon:
 
     def run(self) -> int:
         cfg = self.config
+        try:  # [security] files are read once, now: before adopting the memory tier
+            channel_factory = auth.peer_channel_factory(cfg.security, PEER_CHANNEL_OPTIONS)
+            peer_security = auth.peer_server_security(cfg.security)
+        except ConfigError as e:  # unreadable, empty or not PEM: as a bad config key
+            print(f"tierckptd: {e}", file=sys.stderr)
+            return 2
         tier = MemoryTier(cfg.memory.dir)
         try:
             tier.open_layout()
@@ -143,30 +156,52 @@ class Daemon:
             )
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
-            cluster = Cluster(
-                catalog,
-                peers=cfg.peers,
-                copies=cfg.replication.copies,
-                channel_factory=auth.peer_channel_factory(cfg.security, PEER_CHANNEL_OPTIONS),
-                heal_interval=cfg.replication.heal_interval,
+            # The one restore chain: memory, then the file's peer holders and the other
+            # peers, then the persistent tier (restore.py).
+            peer_client = PeerClient(
+                Membership(
+                    cfg.node.id,
+                    cfg.node.failure_domain,
+                    peers=cfg.peers,
+                    copies=cfg.replication.copies,
+                    channel_factory=channel_factory,
+                )
             )
-            self.cluster = cluster
+            remote_sources: list[FileSource] = []
+            persistent: PersistentTier | None = None
+            discovery: Discovery | None = None
             if cfg.persistent.url:
                 # Short retries per operation: the drainer reschedules the whole job.
                 persistent = PersistentTier.from_config(
                     cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
                 )
+                remote_sources.append(PersistentSource(persistent))
+
+            def sources_for(namespace: str, checkpoint_id: str, f: FileRecord) -> list[FileSource]:
+                return [*peer_sources(peer_client, f), *remote_sources]
+
+            restorer = Restorer(catalog, sources_for)
+            cluster = Cluster(
+                catalog,
+                restorer,
+                client=peer_client,
+                heal_interval=cfg.replication.heal_interval,
+            )
+            self.cluster = cluster
+            if persistent is not None:
                 drainer = Drainer(
                     catalog,
                     persistent,
-                    cluster,
+                    restore=restorer.ensure_local,
                     keep_last=cfg.retention.persistent_keep_last,
                     keep_every=cfg.retention.persistent_keep_every,
                 )
                 catalog.drain_every = cfg.persistent.every
                 catalog.on_committed = drainer.enqueue
-                cluster.persistent_restore = drainer.restore_file
                 self.drainer = drainer
+                discovery = Discovery(
+                    persistent, catalog, relist_interval=cfg.persistent.relist_interval
+                )
             health = Health()
             servers = start_servers(
                 catalog,
@@ -174,12 +209,13 @@ class Daemon:
                 cfg.listen.local,
                 cfg.listen.peer,
                 register_peer=lambda server: add_peer_service(cluster, server),
-                peer_security=auth.peer_server_security(cfg.security),
+                peer_security=peer_security,
                 cluster=cluster,
                 access=access,
+                discovery=discovery,
             )
-        except ConfigError as e:  # [security] files unreadable or malformed
-            logger.error("%s", e)
+        except ConfigError as e:
+            print(f"tierckptd: {e}", file=sys.stderr)
             tier.close()
             return 2
         except (AddressInUse, IsolationUnsupported, OSError) as e:
@@ -193,6 +229,8 @@ class Daemon:
         if self.drainer is not None:
             try:
                 self.drainer.adopt_durable()  # every memory tier gone: S3 still lists them
+                if discovery is not None:
+                    discovery.mark_listed()
             except Exception as e:
                 logger.error(
                     "cannot list the persistent tier %s: %s", redact(cfg.persistent.url), e

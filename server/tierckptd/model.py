@@ -1,15 +1,18 @@
-"""Domain model of the memory tier: checkpoints, their files, and node status.
+"""Domain model shared by every tier: checkpoints, their files, and node status.
 
-Plain dataclasses so that the catalog, manifests and retention never see protobuf types;
-only `daemon_service` translates them to and from the wire.
+Plain dataclasses so that the catalog, the tiers, manifests and retention never see
+protobuf types; `tierckptd.wire` translates them to and from the wire (for `rpc/` and the
+peer client), and the import-direction test keeps protobuf there.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierckpt.checksum import BlockChecksums
+from tierckpt.names import METADATA_FILE
 
 # Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
 # the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
@@ -25,7 +28,18 @@ MAX_BLOCK_SIZE = 16 << 20
 CLOCK_SKEW = 300.0
 
 
-__all__ = ["CheckpointRecord", "CheckpointView", "FileRecord", "NodeStatusView", "State"]
+__all__ = [
+    "CheckpointRecord",
+    "CheckpointView",
+    "FileRecord",
+    "Key",
+    "NodeStatusView",
+    "State",
+    "coordinator_of",
+]
+
+# A checkpoint's identity: (namespace, checkpoint_id).
+Key = tuple[str, str]
 
 
 class State(enum.Enum):
@@ -79,7 +93,7 @@ class CheckpointRecord:
     last_activity: float = 0.0  # catalog clock, WRITING only
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> Key:
         return (self.namespace, self.checkpoint_id)
 
     @property
@@ -126,3 +140,18 @@ class NodeStatusView:
     checkpoints: int
     namespaces: tuple[str, ...]
     version: str
+
+
+def coordinator_of(files: Mapping[str, FileRecord]) -> str:
+    """The node that coordinates a checkpoint's commit: the owner of its `.metadata`
+    (the DCP coordinator rank writes it and commits on its own node); without one, the
+    owner of the first file by name. "" when no owner is recorded (persistent only).
+
+    Only this node may publish the checkpoint's manifest to peers, and retention groups
+    checkpoints by it, so a peer's checkpoints never push another node's out of memory.
+    """
+    meta = files.get(METADATA_FILE)
+    if meta is not None:
+        return meta.owner_node
+    first = min(files, default=None)
+    return files[first].owner_node if first is not None else ""

@@ -32,13 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import (
     TIER_UNAVAILABLE_PREFIX,
     CheckpointNotFound,
     ChecksumMismatch,
+    InvalidArgument,
     TierUnavailable,
 )
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
@@ -52,10 +53,12 @@ from tierckptd.ops import metrics
 __all__ = [
     "Attempt",
     "FileSource",
+    "Landed",
     "Outcome",
     "Restorer",
     "SourcesFor",
     "final_error",
+    "no_sources",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,8 +80,21 @@ class FileSource(Protocol):
         ...
 
 
+@runtime_checkable
+class Landed(Protocol):
+    """Optional for a `FileSource`: told when a copy it gave was installed (a peer
+    source tells the other peers this node now holds a copy)."""
+
+    def landed(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None: ...
+
+
 SourcesFor = Callable[[str, str, FileRecord], Sequence[FileSource]]
 """The remote sources to try for one file, nearest first (peer holders, then S3)."""
+
+
+def no_sources(namespace: str, checkpoint_id: str, f: FileRecord) -> Sequence[FileSource]:
+    """A `SourcesFor` with no remote tier (a node with no peers and no persistent tier)."""
+    return ()
 
 
 class Outcome(enum.Enum):
@@ -177,7 +193,12 @@ class Restorer:
                 attempts.append(Attempt("memory", Outcome.CORRUPT, reason))
                 metrics.CORRUPT_COPIES.labels(where="local").inc()
                 self.catalog.drop_local_copy(namespace, checkpoint_id, name)
-                logger.error("corrupt local copy of %s: %s; restoring another", what, reason)
+                logger.error(
+                    "corrupt copy of %s on node %s (local): %s; restoring a verified copy",
+                    what,
+                    self.catalog.node_id,
+                    reason,
+                )
                 if self.on_corrupt_local is not None:
                     self.on_corrupt_local(namespace, checkpoint_id, name, reason)
             else:
@@ -199,15 +220,20 @@ class Restorer:
                     logger.warning("restore of %s: %s", what, e)
                     attempts.append(Attempt(source.name, Outcome.UNAVAILABLE, e.cause))
                     continue
-                except ChecksumMismatch as e:
+                except (ChecksumMismatch, InvalidArgument) as e:
+                    # Damaged bytes, or a stream cut short or out of order: not this copy.
                     logger.error("restore of %s from %s: %s", what, source.name, e)
-                    metrics.CORRUPT_COPIES.labels(where=source.name.split()[0]).inc()
                     attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
                     continue
                 metrics.FETCHED_BYTES.inc(got)
                 f, path = self.catalog.file_view(namespace, checkpoint_id, name)
                 if path:
                     logger.info("restored %s from %s (%d bytes)", what, source.name, f.size)
+                    if isinstance(source, Landed):
+                        try:
+                            source.landed(namespace, checkpoint_id, f)
+                        except Exception as e:
+                            logger.warning("after restoring %s from %s: %s", what, source.name, e)
                     return f, path
                 attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
             raise final_error(what, attempts)

@@ -74,7 +74,7 @@ def test_rm_removes_the_checkpoint_and_its_files(daemon: Any) -> None:
     # The other checkpoint is untouched.
     target = plain_tensor_state(9, 128 << 10)
     backend.load(target, "step-000002")
-    assert_state_equal(target, expected["step-000002"], what="survivor of rm")
+    assert_state_equal(actual=target, expected=expected["step-000002"], what="survivor of rm")
     # Removing it again is an error with a message, not a crash.
     again = cli(daemon.address, "rm", NS, "step-000001", check=False)
     assert again.returncode == 1, again

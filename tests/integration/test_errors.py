@@ -95,7 +95,7 @@ def test_reusing_a_committed_id_without_pg(daemon: Any) -> None:
     assert_error(exc, CheckpointExists, "step-1")
     target = plain_tensor_state(3, 64 << 10)
     backend.load(target, "step-1")
-    assert_state_equal(target, expected, what="first step-1 after a refused reuse")
+    assert_state_equal(actual=target, expected=expected, what="first step-1 after a refused reuse")
 
 
 def _usage(address: str) -> int:
@@ -138,7 +138,7 @@ def test_save_over_budget_fails_naming_the_budget(daemon_factory: Any) -> None:
 
     target = plain_tensor_state(3, 1 << 20)
     backend.load(target, "step-000001")
-    assert_state_equal(target, expected, what="checkpoint before the refused save")
+    assert_state_equal(actual=target, expected=expected, what="checkpoint before the refused save")
     exc = capture(lambda: backend.load(plain_tensor_state(4, 1 << 20), "step-000002"), within=30)
     assert_error(exc, CheckpointNotFound, "step-000002", load=True)
 

@@ -62,7 +62,7 @@ def test_daemon_sigterm_exits_zero_and_keeps_checkpoints(daemon: Any) -> None:
 
     target = plain_tensor_state(6, 256 << 10)
     backend.load(target, "step-000001")
-    assert_state_equal(target, expected, what="load after SIGTERM + restart")
+    assert_state_equal(actual=target, expected=expected, what="load after SIGTERM + restart")
 
 
 def _wait_gone(path: Path, timeout: float = 5.0) -> bool:

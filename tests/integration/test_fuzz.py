@@ -189,7 +189,7 @@ def _sanity(run: Run, daemon: DaemonProcess) -> None:
         backend.save(state, "step-1")
         target = plain_tensor_state(3, 512 << 10)
         backend.load(target, "step-1")
-        assert_state_equal(target, expected, what="sanity load after the fuzz run")
+        assert_state_equal(actual=target, expected=expected, what="sanity load after the fuzz run")
     except (Exception, CheckpointException) as e:  # reported with the fuzz findings
         cause = (str(e).strip().splitlines() or [""])[-1]  # DCP wraps it in a traceback
         run.add("valid save/commit/load after the fuzz run", None, type(e).__name__, cause)

@@ -121,7 +121,7 @@ def test_newest_means_last_committed_not_highest_name(daemon: Any) -> None:
         backend.save(state, cid)
     target = plain_tensor_state(99, 64 << 10)
     backend.load(target, None)
-    assert_state_equal(target, saved["step-000100"], what="checkpoint_id=None")
+    assert_state_equal(actual=target, expected=saved["step-000100"], what="checkpoint_id=None")
 
 
 def test_newest_in_an_empty_namespace_is_not_found(daemon: Any) -> None:

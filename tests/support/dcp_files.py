@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 from tierckpt.checksum import BlockChecksums, checksum_bytes
 from tierckpt.memory_files import VerifiedFile
 
+from tests.support.state_dicts import assert_state_equal  # the one comparison, re-exported
+
 __all__ = [
     "BLOCK_SIZE",
     "SavedCheckpoint",
@@ -52,18 +54,6 @@ def load_target(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return torch.full_like(state, -7)
     return None
-
-
-def assert_state_equal(expected: Any, actual: Any, where: str = "") -> None:
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), where
-        for k in expected:
-            assert_state_equal(expected[k], actual[k], f"{where}.{k}")
-    elif isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), where
-        assert actual.dtype == expected.dtype and torch.equal(actual, expected), where
-    else:
-        assert actual == expected, where
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,13 @@ def _train_one_more_step(train: Any) -> None:
 def verify_loaded(ctx: RankContext, train: Any, expected: dict[str, Any], label: str) -> int:
     """Compare the loaded state dict and, after applying it, the model and optimizer."""
     leaves = assert_state_equal(
-        train.state_dict, expected, what=f"rank {ctx.rank} {label} (state dict)"
+        actual=train.state_dict, expected=expected, what=f"rank {ctx.rank} {label} (state dict)"
     )
     reread = apply_and_reread(train)
     assert_state_equal(
-        reread, expected, what=f"rank {ctx.rank} {label} (model/optim after set_state_dict)"
+        actual=reread,
+        expected=expected,
+        what=f"rank {ctx.rank} {label} (model/optim after set_state_dict)",
     )
     return leaves
 

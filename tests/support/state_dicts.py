@@ -267,8 +267,10 @@ def _compare(actual: Any, expected: Any) -> tuple[bool, str]:
     return actual == expected, f"{_describe(actual)} != {_describe(expected)}"
 
 
-def assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], *, what: str = "") -> int:
+def assert_state_equal(*, actual: dict[str, Any], expected: dict[str, Any], what: str = "") -> int:
     """Assert every leaf of `expected` is bit-exact in `actual`; returns the number of leaves.
+
+    Keyword-only: the two arguments are easy to swap, and the report names them.
 
     Only keys present in `actual` at top level are compared, so a loader that holds a
     subset (another world size: other ranks' `dataloader.rank_*`) passes the relevant

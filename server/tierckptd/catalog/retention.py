@@ -5,10 +5,12 @@ Pure so it can be tested exhaustively without files; the catalog applies the res
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "memory_evictions"]
+from tierckptd.model import CheckpointRecord, coordinator_of
+
+__all__ = ["Candidate", "evictions_by_coordinator", "memory_evictions"]
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,30 @@ def memory_evictions(committed: Iterable[Candidate], keep_last: int) -> list[str
         return []
     ordered = sorted(committed, key=lambda c: c.sequence, reverse=True)
     return [c.checkpoint_id for c in ordered[keep_last:] if not c.pinned]
+
+
+def evictions_by_coordinator(
+    committed: Iterable[CheckpointRecord],
+    keep_last: int,
+    held: Callable[[CheckpointRecord], bool],
+) -> list[str]:
+    """Ids of one namespace's committed checkpoints to evict from memory.
+
+    `memory_keep_last` applies per coordinator (invariant 10): checkpoints a peer
+    publishes never count against, nor push out, those another node (this one included)
+    coordinates. One job has one coordinator, so this is the plain window; a job whose
+    coordinator moved keeps the old one's last checkpoints until they are removed
+    (`tierckpt rm`). A checkpoint `held` (pinned, or due for the persistent tier and not
+    durable there yet: invariant 6) is never evicted.
+    """
+    groups: dict[str, list[CheckpointRecord]] = {}
+    for r in sorted(committed, key=lambda r: r.order):
+        groups.setdefault(coordinator_of(r.files), []).append(r)
+    return [
+        checkpoint_id
+        for group in groups.values()
+        for checkpoint_id in memory_evictions(
+            [Candidate(r.checkpoint_id, i, held(r)) for i, r in enumerate(group, start=1)],
+            keep_last,
+        )
+    ]

@@ -11,14 +11,29 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 from tierckpt.checksum import BlockChecksums, BlockHasher, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument
 
-from tierckptd.catalog import Catalog
-from tierckptd.model import CheckpointRecord
+from tierckptd.model import CheckpointRecord, FileRecord
 
-__all__ = ["IncomingFile", "install_copy", "restore_plan"]
+__all__ = ["IncomingFile", "Landing", "install_copy", "restore_plan"]
+
+
+class Landing(Protocol):
+    """Where a copy lands: the catalog's side of `install_copy` (memory/ never imports
+    catalog/, so it names only what it calls)."""
+
+    def file_view(
+        self, namespace: str, checkpoint_id: str, name: str
+    ) -> tuple[FileRecord, str]: ...
+
+    def start_incoming(self, namespace: str, checkpoint_id: str, name: str) -> Path | None: ...
+
+    def finish_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool
+    ) -> bool: ...
 
 
 class IncomingFile:
@@ -68,7 +83,7 @@ class IncomingFile:
 
 
 def install_copy(
-    catalog: Catalog,
+    catalog: Landing,
     namespace: str,
     checkpoint_id: str,
     name: str,

@@ -1,4 +1,4 @@
-"""The memory directory on tmpfs: layout, exclusive lock, file creation and the warm pool.
+"""The memory directory on tmpfs: layout, exclusive lock, raw file operations, verification.
 
 Layout under `memory.dir`::
 
@@ -7,12 +7,7 @@ Layout under `memory.dir`::
     manifests/<namespace>/<checkpoint_id>.json
     pool/seg-<n>@<namespace>                 warm segments recycled from evicted files
 
-Writing into a fresh tmpfs file costs a page fault and a zeroed page per 4 KiB, about 4x
-slower than overwriting pages that are already allocated, so evicted and deleted files
-are renamed into the pool and handed to the next save instead of being unlinked. A
-segment is handed only to the namespace it last served (``seg-<n>@`` is a fresh one from
-prewarm): another job must never read a previous tenant's bytes, nor share an inode with
-a tenant that kept a descriptor open.
+The warm pool under ``pool/`` is `memory.pool.WarmPool`.
 
 Nothing here follows a symlink: paths are built from validated names and checked to
 stay under the root, files are opened with O_NOFOLLOW and changed through their fds, and
@@ -20,7 +15,7 @@ directories are not group-writable (ranks only write files the daemon created), 
 member of the daemon's group cannot plant links or swap files.
 
 This class is not thread-safe: the catalog calls it under its lock, except for hashing
-(`verify_file`) and preallocation (`preallocate`), which are long and run outside.
+(`verify_file`), which is long and runs outside.
 """
 
 from __future__ import annotations
@@ -29,14 +24,11 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import signal
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from tierckpt.checksum import ALGORITHM, BlockChecksums, BlockHasher
@@ -45,27 +37,23 @@ from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 
 __all__ = [
     "COMMITTED_MODE",
+    "WRITING_MODE",
     "DIR_MODE",
     "MemoryTier",
     "MemoryTierLocked",
-    "Segment",
     "UnsafePath",
     "no_space",
 ]
 
 logger = logging.getLogger(__name__)
 
-_TOUCH_CHUNK = 1 << 20
-
 # setgid so files keep the daemon's group; not group-writable: only the daemon creates,
 # renames or unlinks entries.
 DIR_MODE = 0o2750
 WRITING_MODE = 0o660
 COMMITTED_MODE = 0o440
-POOL_MODE = 0o600
 _READ_CHUNK = 8 << 20
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_SEGMENT = re.compile(r"seg-(\d+)@([A-Za-z0-9._-]{0,128})")
 
 
 class MemoryTierLocked(RuntimeError):
@@ -89,17 +77,6 @@ def no_space(error: OSError, what: str, where: Path) -> TierckptError | OSError:
     )
 
 
-@dataclass
-class Segment:
-    """A warm pooled file; `previous_name` is the DCP file it last held (None if unknown)
-    and `namespace` the job it last served ("" for a fresh, never handed out segment)."""
-
-    path: Path
-    size: int
-    previous_name: str | None = None
-    namespace: str = ""
-
-
 def _fchmod_dir(path: Path | str, mode: int | None = None) -> None:
     """chmod a real directory through its fd; `mode` None clears only the group and
     other write bits (a stricter mode set by local isolation is kept)."""
@@ -114,21 +91,16 @@ def _fchmod_dir(path: Path | str, mode: int | None = None) -> None:
 
 
 class MemoryTier:
-    """Owns `memory.dir`: paths, the directory lock, raw file operations and the pool."""
+    """Owns `memory.dir`: paths, the directory lock and raw file operations."""
 
     _lease_warned = False
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).absolute()
-        self.segments: list[Segment] = []
         self._lock_fd: int | None = None
-        self._next_segment = 0
         # Called with the namespace right after data/<namespace> is created (local
         # isolation restricts it to its owner before any file exists in it).
         self.on_namespace_dir: Callable[[str], None] | None = None
-        # Pool segments are always handed back only to the namespace that last held
-        # them; kept as an attribute for callers that state it.
-        self.recycle_within_namespace = True
 
     # ---- layout ---------------------------------------------------------------------
     @property
@@ -286,7 +258,7 @@ class MemoryTier:
         return st.f_blocks * st.f_frsize
 
     # ---- files ------------------------------------------------------------------------
-    def _open_regular(self, path: Path, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
+    def open_regular(self, path: Path, flags: int = os.O_RDONLY) -> tuple[int, os.stat_result]:
         """An fd on `path` and its fstat; UnsafePath for a symlink or a non-regular file
         (O_NONBLOCK: opening a planted FIFO must not hang)."""
         self.check_no_links(path)
@@ -332,7 +304,7 @@ class MemoryTier:
         `check` (the size) runs on a file nobody can change. A failed check or lease
         gives the file back to its writer (mode restored) and raises.
         """
-        fd, st = self._open_regular(path)
+        fd, st = self.open_regular(path)
         try:
             if st.st_uid != os.geteuid() or st.st_nlink != 1:
                 raise UnsafePath(
@@ -451,126 +423,13 @@ class MemoryTier:
         if entry.stat(follow_symlinks=False).st_mode & 0o022:
             _fchmod_dir(entry.path)
 
-    # ---- pool -------------------------------------------------------------------------
-    @property
-    def pool_bytes(self) -> int:
-        return sum(s.size for s in self.segments)
-
-    def _segment_path(self, namespace: str) -> Path:
-        path = self.pool_dir / f"seg-{self._next_segment}@{namespace}"
-        self._next_segment += 1
-        return path
-
-    def to_pool(self, path: Path, previous_name: str | None, namespace: str) -> Segment | None:
-        """Move a data file into the pool for reuse by `namespace` only; returns the new
-        segment (None if it vanished, was empty, or was not a regular file: unlinked)."""
-        try:
-            fd, st = self._open_regular(path)
-        except FileNotFoundError:
-            return None
-        except UnsafePath as e:
-            logger.warning("%s; unlinking it", e)
-            self.remove_file(path)
-            return None
-        try:
-            if st.st_size == 0 or st.st_uid != os.geteuid() or st.st_nlink != 1:
-                self.remove_file(path)
-                return None
-            os.fchmod(fd, POOL_MODE)  # nobody opens a pooled segment but the daemon
-            dest = self._segment_path(namespace)
-            os.rename(path, dest)
-        finally:
-            os.close(fd)
-        seg = Segment(dest, st.st_size, previous_name, namespace)
-        self.segments.append(seg)
-        return seg
-
-    def pick_segment(self, file_name: str, remaining: int, namespace: str) -> Segment | None:
-        """Best segment of `namespace` (or a fresh one) for a new file given the rank's
-        remaining reservation.
-
-        Prefer the segment that last held a file of the same name (a periodic save writes
-        the same files with the same sizes), allowing 25% slack; else the largest segment
-        that fits in the reservation; else none.
-        """
-        mine = [s for s in self.segments if s.namespace in (namespace, "")]
-        same = [s for s in mine if s.previous_name == file_name and s.size <= remaining * 1.25]
-        if same:
-            return max(same, key=lambda s: s.size)
-        fitting = [s for s in mine if s.size <= remaining]
-        return max(fitting, key=lambda s: s.size) if fitting else None
-
-    def take_segment(self, seg: Segment, dest: Path) -> None:
-        """Rename a pooled segment to a data path; its pages stay allocated."""
-        try:
-            self.make_dir(dest.parent)
-        except OSError as e:
-            raise no_space(e, f"creating the directory of {dest.name}", self.root) from e
-        self.check_no_links(dest)
-        self.segments.remove(seg)
-        if not stat.S_ISREG(os.lstat(seg.path).st_mode):
-            seg.path.unlink()
-            raise UnsafePath(f"pool segment {seg.path.name!r} is not a regular file")
-        os.rename(seg.path, dest)
-        fd, _ = self._open_regular(dest)
-        try:
-            os.fchmod(fd, WRITING_MODE)
-        finally:
-            os.close(fd)
-
-    def drop_largest(self) -> int:
-        """Unlink the largest segment (fewest unlinks to free space); returns bytes freed."""
-        if not self.segments:
-            return 0
-        seg = max(self.segments, key=lambda s: s.size)
-        self.segments.remove(seg)
-        seg.path.unlink(missing_ok=True)
-        return seg.size
-
-    def adopt_pool(self) -> None:
-        """Re-adopt warm segments left by a previous daemon; drop half-made prewarm files,
-        segments of an unknown namespace (older versions) and anything not a regular file."""
-        self.segments.clear()
-        for entry in self.entries(self.pool_dir):
-            match = _SEGMENT.fullmatch(entry.name)
-            if not match or not entry.is_file(follow_symlinks=False):
-                self.remove_entry(entry, "not a pool segment")
-                continue
-            number, namespace = int(match.group(1)), match.group(2)
-            self._next_segment = max(self._next_segment, number + 1)
-            size = entry.stat(follow_symlinks=False).st_size
-            if size and namespace not in (".", ".."):
-                self.segments.append(Segment(Path(entry.path), size, None, namespace))
-            else:
-                os.unlink(entry.path)
-
-    def new_prewarm_path(self) -> tuple[Path, Path]:
-        """(temporary path, final segment path) for a segment being preallocated."""
-        final = self._segment_path("")
-        return self.pool_dir / f".prewarm-{final.name}", final
-
-    @staticmethod
-    def preallocate(tmp: Path, size: int) -> None:
-        """Allocate `size` bytes of resident pages in `tmp` (long: run outside the catalog
-        lock). posix_fallocate reserves the pages (ENOSPC up front); writing them makes
-        them resident, since fallocated tmpfs pages are only touched at first write and a
-        VM host may back guest memory only on first touch (3 s/GiB measured here)."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, POOL_MODE)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            zeros = memoryview(bytes(min(size, _TOUCH_CHUNK)))
-            for offset in range(0, size, _TOUCH_CHUNK):
-                os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, size - offset)], offset)
-        finally:
-            os.close(fd)
-
     # ---- verification -----------------------------------------------------------------
     def verify_file(self, path: Path, size: int, checksums: BlockChecksums) -> tuple[bool, str]:
         """Re-hash `path` and compare with `checksums`; returns (ok, reason)."""
         if checksums.algorithm != ALGORITHM:
             return False, f"unsupported algorithm {checksums.algorithm[:32]!r}"
         try:
-            fd, st = self._open_regular(path)
+            fd, st = self.open_regular(path)
         except FileNotFoundError:
             return False, "file is missing"
         except UnsafePath as e:
@@ -591,9 +450,3 @@ class MemoryTier:
             )
             return False, f"checksum mismatch in block {bad}"
         return True, ""
-
-
-def hash_rate(nbytes: int, started: float) -> str:
-    """Throughput string for log lines about hashing."""
-    elapsed = max(time.monotonic() - started, 1e-9)
-    return f"{nbytes / elapsed / 1e9:.2f} GB/s"

@@ -7,7 +7,10 @@ the catalog having to publish on every change.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Gauge, start_http_server
 
@@ -25,6 +28,7 @@ __all__ = [
     "REFUSED_METADATA",
     "DRAIN_FAILED",
     "PEER_REFUSED",
+    "MetricsEndpoint",
     "UNDER_REPLICATED",
     "bind_gauges",
     "serve",
@@ -91,10 +95,24 @@ def bind_gauges(
     CHECKPOINTS.set_function(checkpoints)
 
 
-def serve(listen: str) -> int:
-    """Start the /metrics HTTP endpoint on "host:port"; returns the bound port."""
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """A running /metrics endpoint: its bound port, and `stop()`."""
+
+    port: int
+    server: Any  # wsgiref's WSGIServer
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5.0)
+
+
+def serve(listen: str) -> MetricsEndpoint:
+    """Start the /metrics HTTP endpoint on "host:port" (port 0: any free one)."""
     host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(int(port), addr=host or "127.0.0.1")
+    server, thread = start_http_server(int(port), addr=host or "127.0.0.1")
     bound = int(server.server_address[1])
     logger.info("metrics on http://%s:%s/metrics", host or "127.0.0.1", bound)
-    return bound
+    return MetricsEndpoint(bound, server, thread)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -29,7 +29,6 @@ from tierckpt.errors import InvalidArgument
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from tierckptd.ops import metrics
-from tierckptd.rpc.peer_guard import Ticket
 
 __all__ = [
     "Chunk",
@@ -163,14 +162,33 @@ class PeerStub:
         )
 
 
-_NO_TICKET = Ticket(lambda: None, "", float("inf"), float("inf"), float("inf"))
+class Ticket(Protocol):
+    """What the servicer's guard hands out per call (`rpc.peer_guard.Ticket`)."""
+
+    def touch(self) -> None: ...
+
+    def settle(self) -> None: ...
+
+
+class _NoTicket:
+    def touch(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+
+_NO_TICKET = _NoTicket()
 
 
 def _guard(servicer: Any, method: str, context: Any) -> AbstractContextManager[Ticket]:
     """The servicer's `guard(method, context)` (admission and a watchdog ticket, entered
     before any request byte is read), or nothing for a servicer without one."""
     guard = getattr(servicer, "guard", None)
-    return guard(method, context) if guard is not None else nullcontext(_NO_TICKET)
+    if guard is None:
+        return nullcontext(_NO_TICKET)
+    ticket: AbstractContextManager[Ticket] = guard(method, context)
+    return ticket
 
 
 def _malformed(method: str, what: str, context: Any) -> NoReturn:

@@ -9,13 +9,12 @@ the owner is never its own buddy.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
-from tierckpt.names import METADATA_FILE
 
-from tierckptd.model import FileRecord
+from tierckptd.model import coordinator_of
 
 __all__ = ["Member", "buddies", "coordinator_of", "file_key", "preference", "replica_count"]
 
@@ -60,18 +59,3 @@ def replica_count(copies: int, members: Sequence[Member]) -> int:
 def buddies(key: str, owner: str, members: Sequence[Member], copies: int) -> list[str]:
     """The `k` buddies of a file (k capped by membership), best first."""
     return preference(key, owner, members)[: replica_count(copies, members)]
-
-
-def coordinator_of(files: Mapping[str, FileRecord]) -> str:
-    """The node that coordinates a checkpoint's commit: the owner of its `.metadata`
-    (the DCP coordinator rank writes it and commits on its own node); without one, the
-    owner of the first file by name. "" when no owner is recorded (persistent only).
-
-    Only this node may publish the checkpoint's manifest to peers, and retention groups
-    checkpoints by it, so a peer's checkpoints never push another node's out of memory.
-    """
-    meta = files.get(METADATA_FILE)
-    if meta is not None:
-        return meta.owner_node
-    first = min(files, default=None)
-    return files[first].owner_node if first is not None else ""

@@ -49,7 +49,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 
 from tierckpt.errors import (
@@ -62,44 +62,42 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
-from tierckptd.memory.incoming import install_copy
-from tierckptd.memory.manifest import ManifestError
-from tierckptd.memory.manifest import from_json as manifest_from_json
-from tierckptd.model import FileRecord
+from tierckptd.jobs import StepAside
+from tierckptd.model import FileRecord, Key
 from tierckptd.ops import metrics
-from tierckptd.peers.cluster import SAVE_YIELD_MAX, Cluster
+from tierckptd.persistent.discovery import (
+    MANIFEST_OBJECT,
+    adopt_all,
+    remove_index_entry,
+    write_index_entry,
+)
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.markers import fingerprint
-from tierckptd.persistent.readback import (
-    check_stored_record,
-    original_chunks,
-)
 from tierckptd.persistent.retention import persistent_evictions
+from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
 
-__all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "fingerprint"]
+__all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "Restore", "fingerprint"]
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[str, str]
-MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeeping area
-METADATA_OBJECT = "metadata.orig"  # the memory tier's (uncompressed) .metadata
+Restore = Callable[[str, str, str], tuple[FileRecord, str]]
+"""The restore chain's `ensure_local(namespace, checkpoint_id, name)`: a verified local
+copy of a committed file (record, path), from a peer or the persistent tier."""
 
 
 class _StepAsideForSaves:
     """A file source whose reads wait while a save is writing on this node, so a drain
-    in flight does not compete with training; each file waits SAVE_YIELD_MAX at most in
-    total, so back-to-back saves cannot stall durability forever."""
+    in flight does not compete with training; each file waits `jobs.SAVE_YIELD_MAX` at
+    most in total, so back-to-back saves cannot stall durability forever."""
 
     def __init__(self, source: VerifiedFile, catalog: Catalog) -> None:
         self.size = source.size
         self._source = source
-        self._catalog = catalog
-        self._until = time.monotonic() + SAVE_YIELD_MAX
+        self._aside = StepAside(catalog.saving)
 
     def read(self, start: int, length: int) -> bytes | bytearray:
-        while self._catalog.saving() and time.monotonic() < self._until:
-            time.sleep(0.05)
+        self._aside.wait()
         return self._source.read(start, length)
 
 
@@ -118,7 +116,7 @@ class Drainer:
         self,
         catalog: Catalog,
         tier: PersistentTier,
-        cluster: Cluster | None = None,
+        restore: Restore | None = None,
         *,
         keep_last: int = 0,
         keep_every: int = 0,
@@ -130,7 +128,7 @@ class Drainer:
     ) -> None:
         self.catalog = catalog
         self.tier = tier
-        self.cluster = cluster
+        self.restore = restore
         self.node_id = catalog.node_id
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -406,6 +404,10 @@ class Drainer:
             logger.debug("drain of %s/%s waits for other owners: %s", namespace, checkpoint_id, e)
             return False
         self.catalog.mark_durable(namespace, checkpoint_id)
+        try:  # after .metadata: a hint for other clusters' discovery, never a commit
+            write_index_entry(self.tier, namespace, checkpoint_id)
+        except (PersistentTierUnavailable, OSError) as e:
+            logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
         self._retain(namespace)
         return True
 
@@ -414,8 +416,8 @@ class Drainer:
         the data files it describes. Every node that uploads decodes it (allow-list, never
         pickle), so a hostile one is refused everywhere, whatever the compression."""
         f, path = self.catalog.file_view(namespace, checkpoint_id, METADATA_FILE)
-        if not path and self.cluster is not None:
-            f, path = self.cluster.ensure_local(namespace, checkpoint_id, METADATA_FILE)
+        if not path and self.restore is not None:
+            f, path = self.restore(namespace, checkpoint_id, METADATA_FILE)
         if not path:
             raise CheckpointNotFound(
                 f"{namespace}/{checkpoint_id}: no copy of .metadata on node {self.node_id}"
@@ -466,6 +468,7 @@ class Drainer:
             pass
         ordered = [(cid, i) for i, cid in enumerate(durable)]
         for cid in persistent_evictions(ordered, self.keep_last, self.keep_every, pinned):
+            remove_index_entry(self.tier, namespace, cid)  # first: never lists a partial one
             self.tier.delete(namespace, cid)
             self.catalog.forget_persistent(namespace, cid)
             logger.info(
@@ -523,78 +526,12 @@ class Drainer:
                 time.sleep(self.poll)
         return ok
 
-    # ---- restore ------------------------------------------------------------------------
+    # ---- adoption ------------------------------------------------------------------------
     def adopt_durable(self) -> int:
         """Learn the durable checkpoints this node does not know (a replacement cluster
         whose memory tiers are all gone): their manifests come from the bookkeeping
-        area, with no file held anywhere; files are fetched from S3 on demand.
-
-        The bucket is not trusted: invalid names are skipped when listing, a manifest
-        with out-of-range numbers is refused, and one bad key never stops the others.
-        An outage raises PersistentTierUnavailable.
+        area, with no file held anywhere; files are fetched from S3 on demand
+        (`discovery.adopt_all`: invalid names skipped, manifests range-checked, one bad
+        key never stops the others). An outage raises PersistentTierUnavailable.
         """
-        adopted = 0
-        known = set(self.catalog.committed_keys())
-        for namespace in self.tier.list_namespaces():
-            for checkpoint_id in self.tier.list_durable(namespace):
-                key = (namespace, checkpoint_id)
-                try:
-                    adopted += self._adopt(key, known)
-                except PersistentTierUnavailable:
-                    raise
-                except Exception as e:
-                    logger.error(
-                        "%s/%s: not adopted from the persistent tier: %s: %.300s",
-                        *key,
-                        type(e).__name__,
-                        e,
-                    )
-        if adopted:
-            logger.info("adopted %d durable checkpoints from %s", adopted, self.tier.url)
-        return adopted
-
-    def _adopt(self, key: Key, known: set[Key]) -> int:
-        if key in known:
-            self.catalog.mark_durable(*key)
-            return 0
-        raw = self.tier.read_bookkeeping(*key, MANIFEST_OBJECT)
-        if raw is None:
-            logger.warning("%s/%s is durable but has no manifest; skipped", *key)
-            return 0
-        rec = manifest_from_json(json.loads(raw))
-        if rec.key != key:
-            raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
-        check_stored_record(rec, time.time())
-        for f in rec.files.values():
-            f.held = False
-            f.owner_node = ""
-            f.replica_nodes = []
-        if not self.catalog.publish(rec):
-            return 0
-        self.catalog.mark_durable(*key)
-        return 1
-
-    def restore_file(self, namespace: str, checkpoint_id: str, name: str) -> int:
-        """Download one file from the persistent tier into the memory tier, decompressed
-        back to the original bytes and verified block by block; returns bytes taken.
-        Call with the cluster's file lock held (`Cluster.ensure_local` does)."""
-        what = f"{namespace}/{checkpoint_id}/{name} from {self.tier.url}"
-        f, _ = self.catalog.file_view(namespace, checkpoint_id, name)
-        assert f.checksums is not None
-        if name == METADATA_FILE:
-            data = self.tier.read_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT)
-            if data is None:
-                raise CheckpointNotFound(f"{what}: no original .metadata in the bookkeeping")
-            chunks: Iterator[tuple[int, bytes]] = iter([(0, data)])
-        else:
-            marker = self.tier.uploaded(namespace, checkpoint_id).get(name)
-            if marker is None:
-                raise CheckpointNotFound(f"{what}: not in the persistent tier")
-            chunks = original_chunks(
-                self.tier, namespace, checkpoint_id, name, marker.index, f.size
-            )
-        taken = install_copy(self.catalog, namespace, checkpoint_id, name, chunks, what=what)
-        if not taken:
-            return 0
-        logger.info("restored %s (%d bytes)", what, f.size)
-        return f.size
+        return adopt_all(self.tier, self.catalog)

@@ -205,7 +205,7 @@ class PersistentTier:
         """
         self._until = None if seconds is None else self._clock() + seconds
 
-    def _retry(self, fn: Callable[[], T], what: str) -> T:
+    def retrying(self, fn: Callable[[], T], what: str) -> T:
         return retry_call(
             lambda: self._attempt(fn, what),
             what,
@@ -244,12 +244,12 @@ class PersistentTier:
         if self._local:  # object stores have no directories to create
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
 
-    def _put_bytes(self, path: str, data: bytes) -> None:
+    def put_object(self, path: str, data: bytes) -> None:
         self._mkdirs(path)
         self.fs.pipe_file(path, data)
         self.fs.invalidate_cache(path)
 
-    def _remove(self, path: str, *, recursive: bool = False) -> None:
+    def remove_object(self, path: str, *, recursive: bool = False) -> None:
         self.fs.invalidate_cache(path)
         try:
             self.fs.rm(path, recursive=recursive)
@@ -295,8 +295,8 @@ class PersistentTier:
         with self._slots:
             started = time.monotonic()
             # The old marker goes first: it must never describe a half-rewritten object.
-            self._retry(lambda: self._remove(marker), f"{what} (clear marker)")
-            counter = self._retry(
+            self.retrying(lambda: self.remove_object(marker), f"{what} (clear marker)")
+            counter = self.retrying(
                 lambda: self._write_object(path, src, items if compress else None), what
             )
         uploaded = UploadedFile(
@@ -307,7 +307,7 @@ class PersistentTier:
             index=counter.index,
             fingerprint=fingerprint,
         )
-        self._retry(lambda: self._put_bytes(marker, uploaded.to_json()), f"{what} (marker)")
+        self.retrying(lambda: self.put_object(marker, uploaded.to_json()), f"{what} (marker)")
         logger.info(
             "uploaded %s: %d bytes as %d (%s) in %.2fs",
             path,
@@ -391,7 +391,7 @@ class PersistentTier:
                 markers[m.name] = m
             return markers
 
-        return self._retry(read, f"list uploads of {namespace}/{checkpoint_id}")
+        return self.retrying(read, f"list uploads of {namespace}/{checkpoint_id}")
 
     def upload_metadata_last(self, namespace: str, checkpoint_id: str, metadata: bytes) -> bytes:
         """Commit the checkpoint: PUT `.metadata` once every data file it names is there.
@@ -420,7 +420,7 @@ class PersistentTier:
                 return {}
             return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
 
-        sizes = self._retry(stored_sizes, f"list {namespace}/{checkpoint_id}")
+        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}")
         problems = [
             name for name in needed if name not in markers or sizes.get(name) != markers[name].size
         ]
@@ -437,8 +437,8 @@ class PersistentTier:
                 mappings[name] = index
         body = rewrite_metadata(metadata, mappings, what=what)
         path = f"{ckpt}/{METADATA_FILE}"
-        self._retry(
-            lambda: self._put_bytes(path, body), f"commit {namespace}/{checkpoint_id}/.metadata"
+        self.retrying(
+            lambda: self.put_object(path, body), f"commit {namespace}/{checkpoint_id}/.metadata"
         )
         logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
         return body
@@ -449,8 +449,8 @@ class PersistentTier:
         """Store a small object beside the markers (outside the checkpoint directory)."""
         check_file_name(name)
         path = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{name}"
-        self._retry(
-            lambda: self._put_bytes(path, data), f"write {namespace}/{checkpoint_id} {name}"
+        self.retrying(
+            lambda: self.put_object(path, data), f"write {namespace}/{checkpoint_id} {name}"
         )
 
     def read_bookkeeping(
@@ -470,7 +470,7 @@ class PersistentTier:
             except FileNotFoundError:
                 return None
 
-        data = self._retry(read, f"read {namespace}/{checkpoint_id} {name}")
+        data = self.retrying(read, f"read {namespace}/{checkpoint_id} {name}")
         if data is not None and len(data) > max_bytes:
             raise ValueError(
                 f"{namespace}/{checkpoint_id} {name} in the persistent tier is larger than "
@@ -492,7 +492,7 @@ class PersistentTier:
                 return False
             return True
 
-        return self._retry(probe, f"probe {namespace}/{checkpoint_id}")
+        return self.retrying(probe, f"probe {namespace}/{checkpoint_id}")
 
     def list_namespaces(self) -> list[str]:
         """Namespaces with anything under the root (durable or not), sorted."""
@@ -505,7 +505,7 @@ class PersistentTier:
                 return []
             return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
 
-        names = self._retry(scan, f"list {self.url}")
+        names = self.retrying(scan, f"list {self.url}")
         return sorted(n for n in set(names) if n != BOOKKEEPING_DIR and _valid_namespace(n))
 
     def list_durable(self, namespace: str) -> list[str]:
@@ -517,7 +517,7 @@ class PersistentTier:
             self.fs.invalidate_cache()
             return [str(p) for p in self.fs.glob(pattern)]
 
-        ids = {p.rsplit("/", 2)[-2] for p in self._retry(scan, f"list {namespace}")}
+        ids = {p.rsplit("/", 2)[-2] for p in self.retrying(scan, f"list {namespace}")}
         bad = sorted(i for i in ids if not is_checkpoint_id(i))
         if bad:
             logger.warning(
@@ -550,12 +550,12 @@ class PersistentTier:
                 )
             return data
 
-        return self._retry(read, f"read {namespace}/{checkpoint_id}/{name}")
+        return self.retrying(read, f"read {namespace}/{checkpoint_id}/{name}")
 
     def read_metadata(self, namespace: str, checkpoint_id: str) -> bytes:
         """The stored `.metadata` (FileNotFoundError if the checkpoint is not durable)."""
         path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
-        return self._retry(
+        return self.retrying(
             lambda: bytes(self.fs.cat_file(path)), f"read {namespace}/{checkpoint_id}/.metadata"
         )
 
@@ -569,10 +569,10 @@ class PersistentTier:
         """
         ckpt = self.checkpoint_path(namespace, checkpoint_id)
         what = f"delete {namespace}/{checkpoint_id}"
-        self._retry(lambda: self._remove(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)")
-        self._retry(lambda: self._remove(ckpt, recursive=True), f"{what} (data)")
+        self.retrying(lambda: self.remove_object(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)")
+        self.retrying(lambda: self.remove_object(ckpt, recursive=True), f"{what} (data)")
         book = self._bookkeeping_path(namespace, checkpoint_id)
-        self._retry(lambda: self._remove(book, recursive=True), f"{what} (bookkeeping)")
+        self.retrying(lambda: self.remove_object(book, recursive=True), f"{what} (bookkeeping)")
         logger.info("deleted %s/%s from %s", namespace, checkpoint_id, self.url)
 
 

@@ -1,7 +1,8 @@
 """PeerService servicer: daemon <-> daemon on the peer listener (never the local socket).
 
 Wire <-> domain translation and per-call authorization; every action lives in
-`peers.Cluster`. A domain error becomes its gRPC status through the one table in
+`peers.Cluster` (its parts: `peers/serve.py`, `peers/commit.py`), which answers in
+domain types. A domain error becomes its gRPC status through the one table in
 `tierckpt.errors` (a corrupt copy is DATA_LOSS, so a fetcher falls through to the next
 holder); anything else is INTERNAL with a fixed message (the details stay in this node's
 log, bounded). Every request was decoded by `chunk_wire.register_peer_service` after
@@ -26,9 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import grpc
 from tierckpt.errors import (
@@ -36,26 +37,28 @@ from tierckpt.errors import (
     CheckpointNotFound,
     InvalidArgument,
     PermissionDenied,
-    TierckptError,
-    status_of,
 )
 from tierckpt.names import check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.model import FileRecord, State
 from tierckptd.ops import metrics
-from tierckptd.peers.chunk_wire import Chunk, register_peer_service
+from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
 from tierckptd.peers.cluster import TRANSFER_TIMEOUT, Cluster
 from tierckptd.peers.placement import coordinator_of
 from tierckptd.peers.security import caller_names
+from tierckptd.rpc.errors import StatusTranslator
 from tierckptd.rpc.peer_guard import Admission, Ticket, Watchdog
 from tierckptd.wire import (
     MAX_REPLICAS,
     bounded,
     check_node_id,
     check_ref,
+    file_entry,
     file_from_entry,
     record_from_info,
+    ref,
+    state_of,
     to_info,
 )
 
@@ -69,8 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # PeerService calls in flight, in total and per calling node; the peer server runs
 # WORKERS threads, so HEALTH_THREADS are always free for grpc.health.v1 (liveness probes
@@ -133,7 +134,9 @@ class PeerService:
         self.admission = Admission(max_in_flight, max_per_peer)
         self.watchdog = Watchdog()
         self._log = _LogBudget()
-        self._traced: set[tuple[str, str]] = set()
+        # Every error of a method answered through the one table (rpc/errors.py): nothing
+        # raises out of a method (audit M1).
+        self.errors = StatusTranslator(self._internal, log=self._log_line, refused=self._refused)
 
     # ---- who calls, and may it --------------------------------------------------------
     def caller(self, context: Any) -> str:
@@ -209,41 +212,22 @@ class PeerService:
                 logger.log(level, "(%d similar peer log lines left out)", dropped)
             logger.log(level, fmt, *args, exc_info=exc)
 
-    def _abort(self, context: Any, method: str, e: BaseException) -> NoReturn:
-        if isinstance(e, grpc.RpcError) or context.code() is not None:
-            raise e  # the call was cancelled (a stalled stream) or already aborted
-        if isinstance(e, TierckptError):
-            code = status_of(e)
-            if code in _REASONS:
-                self._refuse(context, method, _REASONS[code], code, e)
-            message = bounded(str(e))
-            self._note(logging.INFO, "peer %s: %s", method, message)
-            context.abort(code, message)
-        # A bug, not the caller's fault: a fixed message out, the details in our log
-        # (a traceback the first time per method and kind of error).
-        kind = (method, type(e).__name__)
-        first = kind not in self._traced and len(self._traced) < 256
-        self._traced.add(kind)
-        self._note(
-            logging.ERROR,
-            "peer %s failed: %s",
-            method,
-            bounded(repr(e)),
-            exc=e if first else None,
-        )
-        context.abort(
-            grpc.StatusCode.INTERNAL,
-            f"{method} failed on node {self.cluster.node_id} (an internal error; see its log)",
-        )
-        raise AssertionError("context.abort returned")  # pragma: no cover
+    def _internal(self, method: str) -> str:
+        return f"{method} failed on node {self.cluster.node_id} (an internal error; see its log)"
 
-    def _call(self, context: Any, method: str, fn: Callable[[], T]) -> T:
-        """Run `fn` (which validates, acts and builds the response) with every error
-        mapped to its status: nothing raises outside this (audit M1)."""
-        try:
-            return fn()
-        except Exception as e:
-            self._abort(context, method, e)
+    def _log_line(
+        self, level: int, fmt: str, args: tuple[object, ...], exc: BaseException | None
+    ) -> None:
+        self._note(level, "peer " + fmt, *args, exc=exc)
+
+    def _refused(self, method: str, code: grpc.StatusCode, message: str) -> None:
+        """A domain error answered (rpc/errors.StatusTranslator): counted by reason when
+        it is the caller's doing, logged within the log budget."""
+        if code in _REASONS:
+            metrics.PEER_REFUSED.labels(reason=_REASONS[code]).inc()
+            self._note(logging.INFO, "peer %s refused: %s", method, message)
+        else:
+            self._note(logging.INFO, "peer %s: %s", method, message)
 
     def _file(self, namespace: str, checkpoint_id: str, name: str) -> FileRecord:
         return self.catalog.file_view(namespace, checkpoint_id, name)[0]
@@ -252,7 +236,13 @@ class PeerService:
     def Holdings(
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> peer_pb2.HoldingsResponse:
-        return self._call(context, "Holdings", lambda: self.cluster.holdings(*check_ref(request)))
+        def holdings() -> peer_pb2.HoldingsResponse:
+            state, files = self.cluster.holdings(*check_ref(request))
+            return peer_pb2.HoldingsResponse(
+                state=state_of(state), files=[file_entry(f) for f in files]
+            )
+
+        return self.errors.call(context, "Holdings", holdings)
 
     def PublishCheckpoint(
         self, request: common_pb2.CheckpointInfo, context: Any
@@ -293,7 +283,7 @@ class PeerService:
                 )
             return peer_pb2.PublishCheckpointResponse()
 
-        return self._call(context, "PublishCheckpoint", publish)
+        return self.errors.call(context, "PublishCheckpoint", publish)
 
     def _members_only(self, files: Any) -> None:
         """Replica lists name configured members only (others are dropped: a node that
@@ -324,12 +314,13 @@ class PeerService:
                     f"node {caller} may not push {what}: only its owner "
                     f"({f.owner_node or 'none'}) or a node holding a copy may"
                 )
+            pieces = ((c.offset, c.data) for c in request_iterator if c.data)
             received = self.cluster.receive(
-                namespace, checkpoint_id, entry.name, request_iterator, entry.checksums
+                namespace, checkpoint_id, entry.name, pieces, entry.checksums
             )
             return peer_pb2.PushFileResponse(received_bytes=received)
 
-        return self._call(context, "PushFile", push)
+        return self.errors.call(context, "PushFile", push)
 
     def FetchFile(
         self, request: peer_pb2.FetchFileRequest, context: Any
@@ -337,11 +328,18 @@ class PeerService:
         try:
             namespace, checkpoint_id = check_ref(request.ref)
             name = check_file_name(request.file_name)
-            yield from self.cluster.serve_chunks(
+            served = self.cluster.serve(
                 namespace, checkpoint_id, name, request.offset, request.length
             )
+            yield peer_pb2.FileChunk(
+                header=peer_pb2.FileHeader(
+                    ref=ref(namespace, checkpoint_id), file=file_entry(served.file)
+                )
+            )
+            for offset, data in served.pieces:
+                yield encode_data_chunk(offset, data)
         except Exception as e:
-            self._abort(context, "FetchFile", e)
+            self.errors.abort(context, "FetchFile", e)
 
     def UpdateReplicas(
         self, request: peer_pb2.UpdateReplicasRequest, context: Any
@@ -376,7 +374,7 @@ class PeerService:
             self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
             return peer_pb2.UpdateReplicasResponse()
 
-        return self._call(context, "UpdateReplicas", update)
+        return self.errors.call(context, "UpdateReplicas", update)
 
     def ListManifests(
         self, request: peer_pb2.ListManifestsRequest, context: Any
@@ -388,7 +386,7 @@ class PeerService:
                 checkpoints=[to_info(v, local_paths=False) for v in views]
             )
 
-        return self._call(context, "ListManifests", manifests)
+        return self.errors.call(context, "ListManifests", manifests)
 
 
 def add_peer_service(cluster: Cluster, server: Any, **limits: Any) -> PeerService:

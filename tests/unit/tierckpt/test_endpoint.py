@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from concurrent import futures
+from pathlib import Path
+
+import grpc
 import pytest
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.endpoint import (
@@ -70,6 +74,37 @@ def test_client_resolves_at_construction(monkeypatch: pytest.MonkeyPatch) -> Non
     assert DaemonClient().address == DEFAULT_DAEMON_ADDRESS
 
 
-def test_open_channel_is_lazy() -> None:
-    channel = open_channel("unix:///nonexistent/dir/d.sock")  # no connection attempt yet
-    channel.close()
+@pytest.mark.parametrize(
+    ("code", "attempts"),
+    [(grpc.StatusCode.UNAVAILABLE, 4), (grpc.StatusCode.NOT_FOUND, 1)],
+)
+def test_open_channel_retries_only_unavailable(
+    tmp_path: Path, code: grpc.StatusCode, attempts: int
+) -> None:
+    """A daemon restarting answers UNAVAILABLE for a moment: the channel retries that (4
+    attempts in all), and nothing else. Opened before anything listens: it connects when
+    first used."""
+    address = f"unix:{tmp_path}/d.sock"
+    channel = open_channel(address)
+    calls = []
+
+    def answer(request: bytes, context: grpc.ServicerContext) -> bytes:
+        calls.append(1)
+        context.abort(code, "no")
+        return b""  # pragma: no cover
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(answer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tierckpt.v1.DaemonService", {"GetStatus": handler}),)
+    )
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/tierckpt.v1.DaemonService/GetStatus")(b"", timeout=10)
+    finally:
+        channel.close()
+        server.stop(0)
+    assert info.value.code() == code
+    assert len(calls) == attempts

@@ -18,12 +18,14 @@ REFINEMENTS = {
     errors.UnsafeMetadata: errors.InvalidArgument,
 }
 MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError and cls not in REFINEMENTS]
+# Errors that share a status code and are told apart by the message's prefix.
+PREFIXED = {errors.TierUnavailable: errors.TIER_UNAVAILABLE_PREFIX}
 
 
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
     assert set(TierckptError.__subclasses__()) == set(MAPPED)
-    assert len(MAPPED) == 9
+    assert len(MAPPED) == 10
     for refined, base in REFINEMENTS.items():
         assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
@@ -68,6 +70,7 @@ def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
         (errors.CheckpointIncomplete, RuntimeError),
         (errors.ChecksumMismatch, OSError),
         (errors.DaemonUnavailable, ConnectionError),
+        (errors.TierUnavailable, ConnectionError),
         (errors.DaemonTimeout, TimeoutError),
         (errors.PermissionDenied, PermissionError),
         (errors.UnsafeMetadata, ValueError),
@@ -80,19 +83,28 @@ def test_errors_derive_from_their_builtin(cls: type[TierckptError], builtin: typ
 
 
 def test_codes_are_distinct() -> None:
-    codes = [cls.code for cls in MAPPED]
+    codes = [cls.code for cls in MAPPED if cls not in PREFIXED]
     assert len(set(codes)) == len(codes)
+    assert {cls.code for cls in PREFIXED} <= set(codes)  # each shares a code, by prefix
     assert grpc.StatusCode.INTERNAL not in codes
     assert grpc.StatusCode.OK not in codes
 
 
 @pytest.mark.parametrize("cls", MAPPED, ids=lambda c: c.__name__)
 def test_status_round_trip(cls: type[TierckptError]) -> None:
-    code = status_of(cls("boom"))
+    message = PREFIXED.get(cls, "") + "boom"
+    code = status_of(cls(message))
     assert code == cls.code
-    back = error_from_status(code, "boom")
+    back = error_from_status(code, message)
     assert type(back) is cls
-    assert str(back) == "boom"
+    assert str(back) == message
+
+
+def test_unavailable_without_the_prefix_is_the_daemon() -> None:
+    back = error_from_status(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    assert type(back) is errors.DaemonUnavailable
+    back = error_from_status(grpc.StatusCode.UNAVAILABLE, "x " + errors.TIER_UNAVAILABLE_PREFIX)
+    assert type(back) is errors.DaemonUnavailable  # a prefix, not anywhere in the message
 
 
 @pytest.mark.parametrize(

@@ -17,11 +17,13 @@ import torch.utils.serialization as serialization
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.endpoint import DAEMON_ENV
 from tierckpt.errors import (
+    TIER_UNAVAILABLE_PREFIX,
     CheckpointNotFound,
     DaemonTimeout,
     DaemonUnavailable,
     InvalidName,
     TierckptError,
+    TierUnavailable,
 )
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.storage_writer import (
@@ -196,7 +198,23 @@ def test_call_translates_status_codes() -> None:
     with pytest.raises(TierckptError) as info:
         client._call(_fail_with(grpc.StatusCode.INTERNAL, "oops"), None)
     assert type(info.value) is TierckptError
-    assert info.value.__suppress_context__  # the raw RpcError is not chained in
+    # the gRPC error is kept as the cause; a pickled copy carries the message only
+    assert isinstance(info.value.__cause__, _FakeRpcError)
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is TierckptError and str(copy) == "oops" and copy.__cause__ is None
+
+
+def test_a_tier_down_behind_the_daemon_is_not_the_daemon_down() -> None:
+    client = DaemonClient("/tmp/t.sock")
+    details = f"{TIER_UNAVAILABLE_PREFIX}persistent (s3://b: connection refused): no valid copy"
+    with pytest.raises(TierUnavailable) as info:
+        client._call(_fail_with(grpc.StatusCode.UNAVAILABLE, details), None)
+    assert not isinstance(info.value, DaemonUnavailable)
+    assert str(info.value) == details and "tierckptd is not reachable" not in str(info.value)
+    assert isinstance(info.value, ConnectionError)  # still caught as a connection problem
+    # the same code without the prefix: the daemon itself is unreachable
+    with pytest.raises(DaemonUnavailable):
+        client._call(_fail_with(grpc.StatusCode.UNAVAILABLE, "connection refused"), None)
 
 
 def test_call_passes_the_timeout() -> None:

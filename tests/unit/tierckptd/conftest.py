@@ -34,6 +34,8 @@ def clock() -> FakeClock:
 def make_catalog(tmp_path: Path, clock: FakeClock) -> Iterator[MakeCatalog]:
     tiers: list[MemoryTier] = []
 
+    catalogs: list[Catalog] = []
+
     def make(**kwargs: object) -> Catalog:
         tier = MemoryTier(tmp_path / "mem")
         tier.open_layout()
@@ -47,11 +49,25 @@ def make_catalog(tmp_path: Path, clock: FakeClock) -> Iterator[MakeCatalog]:
         options.update(kwargs)
         catalog = Catalog(tier, **options)  # type: ignore[arg-type]
         catalog.adopt()
+        catalogs.append(catalog)
         return catalog
 
     yield make
+    for catalog in catalogs:
+        assert_budget_consistent(catalog)
     for tier in tiers:
         tier.close()
+
+
+def assert_budget_consistent(catalog: Catalog) -> None:
+    """The budget's running totals agree with a fresh sum over the records."""
+    budget, records = catalog._budget, catalog._records
+    with catalog._lock:
+        assert set(budget._held) == set(records)
+        assert budget._held_total == sum(r.held_bytes for r in records.values())
+        assert budget._reserved_total == sum(sum(r.reservations.values()) for r in records.values())
+        assert budget._incoming_total == sum(budget.incoming.values())
+        assert budget._manifest_total == sum(budget._manifests.values())
 
 
 @pytest.fixture

@@ -155,7 +155,7 @@ def test_pool_recycling_prefers_same_name_then_best_fit(catalog: Catalog, save) 
     save(catalog, "run", "s2", {"__0_0.distcp": b"b" * (50 * KiB), ".metadata": b"m" * KiB})
     catalog.delete("run", "s1")
     catalog.delete("run", "s2")
-    sizes = sorted(s.size for s in catalog.tier.segments)
+    sizes = sorted(s.size for s in catalog.pool.segments)
     assert sizes == [KiB, KiB, 50 * KiB, 100 * KiB]
     catalog.begin("run", "s3", 0)
     catalog.reserve("run", "s3", 0, 60 * KiB)
@@ -320,7 +320,7 @@ def test_pool_segments_never_cross_namespaces(catalog: Catalog, save) -> None:  
     # Audit H1: a recycled segment handed to another job let it read the old bytes.
     save(catalog, "job-a", "s1", {"__0_0.distcp": b"SECRET-WEIGHTS" * 1000})
     catalog.delete("job-a", "s1")
-    assert [s.namespace for s in catalog.tier.segments] == ["job-a"]
+    assert [s.namespace for s in catalog.pool.segments] == ["job-a"]
     catalog.begin("job-b", "s1", 0)
     catalog.reserve("job-b", "s1", 0, 100 * KiB)
     path, prealloc = catalog.open_file("job-b", "s1", "__0_0.distcp", 0)

@@ -27,7 +27,9 @@ from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.restore import Restorer
 
 from tests.support.dcp_files import (
     SavedCheckpoint,
@@ -41,6 +43,14 @@ from .conftest import MakeCatalog, Save
 
 NS = "run9"
 FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
+
+
+def _restore(catalog: Catalog, store: PersistentTier, checkpoint_id: str, name: str) -> int:
+    """The restore chain with the persistent tier as its only remote source."""
+    source = PersistentSource(store)
+    f, path = Restorer(catalog, lambda *_: [source]).ensure_local(NS, checkpoint_id, name)
+    assert path
+    return f.size
 
 
 def _commit(save: Save, catalog: Catalog, checkpoint_id: str, saved: SavedCheckpoint) -> None:
@@ -73,7 +83,7 @@ def test_drain_makes_a_checkpoint_durable_and_stock_dcp_loads_it(
     assert node.is_durable(NS, "step-000001") and store.is_durable(NS, "step-000001")
     target = load_target(saved.state)
     dcp.load(target, checkpoint_id=store.checkpoint_url(NS, "step-000001"))
-    assert_state_equal(saved.state, target)
+    assert_state_equal(actual=target, expected=saved.state)
     # Durable is remembered: a second attempt uploads nothing and says done.
     assert drainer.drain(NS, "step-000001")
     assert node.due_not_durable() == []
@@ -96,7 +106,7 @@ def test_a_restart_probes_the_store_instead_of_uploading_again(
     assert metadata.stat().st_mtime_ns == before
 
 
-def test_restore_file_gives_back_the_original_bytes_verified(
+def test_the_persistent_source_gives_back_the_original_bytes_verified(
     node: Catalog, save: Save, make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
 ) -> None:
     saved = save_checkpoint(tmp_path / "hot", state=make_state(seed=3))
@@ -105,13 +115,12 @@ def test_restore_file_gives_back_the_original_bytes_verified(
     # Every memory tier is gone: a fresh node learns the checkpoint from the store.
     for name in [*saved.data_names, ".metadata"]:
         assert node.drop_local_copy(NS, "step-000003", name)
-    drainer = Drainer(node, store)
     for name in [*saved.data_names, ".metadata"]:
-        assert drainer.restore_file(NS, "step-000003", name) > 0
+        assert _restore(node, store, "step-000003", name) > 0
         path = node.file_view(NS, "step-000003", name)[1]
         assert Path(path).read_bytes() == (saved.directory / name).read_bytes()
     with pytest.raises(CheckpointNotFound):
-        drainer.restore_file(NS, "step-000003", "__9_0.distcp")
+        _restore(node, store, "step-000003", "__9_0.distcp")
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
@@ -132,7 +141,7 @@ def test_a_corrupted_object_is_refused_on_restore(
     stored.write_bytes(bytes(raw))
     # zstd's frame checksum or our block checksums: either way DATA_LOSS, not installed.
     with pytest.raises(ChecksumMismatch):
-        drainer.restore_file(NS, "step-000004", name)
+        _restore(node, store, "step-000004", name)
     assert node.file_view(NS, "step-000004", name)[1] == ""
 
 
@@ -212,7 +221,7 @@ def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
     assert node.drain_failed() == {(NS, "step-000001"): True}
     assert not store.is_durable(NS, "step-000001") and store.list_durable(NS) == []
     # No longer due: not queued again at restart, and no longer pinned in memory.
-    assert node.due_not_durable() == [] and not node.is_due(NS, "step-000001")
+    assert node.due_not_durable() == []  # not durable, so no longer due (is_due is gone)
     with pytest.raises(UnsafeMetadata, match="was refused"):  # not decoded again
         drainer.drain(NS, "step-000001")
     assert _refused_count() == before + 1
@@ -432,6 +441,6 @@ def test_a_zstd_bomb_in_the_bucket_is_refused_on_restore(
             tmp_path / "store" / ".tierckpt" / NS / "step-000001" / "files" / f"{name}.json"
         ).write_bytes(tampered.to_json())
         with pytest.raises(ChecksumMismatch, match=why):
-            Drainer(node, store).restore_file(NS, "step-000001", name)
+            _restore(node, store, "step-000001", name)
         assert node.file_view(NS, "step-000001", name)[1] == ""
     assert original > 0

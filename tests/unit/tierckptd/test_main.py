@@ -41,6 +41,48 @@ def test_network_peer_without_token_exits_2_naming_both_fixes(  # type: ignore[n
     assert "[security] token_file" in err and "allow_insecure_peers = true" in err, err
 
 
+@pytest.mark.parametrize(
+    ("security", "message"),
+    [
+        (
+            'token_file = "{d}/missing-token"',
+            "[security] token_file {d}/missing-token: cannot read",
+        ),
+        ('token_file = "{d}/empty"', "[security] token_file {d}/empty is empty"),
+        (
+            'tls_cert = "{d}/not.pem"\ntls_key = "{d}/not.pem"',
+            "[security] tls_cert {d}/not.pem is not a PEM file",
+        ),
+    ],
+    ids=["missing-token", "empty-token", "cert-not-pem"],
+)
+def test_bad_security_file_exits_2_before_touching_the_memory_tier(
+    tmp_path: Path, security: str, message: str
+) -> None:
+    for name, text in (("empty", ""), ("not.pem", "not a certificate\n")):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o600)  # else a warning about the mode comes first
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[node]\nid = "n1"\n[listen]\nlocal = "unix://{tmp_path}/d.sock"\n'
+        f'peer = "127.0.0.1:0"\n[memory]\ndir = "{tmp_path}/mem"\nbudget = "64MiB"\n'
+        f"[security]\n{security.format(d=tmp_path)}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierckptd", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    # one clear line, like a bad TOML key, and no traceback
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"tierckptd: {message.format(d=tmp_path)}"), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "mem").exists()  # failed before adopting (or creating) it
+    assert not (tmp_path / "d.sock").exists()
+
+
 def test_daemon_lifecycle(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(

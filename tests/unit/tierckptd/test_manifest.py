@@ -11,6 +11,7 @@ from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import MemoryBudgetExceeded
 from tierckptd.catalog import Catalog
 from tierckptd.memory import manifest as manifest_module
+from tierckptd.memory.adoption import adopt
 from tierckptd.memory.manifest import ManifestError, atomic_write, read_manifest, write_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
@@ -257,3 +258,22 @@ def test_adoption_never_follows_planted_links(make_catalog, save, tmp_path: Path
     # The checkpoint whose file became a link is not served (quarantined), step-1 is.
     assert [v.checkpoint_id for v in second.list_checkpoints("run")] == ["step-1"]
     assert not os.path.lexists(data)
+
+
+def test_adopt_returns_plain_records_without_a_catalog(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
+    first: Catalog = make_catalog()
+    save(first, "run", "good", {"a": b"a" * 3000})
+    save(first, "run", "bad", {"a": b"b" * 2000})
+    tier = first.tier
+    with open(tier.file_path("run", "bad", "a"), "r+b") as f:
+        os.fchmod(f.fileno(), 0o640)
+        f.write(b"X")
+    unfinished = tier.file_path("run", "half", "__0_0.distcp")
+    tier.create_file(unfinished)
+    unfinished.write_bytes(b"z" * 100)
+    adopted = adopt(tier)
+    assert list(adopted.records) == [("run", "good")]
+    assert adopted.records[("run", "good")].state is State.COMMITTED
+    assert adopted.quarantined_bytes == 2000  # kept for inspection, so it counts
+    assert not unfinished.parent.exists()  # an unfinished save is collected
+    assert tier.manifest_path("run", "bad").with_name("bad.json.corrupt").exists()

@@ -5,8 +5,12 @@ import stat
 from pathlib import Path
 
 import pytest
+from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointIncomplete, InvalidName
-from tierckptd.memory.tier import MemoryTier, MemoryTierLocked, Segment, UnsafePath
+from tierckptd.memory.pool import Segment, WarmPool
+from tierckptd.memory.tier import MemoryTier, MemoryTierLocked, UnsafePath
+from tierckptd.memory.verify import verify_files
+from tierckptd.model import FileRecord
 
 
 def test_layout_modes_and_exclusive_lock(tmp_path: Path) -> None:
@@ -34,23 +38,23 @@ def test_create_file_is_exclusive_and_group_writable(tmp_path: Path) -> None:
 
 
 def test_pick_segment_rules(tmp_path: Path) -> None:
-    tier = MemoryTier(tmp_path)
-    tier.segments = [
+    pool = WarmPool(MemoryTier(tmp_path))
+    pool.segments = [
         Segment(tmp_path / "s0", 120, "__0_0.distcp", "run"),
         Segment(tmp_path / "s1", 90, None, "run"),
         Segment(tmp_path / "s2", 60, None, ""),
         Segment(tmp_path / "s3", 500, ".metadata", "run"),
         Segment(tmp_path / "s4", 95, "__1_0.distcp", "other"),
     ]
-    same = tier.pick_segment("__0_0.distcp", 100, "run")
+    same = pool.pick_segment("__0_0.distcp", 100, "run")
     assert same is not None and same.size == 120  # same name, within 1.25x
-    best = tier.pick_segment("__1_0.distcp", 100, "run")
+    best = pool.pick_segment("__1_0.distcp", 100, "run")
     assert best is not None and best.size == 90  # largest that fits, of this namespace
-    assert tier.pick_segment("__0_0.distcp", 50, "run") is None
-    assert tier.pick_segment(".metadata", 100, "run") is not None
-    assert tier.pick_segment(".metadata", 100, "run").size == 90  # type: ignore[union-attr]
+    assert pool.pick_segment("__0_0.distcp", 50, "run") is None
+    assert pool.pick_segment(".metadata", 100, "run") is not None
+    assert pool.pick_segment(".metadata", 100, "run").size == 90  # type: ignore[union-attr]
     # Another namespace gets only fresh segments, never "run"'s old pages.
-    fresh = tier.pick_segment("__0_0.distcp", 100, "job2")
+    fresh = pool.pick_segment("__0_0.distcp", 100, "job2")
     assert fresh is not None and fresh.size == 60
 
 
@@ -95,8 +99,9 @@ def test_symlinked_directories_and_files_are_refused(tmp_path: Path) -> None:
     path.symlink_to(secret)
     with pytest.raises(UnsafePath, match="symbolic link"):
         tier.seal_file(path)
-    assert tier.to_pool(path, "f", "job") is None
-    assert not os.path.lexists(path) and tier.segments == []
+    pool = WarmPool(tier)
+    assert pool.to_pool(path, "f", "job") is None
+    assert not os.path.lexists(path) and pool.segments == []
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.read_bytes() == b"s" * 30
     tier.remove_checkpoint_dir("run", "s")
     assert elsewhere.exists()
@@ -133,15 +138,16 @@ def test_adopt_pool_keeps_only_regular_segments(tmp_path: Path) -> None:
     (tier.pool_dir / "seg-4").write_bytes(b"z")  # an older version's: tenant unknown
     (tier.pool_dir / "junk").mkdir()
     (tier.pool_dir / "junk" / "a").write_bytes(b"a")
-    tier.adopt_pool()
-    assert sorted((s.path.name, s.namespace, s.size) for s in tier.segments) == [
+    pool = WarmPool(tier)
+    pool.adopt_pool()
+    assert sorted((s.path.name, s.namespace, s.size) for s in pool.segments) == [
         ("seg-1@run", "run", 10),
         ("seg-2@", "", 20),
     ]
     assert sorted(p.name for p in tier.pool_dir.iterdir()) == ["seg-1@run", "seg-2@"]
     assert secret.read_bytes() == b"s" * 30
     # New segments never reuse a number still on disk.
-    assert tier.new_prewarm_path()[1].name == "seg-3@"
+    assert pool.new_prewarm_path()[1].name == "seg-3@"
     tier.close()
 
 
@@ -158,4 +164,26 @@ def test_open_layout_fixes_group_writable_dirs_and_planted_links(tmp_path: Path)
     assert stat.S_IMODE(os.stat(root / "data").st_mode) == 0o2750
     assert (root / "manifests").is_dir() and not (root / "manifests").is_symlink()
     assert elsewhere.exists()
+    tier.close()
+
+
+def test_verify_files_reports_every_bad_file_or_stops_at_the_first(tmp_path: Path) -> None:
+    tier = MemoryTier(tmp_path / "mem")
+    tier.open_layout()
+    files = []
+    for name, data, stored in (("a", b"a" * 3000, b"a" * 3000), ("b", b"b" * 10, b"B" * 10)):
+        path = tier.file_path("run", "s", name)
+        tier.create_file(path)
+        path.write_bytes(stored)
+        files.append(FileRecord(name, 0, len(data), checksum_bytes(data, block_size=1024)))
+    files.append(FileRecord("c", 0, 5, checksum_bytes(b"c" * 5), held=False))  # a peer's
+    files.append(FileRecord("d", 0, 5, checksum_bytes(b"d" * 5)))  # missing here
+    result = verify_files(tier, "run", "s", files)
+    assert not result.ok and result.verified_bytes == 3000
+    assert result.problems == {"b": "checksum mismatch in block 0", "d": "file is missing"}
+    assert result.corrupt_files == ["b", "d"]
+    first = verify_files(tier, "run", "s", files[1:], seal=True, stop_at_first=True)
+    assert first.corrupt_files == ["b"]
+    sealed = verify_files(tier, "run", "s", files[:1], seal=True)
+    assert sealed.ok and stat.S_IMODE(os.stat(tier.file_path("run", "s", "a")).st_mode) == 0o440
     tier.close()

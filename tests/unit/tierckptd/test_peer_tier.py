@@ -32,6 +32,7 @@ from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers.chunk_wire import PeerStub
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.security import node_client_interceptor
+from tierckptd.restore import Restorer, no_sources
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.peer_service import PeerService, add_peer_service
 from tierckptd.rpc.servers import start_servers
@@ -122,9 +123,9 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     assert not catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
     assert not tmp.exists() and catalog.reserved_bytes() == 0
     with pytest.raises(InvalidArgument):
-        IncomingFile(
-            catalog.start_incoming("run", "s2", "__0_0.distcp"), f.size, f.checksums, "c"
-        ).write(5, b"x")  # type: ignore[arg-type]
+        again = catalog.start_incoming("run", "s2", "__0_0.distcp")
+        assert again is not None
+        IncomingFile(again, f.size, f.checksums, "c").write(5, b"x")
     catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
     _receive(catalog, "run", "s2", "__0_0.distcp", data)
     view = catalog.get("run", "s2")
@@ -221,14 +222,14 @@ def test_incoming_copy_waits_for_the_segment_being_preallocated_for_it(
     assert catalog.publish(_record("s7", 5.0, [_remote("__0_0.distcp", data, "node-x")]))
     release = threading.Event()
     allocating = threading.Event()
-    preallocate = catalog.tier.preallocate
+    preallocate = catalog.pool.preallocate
 
     def slow_preallocate(tmp: Path, size: int) -> None:
         allocating.set()
         release.wait(10)
         preallocate(tmp, size)
 
-    monkeypatch.setattr(catalog.tier, "preallocate", slow_preallocate)
+    monkeypatch.setattr(catalog.pool, "preallocate", slow_preallocate)
     prewarm = threading.Thread(
         target=catalog.prewarm_segments, args=([(5000, "__0_0.distcp")], "test")
     )
@@ -337,16 +338,20 @@ def test_a_valid_manifest_is_taken_without_its_pin() -> None:
 
 
 def test_file_locks_do_not_outlive_their_calls(catalog: Catalog, save: Save) -> None:
-    cluster = Cluster(catalog, channel_factory=grpc.insecure_channel)
+    restorer = Restorer(catalog, no_sources)
+    cluster = Cluster(catalog, restorer)
     for i in range(1000):
         with pytest.raises(CheckpointNotFound):
-            cluster.ensure_local("run", f"s{i}", f"__{i}_0.distcp")
+            restorer.ensure_local("run", f"s{i}", f"__{i}_0.distcp")
     for bad in ("../x", "a/b", "x" * 5000, ""):
         with pytest.raises(InvalidName):
-            cluster.ensure_local("run", "s1", bad)
+            restorer.ensure_local("run", "s1", bad)
+        with pytest.raises(InvalidName):
+            cluster.receive("run", "s1", bad, iter(()))
     save(catalog, "run", "kept", {"__0_0.distcp": b"k" * 100})
-    assert cluster.ensure_local("run", "kept", "__0_0.distcp")[1]
-    assert cluster.file_locks_in_use() == 0
+    assert restorer.ensure_local("run", "kept", "__0_0.distcp")[1]
+    assert cluster.receive("run", "kept", "__0_0.distcp", iter(())) == 0  # held: nothing taken
+    assert restorer.file_locks_in_use() == 0
 
 
 def test_a_publish_keeps_committed_files_and_counts_its_manifest(
@@ -429,6 +434,7 @@ def peer_port(make_catalog: MakeCatalog, tmp_path: Path) -> Iterator[PeerPort]:
     catalog = make_catalog(budget=256 << 20)
     cluster = Cluster(
         catalog,
+        Restorer(catalog, no_sources),
         peers=[PeerConfig("node-m", "127.0.0.1:1")],
         channel_factory=grpc.insecure_channel,
     )

@@ -73,9 +73,9 @@ def drain(tier: PersistentTier, saved: SavedCheckpoint, ckpt: str) -> None:
 def stock_load(url: str, saved: SavedCheckpoint) -> None:
     target = load_target(saved.state)
     with pytest.raises(AssertionError):
-        assert_state_equal(saved.state, target)
+        assert_state_equal(actual=target, expected=saved.state)
     dcp.load(target, checkpoint_id=url)  # stock FsspecReader, endpoint from the env
-    assert_state_equal(saved.state, target)
+    assert_state_equal(actual=target, expected=saved.state)
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
@@ -273,7 +273,7 @@ def test_local_url_and_from_config(tmp_path: Path) -> None:
     assert tier.list_durable(NS) == ["step-000007"]
     target = load_target(saved.state)
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(ckpt_dir)))
-    assert_state_equal(saved.state, target)
+    assert_state_equal(actual=target, expected=saved.state)
     tier.delete(NS, "step-000007")
     assert not ckpt_dir.exists() and tier.list_durable(NS) == []
 

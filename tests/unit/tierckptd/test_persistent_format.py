@@ -61,9 +61,9 @@ def test_stock_reader_loads_compressed_copy(tmp_path: Path, two_rank: bool) -> N
 
     target = load_target(saved.state)
     with pytest.raises(AssertionError):
-        assert_state_equal(saved.state, target)
+        assert_state_equal(actual=target, expected=saved.state)
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "cold")))
-    assert_state_equal(saved.state, target)
+    assert_state_equal(actual=target, expected=saved.state)
 
 
 def test_each_item_is_one_frame_of_its_bytes(tmp_path: Path) -> None:

@@ -1,0 +1,184 @@
+"""The memory budget (DESIGN.md invariant 7), as running totals under the catalog lock::
+
+    C (committed file bytes held + peers' manifests + quarantined files)
+  + R (outstanding reservations + incoming copies + pool segments being preallocated)
+  + P (warm pool)                                                             <= limit
+
+The catalog reports every change of a checkpoint's held bytes or reservations with
+`track` (and `forget` when it is gone), so no query re-sums the records. `admit` is the
+one place a request for memory is refused (MemoryBudgetExceeded, RESOURCE_EXHAUSTED):
+each message names what was asked, what is in use and the fix. Pool bytes are
+reclaimable: `admit` drops segments (largest first) to make room.
+
+Not thread-safe: call it under the catalog lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tierckpt.errors import MemoryBudgetExceeded
+from tierckpt.units import format_size
+
+from tierckptd.memory.pool import WarmPool
+from tierckptd.model import Key
+from tierckptd.ops import metrics
+
+__all__ = ["Budget", "IncomingKey"]
+
+IncomingKey = tuple[str, str, str]  # (namespace, checkpoint_id, file name)
+
+
+class Budget:
+    """Running totals of C, R and P, and admission against `limit`."""
+
+    def __init__(self, limit: int, pool: WarmPool, *, node_id: str) -> None:
+        self.limit = limit
+        self.pool = pool
+        self.node_id = node_id
+        self.quarantined = 0
+        self._held: dict[Key, int] = {}
+        self._reserved: dict[Key, int] = {}
+        self._manifests: dict[Key, int] = {}
+        self.incoming: dict[IncomingKey, int] = {}
+        self._held_total = 0
+        self._reserved_total = 0
+        self._manifest_total = 0
+        self._incoming_total = 0
+
+    # ---- totals -------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """C: bytes held by checkpoints, peers' manifests and quarantined files."""
+        return self.quarantined + self._held_total + self._manifest_total
+
+    @property
+    def reserved(self) -> int:
+        """R: pages promised but not yet held: save reservations, incoming copies, and
+        pool segments still being preallocated (they join the pool when complete)."""
+        return self._reserved_total + self._incoming_total + self.pool.pending
+
+    @property
+    def pooled(self) -> int:
+        """P: the warm pool."""
+        return self.pool.pool_bytes
+
+    @property
+    def checkpoints(self) -> int:
+        """How many checkpoints are tracked (in the save budget's message)."""
+        return len(self._held)
+
+    def track(self, key: Key, held: int, reserved: int) -> None:
+        """A checkpoint now holds `held` bytes and has `reserved` bytes reserved."""
+        self._held_total += held - self._held.get(key, 0)
+        self._reserved_total += reserved - self._reserved.get(key, 0)
+        self._held[key] = held
+        self._reserved[key] = reserved
+
+    def charge_manifest(self, key: Key, nbytes: int) -> None:
+        """The JSON bytes of a manifest another node coordinates (0: none charged)."""
+        self._manifest_total += nbytes - self._manifests.pop(key, 0)
+        if nbytes:
+            self._manifests[key] = nbytes
+
+    def forget(self, key: Key) -> None:
+        """The checkpoint is gone: nothing of it counts any more."""
+        self.track(key, 0, 0)
+        self.charge_manifest(key, 0)
+        del self._held[key], self._reserved[key]
+
+    def start_incoming(self, ikey: IncomingKey, nbytes: int) -> None:
+        self._incoming_total += nbytes - self.incoming.get(ikey, 0)
+        self.incoming[ikey] = nbytes
+
+    def finish_incoming(self, ikey: IncomingKey) -> None:
+        self._incoming_total -= self.incoming.pop(ikey, 0)
+
+    def reset(self, quarantined: int) -> None:
+        """Start over (restart adoption installs a new set of records)."""
+        for d in (self._held, self._reserved, self._manifests, self.incoming):
+            d.clear()
+        self._held_total = self._reserved_total = 0
+        self._manifest_total = self._incoming_total = 0
+        self.quarantined = quarantined
+
+    # ---- admission ----------------------------------------------------------------------
+    def fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit beside C + R + P without dropping the pool (prewarm:
+        a new segment never displaces a warm one)."""
+        return self.used + self.reserved + self.pooled + nbytes <= self.limit
+
+    def trim_pool(self, extra: int = 0) -> None:
+        """Drop pool segments, largest first, until C + R + P + extra fits the limit."""
+        while self.used + self.reserved + self.pooled + extra > self.limit:
+            if not self.pool.drop_largest():
+                return
+
+    def admit(
+        self,
+        nbytes: int,
+        *,
+        what: str,
+        reason: str,
+        within: int | None = None,
+        holder: str = "",
+        unwritten: Callable[[], int] | None = None,
+    ) -> None:
+        """Admit `nbytes` more or raise MemoryBudgetExceeded (counted per `reason`).
+
+        `what` names the request in the message ("this save", "a copy of ns/id/f", "the
+        manifest of ns/id", "file f of ns/id"). With `within`, the bytes must fit that
+        room (`holder`'s reservation, already counted in R) instead of the budget. With
+        `unwritten` (reserved bytes whose pages are not allocated yet), the filesystem
+        must also have the free pages. Admitted bytes get room: the pool is trimmed.
+        """
+        if within is not None:
+            if nbytes > within:
+                self._refuse(
+                    reason,
+                    f"{what} is {format_size(nbytes)} but {holder}'s reservation has only "
+                    f"{format_size(within)} left (with the warm segment OpenFile gave it): "
+                    "reserve the full size with ReserveSpace before writing",
+                )
+            return
+        in_use = self.used + self.reserved
+        if in_use + nbytes > self.limit:
+            self._refuse(reason, self._over_budget(nbytes, what, reason, in_use))
+        pending = 0
+        if unwritten is not None:
+            tier = self.pool.tier
+            free, pending = tier.free_bytes(), unwritten()
+            if free - pending + self.pooled < nbytes:
+                self._refuse(
+                    "filesystem",
+                    f"the filesystem of the memory dir {tier.root} has only "
+                    f"{format_size(free)} free (+ {format_size(self.pooled)} reclaimable "
+                    f"pool), {format_size(pending)} of it promised to reservations not "
+                    f"written yet, but {what} needs {format_size(nbytes)}; enlarge /dev/shm "
+                    "(tmpfs size=) or lower [memory] budget below the tmpfs size",
+                )
+        self.trim_pool(extra=nbytes)
+        if unwritten is not None:
+            while self.pool.tier.free_bytes() - pending < nbytes and self.pool.drop_largest():
+                pass
+
+    def _over_budget(self, nbytes: int, what: str, reason: str, in_use: int) -> str:
+        limit = f"memory.budget={format_size(self.limit)}"
+        if reason == "budget":
+            count = self.checkpoints
+            return (
+                f"memory budget exceeded: {what} needs {format_size(nbytes)} but "
+                f"{format_size(in_use)} of {limit} are in use by {count} "
+                f"checkpoint{'s' if count != 1 else ''} on node {self.node_id}; raise "
+                "[memory] budget, lower [retention] memory_keep_last, or remove checkpoints "
+                "with `tierckpt rm`"
+            )
+        return (
+            f"no room for {what} ({format_size(nbytes)}): {format_size(in_use)} of {limit} "
+            f"in use on node {self.node_id}"
+        )
+
+    @staticmethod
+    def _refuse(reason: str, message: str) -> None:
+        metrics.REJECTED_SAVES.labels(reason=reason).inc()
+        raise MemoryBudgetExceeded(message)

@@ -1,0 +1,330 @@
+"""The peer tier's changes to the catalog: manifests published by the coordinator's
+daemon, copies arriving from other tiers, dropped corrupt copies, replica lists, and the
+healer's marks. Each changes records under the catalog lock, manifest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from tierckpt.errors import (
+    CheckpointExists,
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    TierckptError,
+)
+from tierckpt.names import METADATA_FILE
+
+from tierckptd.catalog.state import CatalogState, listing
+from tierckptd.model import (
+    MAX_REPLICAS,
+    MAX_SEQUENCE,
+    CheckpointRecord,
+    FileRecord,
+    Key,
+    State,
+    coordinator_of,
+)
+from tierckptd.ops import metrics
+
+__all__ = ["PeerState"]
+
+logger = logging.getLogger("tierckptd.catalog")
+
+
+def _key_name(key: Key) -> str:
+    return f"{key[0]}/{key[1]}"
+
+
+def _manifest_estimate(rec: CheckpointRecord) -> int:
+    """About the bytes of `rec`'s manifest JSON (each digest is a ~40-byte line),
+    without building it: a budget check before the write."""
+    blocks = sum(f.checksums.block_count for f in rec.files.values() if f.checksums is not None)
+    return 512 + 40 * blocks + sum(256 + 40 * len(f.replica_nodes) for f in rec.files.values())
+
+
+def _summary(f: FileRecord) -> str:
+    return f.checksums.summary() if f.checksums is not None else "none"
+
+
+class PeerState(CatalogState):
+    """What peers (and the other tiers' copies) change in the catalog."""
+
+    # ---- peer tier ----------------------------------------------------------------------
+    def local_committed_files(self, namespace: str, checkpoint_id: str) -> dict[str, FileRecord]:
+        """Committed files this node holds of a save (WRITING or COMMITTED); {} if unknown."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return {}
+            return {
+                f.name: dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in rec.files.values()
+                if f.committed and f.held
+            }
+
+    def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
+        """(this node's state of the checkpoint or None, the committed files held here)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return None, []
+            files = [
+                dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in sorted(rec.files.values(), key=lambda f: f.name)
+                if f.committed and f.held
+            ]
+            return rec.state, files
+
+    def committed_keys(self) -> list[Key]:
+        with self._lock:
+            return [r.key for r in self._records.values() if r.state is State.COMMITTED]
+
+    def publish(self, published: CheckpointRecord) -> bool:
+        """Adopt the cluster manifest of a checkpoint the DCP coordinator committed.
+
+        Files of our own WRITING save that the manifest lists become committed (held);
+        everything else is listed as held elsewhere. A checkpoint already known only
+        merges replica lists. Returns False when this node deleted the checkpoint (it is
+        not resurrected by a peer).
+
+        What a peer says never destroys anything here (invariant 10): a committed file of
+        ours is never unlinked (a manifest that disagrees with one, or a save whose
+        `.metadata` was committed here, which this node commits itself, is refused with
+        FAILED_PRECONDITION); the manifest counts against the budget (RESOURCE_EXHAUSTED
+        when it does not fit); its timestamps are clamped to this node's clock, so it
+        cannot sort as newer than it arrived; and retention groups checkpoints by
+        coordinator, so it can only push out checkpoints of its own coordinator.
+        """
+        key = self._ref(published.namespace, published.checkpoint_id)
+        with self._lock:
+            if key in self._gone:
+                return False
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.COMMITTED:
+                self._merge_published(rec, published)
+                return True
+            local = rec.files if rec is not None and rec.state is State.WRITING else {}
+            mine_meta = local.get(METADATA_FILE)
+            if mine_meta is not None and mine_meta.committed and mine_meta.held:
+                raise CheckpointIncomplete(
+                    f"{_key_name(key)}: its .metadata was committed on node {self.node_id}, "
+                    "which commits the checkpoint itself; a peer's manifest is not taken"
+                )
+            files: dict[str, FileRecord] = {}
+            for f in published.files.values():
+                mine = local.get(f.name)
+                if mine is not None and mine.committed and mine.held:
+                    self._check_same(key, mine, f)
+                    files[f.name] = dataclasses.replace(
+                        f,
+                        owner_node=self.node_id,
+                        replica_nodes=[n for n in f.replica_nodes if n != self.node_id],
+                        held=True,
+                    )
+                else:
+                    files[f.name] = dataclasses.replace(
+                        f, replica_nodes=list(f.replica_nodes), held=False
+                    )
+            for name, mine in local.items():
+                if name not in files and mine.committed and mine.held:
+                    files[name] = dataclasses.replace(mine, replica_nodes=list(mine.replica_nodes))
+            now = self._wall()
+            new = dataclasses.replace(
+                published,
+                state=State.COMMITTED,
+                node_id=self.node_id,
+                files=files,
+                reservations={},
+                last_activity=self._clock(),
+                created_unix=min(published.created_unix, now),
+                committed_unix=min(published.committed_unix, now),
+            )
+            charge = _manifest_estimate(new) if coordinator_of(new.files) != self.node_id else 0
+            if charge:
+                self._budget.admit(
+                    charge, what=f"the manifest of {_key_name(key)}", reason="manifest"
+                )
+            self._write_manifest(new)  # before anything changes here
+            for name in local:
+                if name not in files:  # opened, never committed: a straggler of the save
+                    self.tier.remove_file(self.tier.file_path(*key, name))
+            self._records[key] = new
+            self._track(new)
+            if charge:
+                self._budget.charge_manifest(key, self._manifest_size(key) or charge)
+            self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))
+            logger.info(
+                "published %s/%s from the coordinator's daemon: %d files, %d held here",
+                *key,
+                len(new.files),
+                sum(f.held for f in new.files.values()),
+            )
+            self._notify_committed(new)
+            self._apply_retention(key[0])
+            return True
+
+    def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
+        """Refuse a manifest that describes a file committed here with other bytes."""
+        if (mine.size, mine.checksums) != (theirs.size, theirs.checksums):
+            raise CheckpointIncomplete(
+                f"{_key_name(key)}/{mine.name}: the published manifest says {theirs.size} "
+                f"bytes with checksums {_summary(theirs)}, but node {self.node_id} committed "
+                f"{mine.size} bytes with {_summary(mine)}; the local file is kept and the "
+                "manifest refused"
+            )
+
+    def _merge_published(self, rec: CheckpointRecord, published: CheckpointRecord) -> None:
+        """A known checkpoint published again: merge replica lists (persisted first)."""
+        merged: dict[str, FileRecord] = {}
+        for f in published.files.values():
+            mine = rec.files.get(f.name)
+            if mine is None:
+                continue
+            self._check_same(rec.key, mine, f)
+            nodes = list(dict.fromkeys([*mine.replica_nodes, *f.replica_nodes]))
+            if nodes != mine.replica_nodes and len(nodes) <= MAX_REPLICAS:
+                merged[f.name] = dataclasses.replace(mine, replica_nodes=nodes)
+        if merged:
+            self._write_manifest(dataclasses.replace(rec, files={**rec.files, **merged}))
+            for name, f in merged.items():
+                rec.files[name].replica_nodes = f.replica_nodes
+
+    def file_view(self, namespace: str, checkpoint_id: str, name: str) -> tuple[FileRecord, str]:
+        """(a copy of one committed file's record, its local path or "" if not held)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name[:64]!r}; its "
+                    f"files: {listing(sorted(rec.files))}"
+                )
+            path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
+            return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
+
+    def start_incoming(self, namespace: str, checkpoint_id: str, name: str) -> Path | None:
+        """Make room for a copy of a file arriving from a peer; None if already held.
+
+        The bytes count as reserved until `finish_incoming`; a copy that does not fit the
+        budget is refused (RESOURCE_EXHAUSTED) before any byte is written.
+        """
+        with self._lock:
+            self.pool.wait_for(name)  # a segment being preallocated for this very file
+            rec = self._committed(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name}"
+                )
+            if f.held:
+                return None
+            ikey = (namespace, checkpoint_id, name)
+            if ikey in self._budget.incoming:
+                raise CheckpointExists(
+                    f"file {name} of {namespace}/{checkpoint_id} is already being received"
+                )
+            self._budget.admit(
+                f.size, what=f"a copy of {namespace}/{checkpoint_id}/{name}", reason="replica"
+            )
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            self.tier.remove_file(path)
+            # A replica arriving every checkpoint lands in the warm pages of an evicted one
+            # (4x cheaper than fresh tmpfs pages), like a local save.
+            seg = self.pool.pick_segment(name, f.size, namespace) if self.recycle else None
+            if seg is not None:
+                self.pool.take_segment(seg, path)
+                metrics.RECYCLED_BYTES.inc(seg.size)
+            else:
+                self.tier.create_file(path)
+            # Reserved until installed: at least the copy's size, or the segment's pages.
+            self._budget.start_incoming(ikey, max(f.size, seg.size if seg is not None else 0))
+            return path
+
+    def finish_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool
+    ) -> bool:
+        """Install (ok) or drop a received copy; True when it is now held here."""
+        with self._lock:
+            self._budget.finish_incoming((namespace, checkpoint_id, name))
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if not ok or rec is None or rec.state is not State.COMMITTED or f is None:
+                self.tier.remove_file(tmp)
+                return False
+            final = self.tier.file_path(namespace, checkpoint_id, name)
+            replicas = list(f.replica_nodes)
+            if f.owner_node != self.node_id and self.node_id not in replicas:
+                replicas.append(self.node_id)
+            held = dataclasses.replace(f, held=True, replica_nodes=replicas)
+            installed = False
+            try:
+                self.tier.seal_file(tmp)
+                self.tier.install(tmp, final)
+                installed = True
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: held}))
+            except BaseException:
+                self.tier.remove_file(final if installed else tmp)
+                raise
+            f.held, f.replica_nodes = True, replicas
+            self._track(rec)
+            return True
+
+    def drop_local_copy(self, namespace: str, checkpoint_id: str, name: str) -> bool:
+        """Forget a corrupt local copy (never served again); True if one was held."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or f is None or not f.held:
+                return False
+            replicas = [n for n in f.replica_nodes if n != self.node_id]
+            if rec.state is State.COMMITTED:
+                dropped = dataclasses.replace(f, held=False, replica_nodes=replicas)
+                try:
+                    self._write_manifest(
+                        dataclasses.replace(rec, files={**rec.files, name: dropped})
+                    )
+                except (OSError, TierckptError) as e:
+                    # Dropped anyway: never serve a corrupt copy. A restart re-verifies.
+                    logger.error("cannot record the drop of %s/%s/%s: %s", *rec.key, name, e)
+            self.tier.remove_file(self.tier.file_path(namespace, checkpoint_id, name))
+            f.held = False
+            f.replica_nodes = replicas
+            self._track(rec)
+            return True
+
+    def set_replicas(
+        self, namespace: str, checkpoint_id: str, name: str, replica_nodes: list[str]
+    ) -> bool:
+        """Record the nodes (other than the owner) holding verified copies of a file."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or rec.state is not State.COMMITTED or f is None:
+                return False
+            nodes = list(dict.fromkeys(replica_nodes))
+            if f.held and f.owner_node != self.node_id and self.node_id not in nodes:
+                nodes.append(self.node_id)  # we hold a verified copy whatever the peer says
+            if nodes != f.replica_nodes:
+                changed = dataclasses.replace(f, replica_nodes=nodes)
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: changed}))
+                f.replica_nodes = nodes
+            return True
+
+    def unhealthy_count(self) -> int:
+        with self._lock:
+            return len(self._health)
+
+    def set_health(self, namespace: str, checkpoint_id: str, mark: str) -> None:
+        """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers."""
+        with self._lock:
+            if (namespace, checkpoint_id) not in self._records:
+                return
+            if mark:
+                self._health[(namespace, checkpoint_id)] = mark
+            else:
+                self._health.pop((namespace, checkpoint_id), None)

@@ -1,0 +1,392 @@
+"""The catalog's state and what every part of it shares (see `tierckptd.catalog`).
+
+`CatalogState` holds the records, the lock, the budget and the pool, and the steps that
+change records under the lock for several callers: lookups, views, manifest writes,
+collection, memory retention, and the persistent tier's marks that retention obeys.
+`PeerState` (peer_state.py) and `Catalog` (__init__.py) build on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+
+from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound
+from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.units import format_size
+
+from tierckptd.catalog.budget import Budget
+from tierckptd.catalog.retention import evictions_by_coordinator
+from tierckptd.catalog.views import view_of
+from tierckptd.memory.manifest import to_json as manifest_to_json
+from tierckptd.memory.manifest import write_manifest
+from tierckptd.memory.pool import WarmPool
+from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
+from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
+from tierckptd.ops import metrics
+
+__all__ = ["CatalogState", "listing"]
+
+logger = logging.getLogger("tierckptd.catalog")
+
+
+def listing(names: list[str], shown: int = 5) -> str:
+    """Names for a message, bounded: "a, b, c and 199,997 more" (each cut to 64 chars)."""
+    head = ", ".join(n[:64] for n in names[:shown]) or "none"
+    return head + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
+
+
+class CatalogState:
+    """Records, lock, budget and pool of one memory tier, and the shared steps."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        *,
+        node_id: str,
+        failure_domain: str,
+        budget: int,
+        recycle: bool = True,
+        memory_keep_last: int = 2,
+        abandon_after: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tier = tier
+        self.node_id = node_id
+        self.failure_domain = failure_domain
+        self.recycle = recycle
+        self.memory_keep_last = memory_keep_last
+        self.abandon_after = abandon_after
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self.pool = WarmPool(tier, self._lock)
+        self._budget = Budget(budget, self.pool, node_id=node_id)
+        self._records: dict[Key, CheckpointRecord] = {}
+        self._next_sequence = 1
+        # Peer tier: extra copies wanted per file (0 = no peers), per-checkpoint health
+        # marks set by the healer ("under-replicated", "lost"), and checkpoints deleted
+        # here (a peer's healer must not push them back).
+        self.replica_target = 0
+        self._health: dict[Key, str] = {}
+        self._gone: set[Key] = set()
+        # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
+        # persistent tier), the checkpoints known to be durable there, and a callback
+        # (called under the lock: it must only enqueue) for every new commit here.
+        self.drain_every = 0
+        self._durable: set[Key] = set()
+        self._drain_failed: dict[Key, bool] = {}  # shown as "drain-failed"; True: refused
+        self.on_committed: Callable[[str, str], None] | None = None
+
+    @property
+    def budget(self) -> int:
+        """`memory.budget` in bytes."""
+        return self._budget.limit
+
+    @budget.setter
+    def budget(self, limit: int) -> None:
+        self._budget.limit = limit
+
+    # ---- accounting (call under the lock) ---------------------------------------------
+    def _track(self, rec: CheckpointRecord) -> None:
+        """Tell the budget what `rec` holds and reserves now (after every change)."""
+        if self._records.get(rec.key) is rec:
+            self._budget.track(rec.key, rec.held_bytes, sum(rec.reservations.values()))
+
+    def _unwritten(self) -> int:
+        """Reserved bytes whose pages are not allocated yet (call under the lock): per
+        rank, its reservation less the pages its open files already hold."""
+        total = self.pool.pending
+        for rec in self._records.values():
+            if rec.state is not State.WRITING or not rec.reservations:
+                continue
+            held: dict[int, int] = {}
+            for f in rec.files.values():
+                if not f.committed:
+                    path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+                    held[f.rank] = held.get(f.rank, 0) + self.tier.allocated_bytes(path)
+            total += sum(max(0, n - held.get(r, 0)) for r, n in rec.reservations.items())
+        for (namespace, checkpoint_id, name), nbytes in self._budget.incoming.items():
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            total += max(0, nbytes - self.tier.allocated_bytes(path))
+        return total
+
+    # ---- lookups ------------------------------------------------------------------------
+    @staticmethod
+    def _ref(namespace: str, checkpoint_id: str) -> Key:
+        return check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+
+    def _newest(self, namespace: str) -> CheckpointRecord | None:
+        committed = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace and r.state is State.COMMITTED
+        ]
+        return max(committed, key=lambda r: r.order, default=None)
+
+    def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
+        newest = self._newest(namespace)
+        tail = (
+            f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
+            if newest
+            else f"{namespace} has no committed checkpoints"
+        )
+        what = (
+            f"checkpoint {namespace}/{checkpoint_id}"
+            if checkpoint_id
+            else f"no checkpoint of {namespace}"
+        )
+        verb = "not found" if checkpoint_id else "found"
+        return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
+
+    def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.WRITING:
+            state = rec.state.value if rec else "unknown"
+            raise CheckpointIncomplete(
+                f"checkpoint {namespace}/{checkpoint_id} is {state} on node {self.node_id}, not "
+                "WRITING: call BeginCheckpoint first (an idle save is aborted after "
+                "[memory] abandon_after seconds)"
+            )
+        rec.last_activity = self._clock()
+        return rec
+
+    def _committed(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.COMMITTED:
+            raise self._not_found(namespace, checkpoint_id)
+        return rec
+
+    def _view(self, rec: CheckpointRecord) -> CheckpointView:
+        return view_of(
+            rec,
+            node_id=self.node_id,
+            replica_target=self.replica_target,
+            mark=self._health.get(rec.key, ""),
+            durable=rec.key in self._durable,
+            drain_failed=rec.key in self._drain_failed,
+            paths={
+                f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
+                for f in rec.files.values()
+                if f.held
+            },
+        )
+
+    # ---- manifests ----------------------------------------------------------------------
+    def _write_manifest(self, rec: CheckpointRecord) -> None:
+        manifest = self.tier.manifest_path(rec.namespace, rec.checkpoint_id)
+        try:
+            self.tier.make_dir(manifest.parent)
+        except OSError as e:
+            raise no_space(e, "creating a manifest directory", self.tier.root) from e
+        write_manifest(manifest, rec)
+
+    def _manifest_size(self, key: Key) -> int:
+        try:
+            return os.lstat(self.tier.manifest_path(*key)).st_size
+        except OSError:
+            return 0
+
+    def manifest_document(self, namespace: str, checkpoint_id: str) -> dict[str, object]:
+        """The manifest of a committed checkpoint as JSON data (for the persistent
+        tier's bookkeeping: original sizes and block checksums of every file)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            return manifest_to_json(rec)
+
+    # ---- collection ---------------------------------------------------------------------
+    def _release_files(self, rec: CheckpointRecord) -> int:
+        """Take a checkpoint's files out of the memory tier (into the pool when
+        recycling) and remove its directory; returns bytes freed."""
+        freed = 0
+        for f in rec.files.values():
+            path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                freed += st.st_size
+            try:
+                if self.recycle:
+                    self.pool.to_pool(path, f.name, rec.namespace)
+                else:
+                    self.tier.remove_file(path)
+            except (OSError, UnsafePath) as e:
+                logger.warning("cannot release %s/%s/%s: %s", *rec.key, f.name, e)
+        self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
+        return freed
+
+    def _collect(self, rec: CheckpointRecord) -> int:
+        """Remove a checkpoint and its files; returns bytes freed."""
+        freed = self._release_files(rec)
+        if self._records.pop(rec.key, None) is not None:
+            self._budget.forget(rec.key)
+        self._budget.trim_pool()
+        return freed
+
+    def _abort(self, rec: CheckpointRecord, why: str) -> None:
+        rec.state = State.ABORTED
+        rec.reservations.clear()
+        freed = self._collect(rec)
+        metrics.ABORTS.inc()
+        logger.warning(
+            "aborted %s/%s (%s); collected %d files, %s",
+            rec.namespace,
+            rec.checkpoint_id,
+            why,
+            len(rec.files),
+            format_size(freed),
+        )
+
+    def _delete_committed(self, rec: CheckpointRecord) -> int:
+        # Manifest first: a crash after this point leaves a dir without manifest, which
+        # adoption collects, never a manifest pointing at missing files.
+        self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
+        if rec.state is State.COMMITTED:
+            self._gone.add(rec.key)
+        self._health.pop(rec.key, None)
+        self._durable.discard(rec.key)
+        self._drain_failed.pop(rec.key, None)
+        return self._collect(rec)
+
+    # ---- memory retention ---------------------------------------------------------------
+    def _due(self, rec: CheckpointRecord) -> bool:
+        """Whether the checkpoint is due for the persistent tier (call under the lock).
+        One the drain refused (hostile `.metadata`) never can be: it is no longer due."""
+        return (
+            self.drain_every > 0
+            and rec.sequence % self.drain_every == 0
+            and not self._drain_failed.get(rec.key, False)
+        )
+
+    def _holds(self, rec: CheckpointRecord) -> bool:
+        """Whether retention must keep `rec` in memory: pinned, or (invariant 6) due for
+        the persistent tier and not durable there yet, whatever memory_keep_last says."""
+        return rec.pinned or (self._due(rec) and rec.key not in self._durable)
+
+    def _persistent_only(self, rec: CheckpointRecord) -> bool:
+        """A durable checkpoint no node's memory holds any more (listed, restorable)."""
+        return rec.key in self._durable and not any(
+            f.held or f.owner_node or f.replica_nodes for f in rec.files.values()
+        )
+
+    def _notify_committed(self, rec: CheckpointRecord) -> None:
+        if self.on_committed is not None and self._due(rec):
+            self.on_committed(rec.namespace, rec.checkpoint_id)
+
+    def _apply_retention(self, namespace: str) -> None:
+        committed = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and not self._persistent_only(r)
+        ]
+        for checkpoint_id in evictions_by_coordinator(
+            committed, self.memory_keep_last, self._holds
+        ):
+            rec = self._records[(namespace, checkpoint_id)]
+            if rec.key in self._durable:
+                freed = self._keep_persistent_only(rec)
+            else:
+                freed = self._delete_committed(rec)
+            metrics.EVICTIONS.inc()
+            logger.info(
+                "evicted %s/%s from memory (retention memory_keep_last=%d), %s",
+                namespace,
+                checkpoint_id,
+                self.memory_keep_last,
+                format_size(freed),
+            )
+
+    def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
+        """Evict a durable checkpoint from memory but keep listing it (its files now
+        come from the persistent tier only). The manifest is rewritten first: a crash
+        after it leaves stray files adoption collects, never a manifest pointing at
+        files that are gone (which would quarantine a durable checkpoint)."""
+        gone = {
+            name: dataclasses.replace(f, held=False, owner_node="", replica_nodes=[])
+            for name, f in rec.files.items()
+        }
+        self._write_manifest(dataclasses.replace(rec, files=gone))
+        freed = self._release_files(rec)
+        for f in rec.files.values():
+            f.held = False
+            f.owner_node = ""
+            f.replica_nodes = []
+        self._track(rec)
+        self._health.pop(rec.key, None)
+        self._budget.trim_pool()
+        return freed
+
+    # ---- persistent tier ----------------------------------------------------------------
+    def set_drain_failed(
+        self, namespace: str, checkpoint_id: str, failed: bool, *, refused: bool = False
+    ) -> None:
+        """The drain's verdict, shown as "drain-failed" in `tiers` (False clears it).
+
+        `refused`: its `.metadata` was refused, so it can never become durable; it stops
+        being due, and memory retention no longer keeps it for the persistent tier
+        (invariant 6 keeps what can still drain; this would otherwise pin it forever).
+        """
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if not failed or rec is None:
+                self._drain_failed.pop(key, None)
+                return
+            self._drain_failed[key] = refused
+            if refused:
+                self._apply_retention(namespace)
+
+    def drain_failed(self) -> dict[Key, bool]:
+        """Checkpoints the drain gave up on, each True if it was refused."""
+        with self._lock:
+            return dict(self._drain_failed)
+
+    def due_not_durable(self) -> list[Key]:
+        """Committed checkpoints due for the persistent tier and not known durable,
+        oldest first (the drain queue a restarted daemon rebuilds)."""
+        with self._lock:
+            recs = [
+                r
+                for r in self._records.values()
+                if r.state is State.COMMITTED and self._due(r) and r.key not in self._durable
+            ]
+            return [r.key for r in sorted(recs, key=lambda r: r.order)]
+
+    def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        with self._lock:
+            return (namespace, checkpoint_id) in self._durable
+
+    def mark_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        """Record that the checkpoint's `.metadata` is in the persistent tier; memory
+        retention may now evict it. False when it is not (or no longer) committed here."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is not State.COMMITTED:
+                return False
+            if key not in self._durable:
+                self._durable.add(key)
+                logger.info("%s/%s is DURABLE in the persistent tier", *key)
+                self._apply_retention(namespace)
+            return True
+
+    def forget_persistent(self, namespace: str, checkpoint_id: str) -> None:
+        """The checkpoint was deleted from the persistent tier (its retention)."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and self._persistent_only(rec):
+                self._delete_committed(rec)
+            self._durable.discard(key)

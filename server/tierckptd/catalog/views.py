@@ -1,0 +1,81 @@
+"""What a client sees of a checkpoint: a pure function of its record and annotations.
+
+The derived states live here: a COMMITTED record is shown REPLICATED when every file has
+`replica_target` extra copies and the healer has no mark on it, and DURABLE when its
+`.metadata` is in the persistent tier; `tiers` says where its bytes can be had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from tierckptd.model import CheckpointRecord, CheckpointView, State
+
+__all__ = ["view_of"]
+
+
+def view_of(
+    rec: CheckpointRecord,
+    *,
+    node_id: str,
+    replica_target: int = 0,
+    mark: str = "",
+    durable: bool = False,
+    drain_failed: bool = False,
+    paths: Mapping[str, str] | None = None,
+) -> CheckpointView:
+    """An immutable view of `rec` (copied: it may leave the catalog lock).
+
+    `mark` is the healer's finding ("under-replicated", "lost"), `durable` whether the
+    persistent tier holds it, `drain_failed` whether the drain gave up on it, and `paths`
+    the local path of each file this node holds (a held file missing from it, and every
+    file not held, gets "").
+    """
+    paths = paths or {}
+    files = tuple(
+        dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+        for f in sorted(rec.files.values(), key=lambda f: f.name)
+    )
+    committed = rec.state is State.COMMITTED
+    durable = committed and durable
+    state = rec.state
+    if (
+        committed
+        and replica_target > 0
+        and not mark
+        and files
+        and all(len(set(f.replica_nodes) - {f.owner_node}) >= replica_target for f in files)
+    ):
+        state = State.REPLICATED
+    if durable:
+        state = State.DURABLE
+    tiers: list[str] = []
+    if committed:
+        if all(f.held for f in files):
+            tiers.append("memory")
+        if any(
+            (f.owner_node and f.owner_node != node_id and not f.held)
+            or set(f.replica_nodes) - {node_id}
+            for f in files
+        ):
+            tiers.append("peer")
+        if durable:
+            tiers.append("persistent")
+        if mark:
+            tiers.append(mark)
+        if drain_failed:
+            tiers.append("drain-failed")
+    return CheckpointView(
+        namespace=rec.namespace,
+        checkpoint_id=rec.checkpoint_id,
+        state=state,
+        size_bytes=rec.committed_bytes,
+        created_unix=rec.created_unix,
+        committed_unix=rec.committed_unix,
+        sequence=rec.sequence,
+        pinned=rec.pinned,
+        files=files,
+        local_paths={f.name: paths.get(f.name, "") if f.held else "" for f in files},
+        tiers=tuple(tiers),
+    )

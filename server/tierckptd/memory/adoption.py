@@ -1,0 +1,149 @@
+"""Restart adoption: what a previous daemon (restart or kill -9) left in the memory dir.
+
+`adopt(tier)` scans the manifests, verifies every held file against its manifest,
+quarantines checkpoints that fail (their manifest is renamed ``*.json.corrupt``, their
+files kept for inspection), and collects leftovers: unfinished saves (a data dir without
+a manifest), interrupted transfers, manifest tmp files, and anything the layout does not
+allow (links, bad names), removed without being followed. It returns plain records; the
+catalog installs them. Runs before the daemon serves, so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt.errors import InvalidName
+from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.units import format_size
+
+from tierckptd.memory.manifest import ManifestError, read_manifest
+from tierckptd.memory.tier import MemoryTier
+from tierckptd.memory.verify import hash_rate, verify_files
+from tierckptd.model import CheckpointRecord, Key, State
+
+__all__ = ["Adopted", "adopt"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Adopted:
+    """Checkpoints whose files all verified (COMMITTED), and the bytes of the files of
+    quarantined ones (kept on disk, so they count against the budget)."""
+
+    records: dict[Key, CheckpointRecord]
+    quarantined_bytes: int
+
+
+def adopt(tier: MemoryTier) -> Adopted:
+    """Scan, verify, quarantine and collect (see the module docstring)."""
+    adopted, quarantined = _adopt_manifests(tier)
+    return Adopted(adopted, _collect_data(tier, adopted, quarantined))
+
+
+def _adopt_manifests(tier: MemoryTier) -> tuple[dict[Key, CheckpointRecord], set[Key]]:
+    adopted: dict[Key, CheckpointRecord] = {}
+    quarantined: set[Key] = set()
+    started, hashed = time.monotonic(), 0
+    for ns_entry in _layout_dirs(tier, tier.manifest_root, check_namespace):
+        for entry in tier.entries(Path(ns_entry.path)):
+            path = Path(entry.path)
+            if not entry.is_file(follow_symlinks=False):
+                tier.remove_entry(entry, "not a regular file")
+                continue
+            if entry.name.endswith(".json.corrupt"):
+                quarantined.add((ns_entry.name, entry.name[: -len(".json.corrupt")]))
+                continue
+            if not entry.name.endswith(".json"):
+                os.unlink(path)  # a manifest tmp file of a crashed write
+                continue
+            key = (ns_entry.name, entry.name[: -len(".json")])
+            problem = ""
+            try:
+                rec = read_manifest(path)
+                if rec.key != key:
+                    problem = f"manifest describes {rec.namespace}/{rec.checkpoint_id}"
+            except ManifestError as e:
+                problem = str(e)
+            if not problem:
+                result = verify_files(tier, *key, rec.files.values(), seal=True, stop_at_first=True)
+                hashed += result.verified_bytes
+                problem = next((f"{n}: {why}" for n, why in result.problems.items()), "")
+            if problem:
+                logger.error(
+                    "not serving %s/%s: %s; its manifest is renamed to %s.corrupt and its "
+                    "files are kept for inspection (remove them by hand)",
+                    *key,
+                    problem,
+                    path.name,
+                )
+                os.rename(path, path.with_name(path.name + ".corrupt"))
+                quarantined.add(key)
+                continue
+            rec.state = State.COMMITTED
+            adopted[key] = rec
+    logger.info(
+        "verified %d checkpoints (%s) at %s",
+        len(adopted),
+        format_size(hashed),
+        hash_rate(hashed, started),
+    )
+    return adopted, quarantined
+
+
+def _collect_data(
+    tier: MemoryTier, adopted: dict[Key, CheckpointRecord], quarantined: set[Key]
+) -> int:
+    """Remove data dirs without a manifest and files an adopted manifest does not hold;
+    returns the bytes of quarantined checkpoints' files."""
+    quarantined_bytes = 0
+    for ns_entry in _layout_dirs(tier, tier.data_root, check_namespace):
+        for ckpt_entry in _layout_dirs(tier, Path(ns_entry.path), check_checkpoint_id):
+            key = (ns_entry.name, ckpt_entry.name)
+            held = (
+                {f.name for f in adopted[key].files.values() if f.held} if key in adopted else set()
+            )
+            sizes = []
+            for entry in tier.entries(Path(ckpt_entry.path)):
+                if not entry.is_file(follow_symlinks=False):
+                    tier.remove_entry(entry, "not a regular file")
+                elif key in adopted and entry.name not in held:
+                    os.unlink(entry.path)  # an interrupted peer transfer
+                else:
+                    sizes.append(entry.stat(follow_symlinks=False).st_size)
+            if key in adopted:
+                continue
+            if key in quarantined:
+                quarantined_bytes += sum(sizes)
+                continue
+            logger.warning(
+                "collecting unfinished save %s/%s: %d files, %s",
+                *key,
+                len(sizes),
+                format_size(sum(sizes)),
+            )
+            tier.remove_checkpoint_dir(*key)
+    return quarantined_bytes
+
+
+def _layout_dirs(
+    tier: MemoryTier, parent: Path, check: Callable[[object], str]
+) -> Iterator[os.DirEntry[str]]:
+    """Real subdirectories of `parent` named by `check`; anything else (a link, a file,
+    a bad name) is removed without following it."""
+    for entry in tier.entries(parent):
+        if not entry.is_dir(follow_symlinks=False):
+            tier.remove_entry(entry, "not a directory")
+            continue
+        try:
+            check(entry.name)
+        except InvalidName:
+            tier.remove_entry(entry, "not a valid name")
+            continue
+        tier.fix_dir_mode(entry)
+        yield entry

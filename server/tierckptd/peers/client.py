@@ -1,0 +1,231 @@
+"""`PeerClient`: every call this node makes to a peer, where protobuf stops.
+
+Each method does one PeerService RPC with its timeout and `wait_for_ready`, and returns
+domain types (`Holdings`, `CheckpointRecord`, (offset, bytes) pieces). A failed call
+raises `PeerCallError` (a `SourceUnavailable` naming the peer, with the gRPC status
+name in `code`), so the rest of the peer tier never touches `grpc.RpcError` or a
+generated message, and can be tested with a fake client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from tierckpt.checksum import BytesLike
+from tierckpt.errors import TierckptError
+from tierckpt.v1 import common_pb2, peer_pb2
+
+from tierckptd.errors import SourceUnavailable
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.membership import Membership
+from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_info, ref, to_info
+
+__all__ = [
+    "CONTROL_TIMEOUT",
+    "TRANSFER_TIMEOUT",
+    "Holdings",
+    "Manifests",
+    "PeerCallError",
+    "PeerClient",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CONTROL_TIMEOUT = 2.0
+TRANSFER_TIMEOUT = 600.0
+
+
+class PeerCallError(SourceUnavailable):
+    """A call to a peer failed: `code` is the gRPC status name ("UNAVAILABLE",
+    "NOT_FOUND", "DATA_LOSS", ... or "NOT_A_PEER"), `details` its message."""
+
+    def __init__(self, node: str, method: str, code: str, details: str = "") -> None:
+        cause = f"{method}: {code}" + (f": {bounded(details, 300)}" if details else "")
+        super().__init__(f"peer {node}", cause)
+        self.node = node
+        self.method = method
+        self.code = code
+        self.details = details
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (PeerCallError, (self.node, self.method, self.code, self.details))
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "NOT_A_PEER")
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a peer holds of one checkpoint.
+
+    `known`: it knows the checkpoint (has its manifest); `names`: the files it holds a
+    verified copy of; `files`: their records (with the peer as owner), or None when the
+    peer's answer did not validate (`refused` says why).
+    """
+
+    known: bool
+    names: frozenset[str]
+    files: tuple[FileRecord, ...] | None = ()
+    refused: str = ""
+
+
+@dataclass(frozen=True)
+class Manifests:
+    """A peer's committed checkpoints: the ones that validated, and why others did not."""
+
+    records: list[CheckpointRecord]
+    refused: list[str]
+
+
+def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
+    code = e.code()
+    details = e.details() if hasattr(e, "details") else ""
+    return PeerCallError(node, method, code.name if code is not None else "UNKNOWN", details or "")
+
+
+class PeerClient:
+    """Every RPC to the peers of one `Membership` (see the module docstring)."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.node_id = membership.node_id
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return self.membership.peer_ids
+
+    def _stub(self, node: str, method: str) -> PeerStub:
+        channel = self.membership.channel(node)
+        if channel is None:
+            raise PeerCallError(node, method, "NOT_A_PEER", "not a configured peer")
+        return PeerStub(channel)
+
+    def each(
+        self,
+        fn: Callable[[str], T],
+        *,
+        nodes: Iterable[str] | None = None,
+        on_error: Callable[[str, PeerCallError], None] | None = None,
+    ) -> dict[str, T]:
+        """`fn(node)` for every peer (or `nodes`), one after another: the results of the
+        calls that did not raise `PeerCallError`; a failed one goes to `on_error`
+        (default: logged at DEBUG)."""
+        results: dict[str, T] = {}
+        for node in self.peer_ids if nodes is None else nodes:
+            try:
+                results[node] = fn(node)
+            except PeerCallError as e:
+                if on_error is None:
+                    logger.debug("%s", e)
+                else:
+                    on_error(node, e)
+        return results
+
+    # ---- control calls ----------------------------------------------------------------
+    def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
+        """What `node` holds of a checkpoint (waits for a restarting peer's channel)."""
+        stub = self._stub(node, "Holdings")
+        try:
+            resp: peer_pb2.HoldingsResponse = stub.Holdings(
+                ref(namespace, checkpoint_id), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "Holdings", e) from None
+        known = resp.state != common_pb2.CHECKPOINT_STATE_UNSPECIFIED
+        names = frozenset(e_.name for e_ in resp.files)
+        try:
+            files = tuple(file_from_entry(e_) for e_ in resp.files)
+        except TierckptError as e:
+            return Holdings(known, names, None, bounded(str(e)))
+        return Holdings(known, names, files)
+
+    def publish(self, node: str, view: CheckpointView) -> None:
+        """PublishCheckpoint: give `node` the manifest of a committed checkpoint."""
+        stub = self._stub(node, "PublishCheckpoint")
+        try:
+            stub.PublishCheckpoint(
+                to_info(view, local_paths=False), timeout=CONTROL_TIMEOUT, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "PublishCheckpoint", e) from None
+
+    def update_replicas(
+        self, node: str, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
+    ) -> None:
+        stub = self._stub(node, "UpdateReplicas")
+        req = peer_pb2.UpdateReplicasRequest(
+            ref=ref(namespace, checkpoint_id), file_name=name, replica_nodes=replicas
+        )
+        try:
+            stub.UpdateReplicas(req, timeout=CONTROL_TIMEOUT, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise _error(node, "UpdateReplicas", e) from None
+
+    def list_manifests(
+        self, node: str, namespace: str = "", *, wait_for_ready: bool = True
+    ) -> Manifests:
+        """The committed checkpoints `node` knows (of `namespace`, or all), validated one
+        by one."""
+        stub = self._stub(node, "ListManifests")
+        try:
+            resp = stub.ListManifests(
+                peer_pb2.ListManifestsRequest(namespace=namespace),
+                timeout=CONTROL_TIMEOUT,
+                wait_for_ready=wait_for_ready,
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "ListManifests", e) from None
+        records: list[CheckpointRecord] = []
+        refused: list[str] = []
+        for info in resp.checkpoints:
+            try:
+                records.append(record_from_info(info))
+            except TierckptError as e:
+                refused.append(bounded(str(e)))
+        return Manifests(records, refused)
+
+    # ---- transfers --------------------------------------------------------------------
+    def fetch(
+        self, node: str, namespace: str, checkpoint_id: str, name: str
+    ) -> Iterator[tuple[int, memoryview]]:
+        """FetchFile: the data of a file `node` holds, as (offset, bytes) pieces (views
+        into the received messages); a failure, at any point, is a `PeerCallError`."""
+        stub = self._stub(node, "FetchFile")
+        request = peer_pb2.FetchFileRequest(ref=ref(namespace, checkpoint_id), file_name=name)
+        try:
+            for chunk in stub.FetchFile(request, timeout=TRANSFER_TIMEOUT):
+                if chunk.data:
+                    yield chunk.offset, chunk.data
+        except grpc.RpcError as e:
+            raise _error(node, "FetchFile", e) from None
+
+    def push(
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        f: FileRecord,
+        pieces: Iterable[tuple[int, BytesLike]],
+    ) -> None:
+        """PushFile: send a copy of `f`; `pieces` are (offset, data) at increasing
+        offsets, an empty `data` being a heartbeat (the receiver's stall watchdog)."""
+        stub = self._stub(node, "PushFile")
+        header = peer_pb2.FileHeader(ref=ref(namespace, checkpoint_id), file=file_entry(f))
+
+        def messages() -> Iterator[bytes | peer_pb2.FileChunk]:
+            yield peer_pb2.FileChunk(header=header)
+            for offset, data in pieces:
+                yield encode_data_chunk(offset, bytes(data) if data else b"")
+
+        try:
+            stub.PushFile(messages(), timeout=TRANSFER_TIMEOUT)
+        except grpc.RpcError as e:
+            raise _error(node, "PushFile", e) from None

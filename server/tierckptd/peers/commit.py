@@ -1,0 +1,177 @@
+"""Cluster commit and the manifests peers exchange.
+
+No consensus: the DCP coordinator's daemon decides a commit (finding the files other
+nodes hold through their holdings) and publishes the cluster manifest to every peer; a
+node adopts a manifest only from the checkpoint's coordinator. A replacement node that
+came back empty adopts the manifests its peers know at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, TierckptError
+
+from tierckptd.catalog import Catalog
+from tierckptd.memory.incoming import restore_plan
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.ops import metrics
+from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
+
+__all__ = ["Committer", "claims"]
+
+logger = logging.getLogger(__name__)
+
+
+def claims(
+    namespace: str,
+    checkpoint_id: str,
+    holdings: dict[str, Holdings],
+    missing: set[str],
+) -> dict[str, FileRecord]:
+    """The files of `missing` that peers hold, from their holdings (in node order).
+
+    A node claims only files it owns (the owner is the node that answered, whatever it
+    says); a node whose answer did not validate claims nothing; two nodes claiming one
+    file with different bytes refuse the commit: nothing is "first wins" (audit H3)."""
+    remote: dict[str, FileRecord] = {}
+    for node, held in holdings.items():
+        if held.files is None:
+            metrics.PEER_REFUSED.labels(reason="invalid").inc()
+            logger.warning(
+                "commit %s/%s: %s's holdings are refused: %s",
+                namespace,
+                checkpoint_id,
+                node,
+                held.refused,
+            )
+            continue
+        for f in held.files:
+            if f.name not in missing:
+                continue
+            f.owner_node, f.replica_nodes = node, []
+            other = remote.get(f.name)
+            if other is None:
+                remote[f.name] = f
+            elif (other.size, other.checksums) != (f.size, f.checksums):
+                metrics.PEER_REFUSED.labels(reason="conflict").inc()
+                raise CheckpointIncomplete(
+                    f"cannot commit {namespace}/{checkpoint_id}: nodes {other.owner_node} and "
+                    f"{node} both hold {f.name} with different contents ({other.size} and "
+                    f"{f.size} bytes); a rank wrote it twice, or a node is misbehaving: "
+                    "save under a new checkpoint_id"
+                )
+    return remote
+
+
+class Committer:
+    """The coordinator's commit, publishes received, and manifests pulled from peers.
+
+    Args:
+        heal: queues a heal of a checkpoint (replication after a commit or a publish).
+    """
+
+    def __init__(
+        self, catalog: Catalog, client: PeerClient, heal: Callable[[str, str], None]
+    ) -> None:
+        self.catalog = catalog
+        self.client = client
+        self.node_id = catalog.node_id
+        self._heal = heal
+
+    def commit(self, namespace: str, checkpoint_id: str, required: list[str]) -> CheckpointView:
+        """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
+        peers = self.client.peer_ids
+        local = self.catalog.local_committed_files(namespace, checkpoint_id)
+        missing = {r for r in required if r not in local}
+        remote: dict[str, FileRecord] = {}
+        if missing and peers:
+
+            def unanswered(node: str, e: PeerCallError) -> None:
+                logger.warning(
+                    "commit %s/%s: no holdings from %s: %s", namespace, checkpoint_id, node, e.code
+                )
+
+            held = self.client.each(
+                lambda node: self.client.holdings(node, namespace, checkpoint_id),
+                on_error=unanswered,
+            )
+            remote = claims(namespace, checkpoint_id, held, missing)
+        view = self.catalog.commit(namespace, checkpoint_id, required, remote)
+        if peers:
+
+            def unpublished(node: str, e: PeerCallError) -> None:
+                logger.warning(
+                    "commit %s/%s: cannot publish to %s (%s); it adopts the manifest "
+                    "when it restarts or when a healer pushes to it",
+                    namespace,
+                    checkpoint_id,
+                    node,
+                    e.code,
+                )
+
+            self.client.each(lambda node: self.client.publish(node, view), on_error=unpublished)
+            self._heal(namespace, checkpoint_id)
+        return view
+
+    def published(self, rec: CheckpointRecord) -> bool:
+        """PeerService.PublishCheckpoint (the caller authorized): adopt, then replicate
+        the files we own."""
+        if not self.catalog.publish(rec):
+            return False
+        self._heal(rec.namespace, rec.checkpoint_id)
+        return True
+
+    def manifest_from(self, node: str, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        """The manifest `node` keeps of a checkpoint, validated (a publish by a node that
+        does not coordinate the checkpoint is taken as a hint to ask its coordinator)."""
+        try:
+            got = self.client.list_manifests(node, namespace, wait_for_ready=False)
+        except PeerCallError as e:
+            if e.code == "NOT_A_PEER":
+                raise CheckpointNotFound(f"node {node} is not a configured peer") from None
+            raise CheckpointNotFound(
+                f"node {node} did not answer for {namespace}/{checkpoint_id}: {e.code}"
+            ) from None
+        for rec in got.records:
+            if rec.key == (namespace, checkpoint_id):
+                return rec
+        raise CheckpointNotFound(f"node {node} does not know {namespace}/{checkpoint_id}")
+
+    def pull_manifests(self) -> int:
+        """Adopt committed checkpoints peers know and this node does not (a replacement
+        node that came back empty); returns how many were new."""
+        known = set(self.catalog.committed_keys())
+        adopted: list[CheckpointRecord] = []
+
+        def unanswered(node: str, e: PeerCallError) -> None:
+            logger.info("no manifests from %s: %s", node, e.code)
+
+        for node, got in self.client.each(self.client.list_manifests, on_error=unanswered).items():
+            refused = list(got.refused)
+            for rec in got.records:
+                try:
+                    if self.catalog.publish(rec) and rec.key not in known:
+                        known.add(rec.key)
+                        adopted.append(rec)
+                except TierckptError as e:
+                    refused.append(str(e))
+            if refused:
+                logger.warning("a manifest from %s is refused: %s", node, refused[0][:1000])
+                metrics.PEER_REFUSED.labels(reason="manifest").inc(len(refused))
+                logger.warning("refused %d of %s's manifests", len(refused), node)
+        if adopted:
+            logger.info(
+                "adopted %d checkpoints from peers' manifests (no local files)", len(adopted)
+            )
+            plan = restore_plan(self.node_id, adopted)
+            if plan and self.catalog.recycle:
+                threading.Thread(
+                    target=self.catalog.prewarm_segments,
+                    args=(plan, "for the files this node will restore"),
+                    name="tierckptd-restore-prewarm",
+                    daemon=True,
+                ).start()
+        return len(adopted)

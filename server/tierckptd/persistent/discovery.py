@@ -1,0 +1,323 @@
+"""The persistent tier as a live source of checkpoints (not only at start).
+
+Another cluster may drain into the same bucket and namespace while this daemon runs.
+`Discovery` lets this node learn such checkpoints when it is asked for them:
+
+- `probe(namespace, id)`: an explicit id the catalog does not know. One HEAD of
+  ``<url>/<ns>/<id>/.metadata``; if the checkpoint is durable its manifest is adopted
+  from the bookkeeping (`adopt_checkpoint`), with no file held here: files come from
+  S3 on demand through the restore chain. Names are validated first, and a negative
+  answer is cached for `negative_ttl` seconds (at most `max_negative` entries), so a
+  loop of bad ids costs one request per id and TTL, not one per call.
+- `refresh(namespace)`: before answering "the newest" or a listing, re-list the
+  namespace when this node's view of it is older than `relist_interval`; an outage
+  only logs (the memory tier's answer stands).
+
+Listing never walks delimiter listings deeper than one level. Each durable checkpoint
+has an index entry, an empty object ``<url>/<ns>/.tierckpt/durable/<id>`` written by
+the drain right after `.metadata` and removed by the persistent retention before the
+checkpoint goes, so the index is one flat prefix listing. One entry per checkpoint,
+rather than one index document per namespace, means clusters that commit concurrently
+never overwrite each other's entries. A namespace without entries (drained before the
+index existed) falls back to a flat prefix scan of the namespace, keeping the
+``<id>/.metadata`` keys. Nothing listed is trusted: names are validated, the number of
+entries is capped, and each manifest adopted is range-checked (`check_stored_record`).
+
+The catalog never imports this module: the rpc layer calls it (`DaemonService`), and
+main.py wires it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, TierckptError, TierUnavailable
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
+
+from tierckptd.catalog import Catalog
+from tierckptd.config_secrets import redact
+from tierckptd.memory.manifest import ManifestError
+from tierckptd.memory.manifest import from_json as manifest_from_json
+from tierckptd.model import Key
+from tierckptd.persistent.readback import check_stored_record
+from tierckptd.persistent.source import describe_failure
+from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
+
+__all__ = [
+    "INDEX_DIR",
+    "MANIFEST_OBJECT",
+    "MAX_INDEX_ENTRIES",
+    "Discovery",
+    "adopt_all",
+    "adopt_checkpoint",
+    "durable_ids",
+    "remove_index_entry",
+    "write_index_entry",
+]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeeping area
+MAX_MANIFEST = 64 << 20  # a bookkeeping manifest larger than this is refused unread
+INDEX_DIR = ".tierckpt/durable"  # under <url>/<ns>/: one empty object per durable id
+MAX_INDEX_ENTRIES = 1 << 20
+
+
+# ---- the index ------------------------------------------------------------------------
+
+
+def _index_dir(tier: PersistentTier, namespace: str) -> str:
+    check_namespace(namespace)
+    return f"{tier.root}/{namespace}/{INDEX_DIR}"
+
+
+def write_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
+    """Record a durable checkpoint in the namespace's index (after its `.metadata`)."""
+    path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
+    tier.retrying(lambda: tier.put_object(path, b""), f"index {namespace}/{checkpoint_id}")
+
+
+def remove_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
+    """Drop a checkpoint from the index (before it is deleted)."""
+    path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
+    tier.retrying(lambda: tier.remove_object(path), f"unindex {namespace}/{checkpoint_id}")
+
+
+def _valid_ids(names: list[str], where: str) -> set[str]:
+    ids = {n for n in names if is_checkpoint_id(n)}
+    if len(ids) < len(names):
+        logger.warning("%s: skipped %d invalid name(s)", where, len(set(names)) - len(ids))
+    if len(ids) > MAX_INDEX_ENTRIES:
+        logger.warning("%s: %d entries, only %d read", where, len(ids), MAX_INDEX_ENTRIES)
+        ids = set(sorted(ids)[:MAX_INDEX_ENTRIES])
+    return ids
+
+
+def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
+    def scan() -> list[str]:
+        tier.fs.invalidate_cache(prefix)
+        try:
+            return [str(p) for p in tier.fs.find(prefix)]
+        except FileNotFoundError:
+            return []
+
+    return tier.retrying(scan, f"list {prefix}")
+
+
+def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> set[str]:
+    """Ids of the namespace's durable checkpoints: the index entries; with `scan`, or
+    when there are none, also a flat prefix scan for ``<id>/.metadata`` keys."""
+    index = _index_dir(tier, namespace)
+    ids = _valid_ids([p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)], f"{namespace} index")
+    if ids and not scan:
+        return ids
+    base = f"{tier.root}/{namespace}/"
+    found = [
+        parts[0]
+        for p in _flat_scan(tier, base.rstrip("/"))
+        if p.startswith(base)
+        and len(parts := p[len(base) :].split("/")) == 2
+        and parts[1] == METADATA_FILE
+    ]
+    return ids | _valid_ids(found, namespace)
+
+
+# ---- adoption -------------------------------------------------------------------------
+
+
+def adopt_checkpoint(tier: PersistentTier, catalog: Catalog, key: Key, known: set[Key]) -> int:
+    """Adopt one durable checkpoint from its bookkeeping manifest (no file held here);
+    1 if the catalog learnt it, 0 if it knew it (now marked durable) or cannot.
+
+    Raises:
+        PersistentTierUnavailable: an outage.
+        ManifestError, ValueError: the stored manifest is refused.
+    """
+    if key in known:
+        catalog.mark_durable(*key)
+        return 0
+    raw = tier.read_bookkeeping(*key, MANIFEST_OBJECT, max_bytes=MAX_MANIFEST)
+    if raw is None:
+        logger.warning("%s/%s is durable but has no manifest; skipped", *key)
+        return 0
+    rec = manifest_from_json(json.loads(raw))
+    if rec.key != key:
+        raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
+    check_stored_record(rec, time.time())
+    for f in rec.files.values():
+        f.held = False
+        f.owner_node = ""
+        f.replica_nodes = []
+    if not catalog.publish(rec):
+        return 0
+    catalog.mark_durable(*key)
+    return 1
+
+
+def _adopt_ids(tier: PersistentTier, catalog: Catalog, namespace: str, ids: set[str]) -> int:
+    adopted = 0
+    known = set(catalog.committed_keys())
+    for checkpoint_id in sorted(ids):
+        key = (namespace, checkpoint_id)
+        try:
+            adopted += adopt_checkpoint(tier, catalog, key, known)
+        except PersistentTierUnavailable:
+            raise
+        except Exception as e:
+            logger.error(
+                "%s/%s: not adopted from the persistent tier: %s: %.300s",
+                *key,
+                type(e).__name__,
+                e,
+            )
+    return adopted
+
+
+def adopt_all(tier: PersistentTier, catalog: Catalog) -> int:
+    """Every durable checkpoint of every namespace (a replacement cluster at start).
+
+    Raises:
+        PersistentTierUnavailable: an outage.
+    """
+    adopted = 0
+    for namespace in tier.list_namespaces():
+        adopted += _adopt_ids(tier, catalog, namespace, durable_ids(tier, namespace, scan=True))
+    if adopted:
+        logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))
+    return adopted
+
+
+# ---- live discovery -------------------------------------------------------------------
+
+
+class Discovery:
+    """Learns checkpoints other clusters drained, when they are asked for (module doc).
+
+    Args:
+        relist_interval: how old this node's view of a namespace may be before `refresh`
+            lists it again (seconds; 0: every time).
+        negative_ttl: how long "not durable" answers of `probe` are remembered.
+        max_negative: how many such answers are remembered at most.
+    """
+
+    def __init__(
+        self,
+        tier: PersistentTier,
+        catalog: Catalog,
+        *,
+        relist_interval: float = 30.0,
+        negative_ttl: float = 10.0,
+        max_negative: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tier = tier
+        self.catalog = catalog
+        self.relist_interval = relist_interval
+        self.negative_ttl = negative_ttl
+        self.max_negative = max_negative
+        self._clock = clock
+        self._lock = threading.Lock()  # one S3 listing at a time
+        self._listed: dict[str, float] = {}  # namespace ("": all) -> when listed
+        self._negative: OrderedDict[Key, float] = OrderedDict()
+        self._neg_lock = threading.Lock()
+        self.probes = 0  # remote probes made (tests)
+
+    @property
+    def name(self) -> str:
+        return f"persistent {redact(self.tier.url)}"
+
+    def _unavailable(self, what: str, e: BaseException) -> TierUnavailable:
+        cause = describe_failure(e)
+        return TierUnavailable(
+            f"{TIER_UNAVAILABLE_PREFIX}{self.name}: {what} could not be looked up in the "
+            f"persistent tier ({cause}); retry once it is reachable"
+        )
+
+    def _negative_hit(self, key: Key) -> bool:
+        now = self._clock()
+        with self._neg_lock:
+            until = self._negative.get(key)
+            if until is None:
+                return False
+            if until > now:
+                return True
+            del self._negative[key]
+            return False
+
+    def _remember_missing(self, key: Key) -> None:
+        with self._neg_lock:
+            self._negative[key] = self._clock() + self.negative_ttl
+            self._negative.move_to_end(key)
+            while len(self._negative) > self.max_negative:
+                self._negative.popitem(last=False)
+
+    def probe(self, namespace: str, checkpoint_id: str) -> bool:
+        """Whether a checkpoint the catalog does not know was found durable and adopted.
+
+        Raises:
+            InvalidName: a bad namespace or id (nothing is asked).
+            TierUnavailable: the persistent tier could not be asked.
+        """
+        key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
+        if self._negative_hit(key):
+            return False
+        what = f"checkpoint {namespace}/{checkpoint_id}"
+        self.probes += 1
+        try:
+            if not self.tier.is_durable(*key):
+                self._remember_missing(key)
+                return False
+            known = set(self.catalog.committed_keys())
+            adopted = adopt_checkpoint(self.tier, self.catalog, key, known)
+        except TierckptError:
+            raise
+        except OSError as e:  # PersistentTierUnavailable, 403 (PermissionError), ...
+            raise self._unavailable(what, e) from None
+        except (ManifestError, ValueError) as e:
+            logger.error("%s: not adopted from the persistent tier: %.300s", what, e)
+            self._remember_missing(key)
+            return False
+        if adopted:
+            logger.info("adopted %s from %s (asked for it)", what, self.name)
+        elif key not in known:
+            self._remember_missing(key)
+            return False
+        return True
+
+    def mark_listed(self, namespace: str = "") -> None:
+        """This node's view of `namespace` ("": every namespace) is fresh now."""
+        with self._lock:
+            self._listed[namespace] = self._clock()
+
+    def refresh(self, namespace: str = "", max_age: float | None = None) -> int:
+        """Re-list `namespace` ("": every namespace) when this node's view is older than
+        `max_age` (default `relist_interval`); returns checkpoints adopted. An outage is
+        logged, not raised: the caller answers from what this node knows."""
+        if namespace:
+            check_namespace(namespace)
+        age = self.relist_interval if max_age is None else max_age
+        with self._lock:
+            now = self._clock()
+            last = max(self._listed.get(namespace, -1e18), self._listed.get("", -1e18))
+            if now - last < age:
+                return 0
+            try:
+                names = [namespace] if namespace else self.tier.list_namespaces()
+                adopted = sum(
+                    _adopt_ids(self.tier, self.catalog, ns, durable_ids(self.tier, ns))
+                    for ns in names
+                )
+            except OSError as e:  # an outage, a 403: answer from what this node knows
+                logger.warning(
+                    "cannot re-list %s in %s: %s", namespace or "the namespaces", self.name, e
+                )
+                adopted = 0
+            self._listed[namespace] = self._clock()  # failed too: no hammering during outage
+        if adopted:
+            logger.info("adopted %d checkpoint(s) from %s (re-listed)", adopted, self.name)
+        return adopted

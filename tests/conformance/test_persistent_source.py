@@ -1,0 +1,163 @@
+"""The FileSource contract against the persistent tier, read through `PersistentSource`:
+on ``file://`` and on S3 (moto's server over HTTP), each with the bytes stored verbatim
+and as per-item zstd frames (what a drain of a DCP file writes).
+
+Files go in through `PersistentTier.upload_files`, the drain's own upload (markers
+included); zstd items are fixed slices of each file. An outage on S3 stops the moto
+server (connections refused) and restarts it on the same port with its objects; a
+``file://`` root has no service to stop, so its outage turns the root into a path the
+OS cannot resolve (ELOOP), as a stale network mount fails with an error other than
+"not found".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierckptd.catalog import Catalog
+from tierckptd.model import FileRecord
+from tierckptd.persistent.markers import FileUpload, fingerprint
+from tierckptd.persistent.source import PersistentSource
+from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.restore import FileSource
+
+from tests.conformance.file_source_contract import Backend, FileSourceContract, expected_record
+from tests.support import moto_s3
+from tests.support.moto_s3 import FAST_FAIL_CONFIG, MotoServer, S3Bucket
+
+pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
+
+ITEM = 100_000  # bytes per zstd item (frame); odd, so items straddle blocks
+FAST_RETRY = RetryPolicy(max_attempts=2, deadline=5.0, base=0.05, cap=0.1)
+
+
+def items_of(size: int) -> list[tuple[int, int]]:
+    return [(o, min(ITEM, size - o)) for o in range(0, size, ITEM)]
+
+
+class PersistentBackend(Backend):
+    """One persistent-tier root; `down`/`up` make its outage."""
+
+    def __init__(self, url: str, compression: str, storage_options: dict[str, Any]) -> None:
+        self.compression = compression
+        self.tier = PersistentTier(
+            url, storage_options, compression=compression, retry=FAST_RETRY, max_concurrency=2
+        )
+
+    def store(
+        self, namespace: str, checkpoint_id: str, files: Mapping[str, bytes]
+    ) -> dict[str, FileRecord]:
+        records = {name: expected_record(name, data) for name, data in files.items()}
+        zstd = self.compression == "zstd"
+        self.tier.upload_files(
+            namespace,
+            checkpoint_id,
+            [
+                FileUpload(
+                    name=name,
+                    source=data,
+                    size=len(data),
+                    items=items_of(len(data)) if zstd else None,
+                    fingerprint=fingerprint(records[name]),
+                )
+                for name, data in files.items()
+            ],
+        )
+        return records
+
+    def source(self, catalog: Catalog) -> FileSource:
+        return PersistentSource(self.tier, catalog)
+
+    def _object(self, namespace: str, checkpoint_id: str, name: str) -> str:
+        return f"{self.tier.checkpoint_path(namespace, checkpoint_id)}/{name}"
+
+    def corrupt_byte(self, namespace: str, checkpoint_id: str, name: str, offset: int) -> None:
+        marker = self.tier.uploaded(namespace, checkpoint_id)[name]
+        where = offset
+        if marker.index is not None:  # the frame holding that byte: its last byte (checksum)
+            old = max(o for o in marker.index if o <= offset)
+            start, length = marker.index[old]
+            where = start + length - 1
+        path = self._object(namespace, checkpoint_id, name)
+        data = bytearray(self.tier.fs.cat_file(path))
+        data[where] ^= 0xFF
+        self.tier.fs.pipe_file(path, bytes(data))
+        self.tier.fs.invalidate_cache(path)
+
+    def lose(self, namespace: str, checkpoint_id: str, name: str) -> None:
+        path = self._object(namespace, checkpoint_id, name)
+        self.tier.fs.rm(path)
+        self.tier.fs.invalidate_cache(path)
+
+
+class FileBackend(PersistentBackend):
+    def __init__(self, root: Path, compression: str) -> None:
+        root.mkdir()
+        self.root = root
+        super().__init__(f"file://{root}", compression, {})
+
+    def outage(self) -> None:
+        self.root.rename(self.root.with_name(self.root.name + ".down"))
+        self.root.symlink_to(self.root.name)  # ELOOP for every path under it
+
+    def restore_service(self) -> None:
+        self.root.unlink()
+        self.root.with_name(self.root.name + ".down").rename(self.root)
+
+
+class S3Backend(PersistentBackend):
+    def __init__(self, server: MotoServer, bucket: str, prefix: str, compression: str) -> None:
+        self.server = server
+        options = {"endpoint_url": server.endpoint_url, "config_kwargs": dict(FAST_FAIL_CONFIG)}
+        super().__init__(f"s3://{bucket}/{prefix}", compression, options)
+
+    def outage(self) -> None:
+        self.server.stop()
+
+    def restore_service(self) -> None:
+        self.server.restart()
+
+
+@pytest.fixture(params=["none", "zstd"])
+def compression(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class TestFilePersistentSource(FileSourceContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path, compression: str) -> FileBackend:
+        return FileBackend(tmp_path / "persistent-one", compression)
+
+    @pytest.fixture
+    def other_backend(self, tmp_path: Path, compression: str) -> FileBackend:
+        return FileBackend(tmp_path / "persistent-two", compression)
+
+
+@pytest.fixture(scope="module")
+def second_moto_server() -> Iterator[MotoServer]:
+    """Another endpoint of the same moto state, so that one store's outage leaves the
+    other up."""
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+class TestS3PersistentSource(FileSourceContract):
+    @pytest.fixture
+    def backend(self, s3: S3Bucket, moto_server: MotoServer, compression: str) -> S3Backend:
+        return S3Backend(moto_server, s3.name, "one", compression)
+
+    @pytest.fixture
+    def other_backend(
+        self, s3: S3Bucket, second_moto_server: MotoServer, compression: str
+    ) -> S3Backend:
+        # moto's servers in one process share their state: the `s3` fixture's bucket
+        # (reset for each test) is there too, behind an endpoint with its own outages.
+        second_moto_server.restart()
+        return S3Backend(second_moto_server, s3.name, "two", compression)

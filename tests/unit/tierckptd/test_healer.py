@@ -1,0 +1,428 @@
+"""Healing: the pure `plan_heal`, table-driven, and the `Healer`/`Cluster` with a fake
+PeerClient (no gRPC)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import pytest
+from tierckpt.checksum import BytesLike, checksum_bytes
+from tierckpt.errors import CheckpointIncomplete
+from tierckptd.catalog import Catalog
+from tierckptd.config import PeerConfig
+from tierckptd.jobs import Heal, Repair
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
+from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
+from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.commit import claims
+from tierckptd.peers.healer import FilePush, HealPlan, plan_heal, responsible
+from tierckptd.peers.membership import Membership
+from tierckptd.peers.placement import Member, file_key, preference
+from tierckptd.restore import Restorer, no_sources
+
+from .conftest import Save, write_file
+
+
+def _file(name: str, owner: str, replicas: Iterable[str] = ()) -> FileRecord:
+    return FileRecord(
+        name=name,
+        rank=0,
+        size=4,
+        checksums=checksum_bytes(b"data", block_size=1024),
+        owner_node=owner,
+        replica_nodes=list(replicas),
+    )
+
+
+def _view(*files: FileRecord) -> CheckpointView:
+    return CheckpointView(
+        namespace="run",
+        checkpoint_id="s1",
+        state=State.COMMITTED,
+        size_bytes=4 * len(files),
+        created_unix=1.0,
+        committed_unix=2.0,
+        sequence=1,
+        pinned=False,
+        files=files,
+        local_paths={},
+    )
+
+
+def _held(*names: str, known: bool = True) -> Holdings:
+    return Holdings(known, frozenset(names))
+
+
+MEMBERS = [Member("a", "r1"), Member("b", "r2"), Member("c", "r3"), Member("d", "r1")]
+
+
+def _targets(name: str, owner: str, exclude: set[str]) -> tuple[str, ...]:
+    order = dict.fromkeys([owner, *preference(file_key("run", "s1", name), owner, MEMBERS)])
+    return tuple(n for n in order if n not in exclude)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    files: tuple[FileRecord, ...]
+    holdings: dict[str, Holdings]
+    k: int
+    me: str
+    expect: HealPlan
+
+
+# Holdings list this node first, then the reachable peers (the Healer's order).
+CASES = [
+    Case(
+        "owner pushes to its best buddies",
+        (_file("f", "a"),),
+        {"a": _held("f"), "b": _held(), "c": _held(), "d": _held()},
+        2,
+        "a",
+        HealPlan(pushes=(FilePush("f", _targets("f", "a", {"a"}), 2),), under=()),
+    ),
+    Case(
+        "healthy: nothing to do",
+        (_file("f", "a", ["b"]),),
+        {"a": _held("f"), "b": _held("f")},
+        1,
+        "a",
+        HealPlan(),
+    ),
+    Case(
+        "not responsible: the owner holds it and pushes",
+        (_file("f", "a", ["b"]),),
+        {"b": _held("f"), "a": _held("f"), "c": _held()},
+        2,
+        "b",
+        HealPlan(),
+    ),
+    Case(
+        "owner lost it: the first replica in order is responsible",
+        (_file("f", "a", ["c", "b"]),),
+        {"b": _held("f"), "a": _held(), "c": _held("f")},
+        2,
+        "c",
+        HealPlan(
+            pushes=(FilePush("f", ("a",), 1),),  # d is unreachable
+            replicas={"f": sorted(["b", "c"], key=_targets("f", "a", set()).index)},
+            under=("f",),
+        ),
+    ),
+    Case(
+        "owner lost it, another replica is responsible: not me",
+        (_file("f", "a", ["c", "b"]),),
+        {"b": _held("f"), "a": _held(), "c": _held("f")},
+        2,
+        "b",
+        HealPlan(under=("f",)),
+    ),
+    Case(
+        "nobody reachable holds it: lost",
+        (_file("f", "a", ["b"]), _file("g", "a")),
+        {"a": _held("g"), "c": _held()},
+        1,
+        "a",
+        HealPlan(
+            pushes=(FilePush("g", ("c",), 1),),
+            lost=("f",),
+            under=(),
+        ),
+    ),
+    Case(
+        "an unreachable claimed holder: under-replicated, no target",
+        (_file("f", "a", ["b"]),),
+        {"a": _held("f")},
+        1,
+        "a",
+        HealPlan(replicas={"f": []}, under=()),
+    ),
+    Case(
+        "unreachable nodes are never targets",
+        (_file("f", "a"),),
+        {"a": _held("f"), "c": _held(known=False)},
+        2,
+        "a",
+        HealPlan(pushes=(FilePush("f", ("c",), 2),)),
+    ),
+    Case(
+        "k = 0: no pushes",
+        (_file("f", "a"),),
+        {"a": _held("f"), "b": _held()},
+        0,
+        "a",
+        HealPlan(),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_plan_heal(case: Case) -> None:
+    plan = plan_heal(_view(*case.files), case.holdings, MEMBERS, case.k, case.me)
+    assert plan.pushes == case.expect.pushes
+    assert dict(plan.replicas) == dict(case.expect.replicas)
+    assert plan.lost == case.expect.lost
+    assert plan.under == case.expect.under
+    assert plan.mark == case.expect.mark
+
+
+def test_plan_heal_is_pure() -> None:
+    f = _file("f", "a", ["b"])
+    holdings = {"a": _held("f"), "c": _held()}
+    plan_heal(_view(f), holdings, MEMBERS, 2, "a")
+    assert f.replica_nodes == ["b"] and holdings == {"a": _held("f"), "c": _held()}
+
+
+def test_marks() -> None:
+    assert HealPlan(lost=("f",), under=("g",)).mark == "lost"
+    assert HealPlan(under=("g",)).mark == "under-replicated"
+    assert HealPlan().mark == ""
+
+
+def test_responsible() -> None:
+    f = _file("f", "a", ["c", "b"])
+    assert responsible(f, ["a", "b"], "a")
+    assert not responsible(f, ["a", "b"], "b")
+    assert responsible(f, ["b", "c"], "c")  # replica order, not ids
+    assert responsible(_file("f", "a"), ["d", "b"], "b")  # then by id
+
+
+def test_claims_refuse_conflicts_and_invalid_answers() -> None:
+    f_b = _file("x", "anyone")
+    f_c = FileRecord("x", 0, 5, checksums=checksum_bytes(b"other", block_size=1024))
+    held = {"b": Holdings(True, frozenset({"x"}), (f_b,))}
+    remote = claims("run", "s1", held, {"x"})
+    assert remote["x"].owner_node == "b"  # the node that answered, whatever it says
+    held["c"] = Holdings(True, frozenset({"x"}), (f_c,))
+    with pytest.raises(CheckpointIncomplete, match="different contents"):
+        claims("run", "s1", held, {"x"})
+    bad = {"b": Holdings(True, frozenset({"x"}), None, "bad checksums")}
+    assert claims("run", "s1", bad, {"x"}) == {}
+
+
+# ---- the Healer and Cluster with a fake PeerClient ---------------------------------------
+
+
+class FakePeers(PeerClient):
+    """Peers in memory: what each holds, which are down, what was pushed."""
+
+    def __init__(self, me: str, peers: dict[str, str]) -> None:
+        super().__init__(
+            Membership(me, "r1", peers=[PeerConfig(n, "x:1", d) for n, d in peers.items()])
+        )
+        self.held: dict[str, dict[str, bytes]] = {n: {} for n in peers}
+        self.knows: dict[str, bool] = {n: False for n in peers}
+        self.down: set[str] = set()
+        self.corrupt_on: set[str] = set()
+        self.pushed: list[tuple[str, str]] = []
+        self.published: list[str] = []
+        self.replicas: list[tuple[str, str, list[str]]] = []
+
+    def _up(self, node: str, method: str) -> None:
+        if node in self.down:
+            raise PeerCallError(node, method, "UNAVAILABLE", "down")
+
+    def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
+        self._up(node, "Holdings")
+        return Holdings(self.knows[node], frozenset(self.held[node]))
+
+    def publish(self, node: str, view: CheckpointView) -> None:
+        self._up(node, "PublishCheckpoint")
+        self.published.append(node)
+        self.knows[node] = True
+
+    def update_replicas(
+        self, node: str, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
+    ) -> None:
+        self._up(node, "UpdateReplicas")
+        self.replicas.append((node, name, list(replicas)))
+
+    def list_manifests(
+        self, node: str, namespace: str = "", *, wait_for_ready: bool = True
+    ) -> Manifests:
+        self._up(node, "ListManifests")
+        return Manifests([], [])
+
+    def fetch(
+        self, node: str, namespace: str, checkpoint_id: str, name: str
+    ) -> Iterator[tuple[int, memoryview]]:
+        self._up(node, "FetchFile")
+        yield 0, memoryview(self.held[node][name])
+
+    def push(
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        f: FileRecord,
+        pieces: Iterable[tuple[int, BytesLike]],
+    ) -> None:
+        self._up(node, "PushFile")
+        if node in self.corrupt_on:
+            raise PeerCallError(node, "PushFile", "DATA_LOSS", "block 0 mismatch")
+        data = b"".join(bytes(d) for _, d in pieces)
+        self.held[node][f.name] = data
+        self.pushed.append((node, f.name))
+
+
+PEERS = {"b": "r2", "c": "r3"}
+
+
+def _cluster(catalog: Catalog, fake: FakePeers) -> Cluster:
+    return Cluster(catalog, Restorer(catalog, no_sources), client=fake, heal_interval=0)
+
+
+def test_a_commit_publishes_and_heal_pushes_each_file_to_k_buddies(
+    catalog: Catalog, save: Save
+) -> None:
+    fake = FakePeers("node-a", PEERS)
+    fake.membership.configure([PeerConfig(n, "x:1", d) for n, d in PEERS.items()], 2)
+    cluster = _cluster(catalog, fake)
+    assert catalog.replica_target == 2
+    save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 3000})
+    cluster.heal("run", "s1")
+    assert sorted(fake.pushed) == sorted(
+        (n, f) for n in ("b", "c") for f in (".metadata", "__0_0.distcp")
+    )
+    assert fake.held["b"]["__0_0.distcp"] == b"x" * 3000
+    assert sorted(fake.published) == ["b", "c"]  # once per node, not once per file
+    view = catalog.get("run", "s1")
+    assert all(sorted(f.replica_nodes) == ["b", "c"] for f in view.files)
+    assert view.state is State.REPLICATED
+    assert cluster.healer.mark("run", "s1") == ""
+    # Every file's new replica list was told to every peer.
+    assert {(n, name) for n, name, _ in fake.replicas} == {
+        (n, f) for n in ("b", "c") for f in (".metadata", "__0_0.distcp")
+    }
+    fake.pushed.clear()
+    cluster.heal("run", "s1")
+    assert fake.pushed == []  # healthy: nothing to push
+
+
+def test_an_unreachable_peer_leaves_it_under_replicated_until_it_is_back(
+    catalog: Catalog, save: Save
+) -> None:
+    fake = FakePeers("node-a", {"b": "r2"})
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    fake.down.add("b")
+    cluster.heal("run", "s1")
+    assert fake.pushed == []
+    assert cluster.healer.mark("run", "s1") == ""  # no claimed holder missing: k capped
+    fake.down.clear()
+    cluster.heal("run", "s1")
+    assert fake.pushed == [("b", "__0_0.distcp")]
+    catalog_view = catalog.get("run", "s1")
+    assert catalog_view.files[0].replica_nodes == ["b"]
+    fake.down.add("b")
+    cluster.heal("run", "s1")
+    # The owner records the copies it can see: none now (shown, not marked: the only
+    # other node is down, so no push could help).
+    assert catalog.get("run", "s1").files[0].replica_nodes == []
+    assert cluster.healer.mark("run", "s1") == ""
+
+
+def test_a_file_whose_owner_lost_it_is_marked_under_replicated(catalog: Catalog) -> None:
+    fake = FakePeers("node-a", {"b": "r2", "c": "r3"})
+    cluster = _cluster(catalog, fake)
+    f = _file("__1_0.distcp", "b", ["node-a"])
+    f.held = False
+    rec = CheckpointRecord("run", "s2", State.COMMITTED, 1.0, "", 2.0, 5)
+    meta = _file(".metadata", "b")
+    meta.held = False
+    rec.files = {f.name: f, meta.name: meta}
+    assert catalog.publish(rec)
+    fake.knows["b"] = True
+    fake.held["b"] = {".metadata": b"data"}
+    cluster.heal("run", "s2")
+    assert cluster.healer.mark("run", "s2") == "lost"  # nobody reachable holds __1_0
+    assert "lost" in catalog.get("run", "s2").tiers
+    fake.held["b"]["__1_0.distcp"] = b"data"
+    fake.down.add("b")
+    fake.held["c"] = {"__1_0.distcp": b"data", ".metadata": b"data"}
+    cluster.heal("run", "s2")
+    assert cluster.healer.mark("run", "s2") == "under-replicated"  # owner b unreachable
+    assert "under-replicated" in catalog.get("run", "s2").tiers
+    fake.down.clear()
+    cluster.heal("run", "s2")
+    assert cluster.healer.mark("run", "s2") == ""
+
+
+def test_a_push_refused_as_corrupt_drops_our_copy_only_if_it_is(
+    catalog: Catalog, save: Save
+) -> None:
+    fake = FakePeers("node-a", {"b": "r2"})
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    fake.corrupt_on.add("b")
+    cluster.heal("run", "s1")  # the receiver said DATA_LOSS, but our copy verifies
+    assert catalog.get("run", "s1").local_paths["__0_0.distcp"]
+    path = catalog.get("run", "s1").local_paths["__0_0.distcp"]
+    with open(path, "r+b") as fh:
+        fh.write(b"y")
+    cluster.heal("run", "s1")
+    assert not catalog.get("run", "s1").local_paths["__0_0.distcp"]  # dropped
+    assert cluster.jobs.pending() == [Repair("run", "s1", "__0_0.distcp")]
+
+
+def test_commit_collects_peer_files_and_queues_a_heal(catalog: Catalog, save: Save) -> None:
+    fake = FakePeers("node-a", {"b": "r2", "c": "r3"})
+    cluster = _cluster(catalog, fake)
+    remote = _file("__1_0.distcp", "b")
+    fake.held["b"]["__1_0.distcp"] = b"data"
+
+    def holdings(node: str, namespace: str, checkpoint_id: str) -> Holdings:
+        fake._up(node, "Holdings")
+        files = (remote,) if node == "b" else ()
+        return Holdings(False, frozenset(f.name for f in files), files)
+
+    fake.holdings = holdings  # type: ignore[method-assign]
+    fake.down.add("c")
+    catalog.begin("run", "s1", 0)
+    catalog.reserve("run", "s1", 0, 1)
+    write_file(catalog, "run", "s1", ".metadata", b"m")
+    view = cluster.commit("run", "s1", [".metadata", "__1_0.distcp"])
+    assert view.state is State.COMMITTED
+    owners = {f.name: f.owner_node for f in view.files}
+    assert owners == {".metadata": "node-a", "__1_0.distcp": "b"}
+    assert fake.published == ["b"]  # c is down: logged, the commit still succeeds
+    assert cluster.jobs.pending() == [Heal("run", "s1")]
+
+
+def test_repair_jobs_go_through_the_restorer(catalog: Catalog, save: Save) -> None:
+    asked: list[tuple[str, str, str, bool]] = []
+
+    class Recording(Restorer):
+        def ensure_local(
+            self, namespace: str, checkpoint_id: str, name: str, repair: bool = False
+        ) -> tuple[FileRecord, str]:
+            asked.append((namespace, checkpoint_id, name, repair))
+            return super().ensure_local(namespace, checkpoint_id, name, repair)
+
+    fake = FakePeers("node-a", {"b": "r2"})
+    cluster = Cluster(catalog, Recording(catalog, no_sources), client=fake, heal_interval=0)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    cluster.corrupt("run", "s1", "__0_0.distcp", "test", where="served")
+    assert cluster.jobs.pending() == [Repair("run", "s1", "__0_0.distcp")]
+    cluster.corrupt("run", "s1", "__0_0.distcp", "again", where="served")  # already dropped
+    assert cluster.jobs.run_due() == 1
+    assert asked == [("run", "s1", "__0_0.distcp", False)]  # failed NOT_FOUND: logged only
+
+
+def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
+    fake = FakePeers("node-a", {"b": "r2", "c": "r3"})
+    fake.down.add("b")
+    rec = CheckpointRecord("run", "s9", State.COMMITTED, 1.0, "", 2.0, 5)
+    meta = _file(".metadata", "c")
+    meta.held = False
+    rec.files = {meta.name: meta}
+
+    def manifests(node: str, namespace: str = "", *, wait_for_ready: bool = True) -> Manifests:
+        fake._up(node, "ListManifests")
+        return Manifests([rec], ["a refused one"])
+
+    fake.list_manifests = manifests  # type: ignore[method-assign]
+    cluster = _cluster(catalog, fake)
+    assert cluster.pull_manifests() == 1
+    assert catalog.get("run", "s9").files[0].owner_node == "c"

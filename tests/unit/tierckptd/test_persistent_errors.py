@@ -1,0 +1,101 @@
+"""How PersistentSource classifies the persistent tier's failures for the restore chain:
+missing -> CheckpointNotFound, unreachable or refused (403) -> SourceUnavailable naming
+the S3 error, damaged -> ChecksumMismatch. A real `file://` tier with one method
+replaced by a failing one (the S3 errors themselves are in the integration tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tierckpt.checksum import checksum_bytes
+from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
+from tierckptd.errors import SourceUnavailable
+from tierckptd.model import FileRecord
+from tierckptd.persistent.markers import UploadedFile
+from tierckptd.persistent.retry import PersistentTierUnavailable
+from tierckptd.persistent.source import PersistentSource, describe_failure
+from tierckptd.persistent.store import PersistentTier, RetryPolicy
+
+NS, CID = "run9", "step-000001"
+FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
+
+
+class ClientError(Exception):
+    """Shaped like botocore's: the S3 error code in `response`."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(f"An error occurred ({code})")
+        self.response = {"Error": {"Code": code, "Message": "..."}}
+
+
+def _record(name: str, data: bytes) -> FileRecord:
+    return FileRecord(name=name, size=len(data), checksums=checksum_bytes(data), rank=0)
+
+
+def _source(tmp_path: Path, **failing: Any) -> PersistentSource:
+    tier = PersistentTier(f"file://{tmp_path / 'store'}", retry=FAST, compression="none")
+    for method, exc in failing.items():
+
+        def fail(*args: Any, _exc: BaseException = exc, **kwargs: Any) -> Any:
+            raise _exc
+
+        setattr(tier, method, fail)
+    return PersistentSource(tier, None)
+
+
+def _drain(source: PersistentSource, f: FileRecord) -> bytes:
+    return b"".join(bytes(d) for _, d in source.chunks(NS, CID, f))
+
+
+def test_name_redacts_credentials(tmp_path: Path) -> None:
+    tier = PersistentTier(f"file://{tmp_path / 'store'}")
+    assert PersistentSource(tier).name == f"persistent file://{tmp_path / 'store'}"
+
+
+@pytest.mark.parametrize(
+    ("error", "cause"),
+    [
+        (PermissionError(13, "Access Denied"), "AccessDenied"),
+        (ClientError("InvalidAccessKeyId"), "InvalidAccessKeyId"),
+        (PersistentTierUnavailable("gave up"), "PersistentTierUnavailable"),
+        (ConnectionRefusedError(111, "Connection refused"), "connection refused"),
+    ],
+)
+def test_an_unreachable_or_refusing_tier_is_unavailable(
+    tmp_path: Path, error: BaseException, cause: str
+) -> None:
+    source = _source(tmp_path, uploaded=error, read_bookkeeping=error)
+    for f in (_record("__0_0.distcp", b"x"), _record(".metadata", b"m")):
+        with pytest.raises(SourceUnavailable) as caught:
+            _drain(source, f)
+        assert caught.value.source == source.name
+        assert cause in caught.value.cause
+
+
+def test_the_cause_follows_the_chain_to_the_s3_error() -> None:
+    try:
+        try:
+            raise ClientError("AccessDenied")
+        except ClientError as inner:
+            raise PersistentTierUnavailable("read failed 4 times") from inner
+    except PersistentTierUnavailable as e:
+        assert describe_failure(e).startswith("AccessDenied")
+
+
+def test_missing_is_not_found_and_damaged_is_a_mismatch(tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    with pytest.raises(CheckpointNotFound):
+        _drain(source, _record("__0_0.distcp", b"x"))
+    with pytest.raises(CheckpointNotFound):
+        _drain(source, _record(".metadata", b"m"))
+    data = b"0123456789"
+    marker = UploadedFile(
+        name="__0_0.distcp", source_size=len(data), size=len(data), compression="none"
+    )
+    tier = source.tier
+    tier.uploaded = lambda *_: {"__0_0.distcp": marker}  # type: ignore[method-assign]
+    # The object is shorter than its marker says (read_range raises EOFError).
+    with pytest.raises(ChecksumMismatch):
+        _drain(source, _record("__0_0.distcp", data))
