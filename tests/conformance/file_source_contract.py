@@ -11,8 +11,9 @@ What is checked (server/tierckptd/restore.py's docstring is the contract):
   and a file of any size (empty, one byte, exactly one block, a short last block, many
   blocks, more than one read of the tier) lands bit-exact through a real `Restorer`
   into a fresh memory tier (another node's catalog and memory dir);
-- a source installs nothing itself and holds no lock across a yield (two readers of one
-  file interleave);
+- a source installs nothing itself, holds no lock across a yield (two readers of one
+  file interleave) and lets go of a read given up half way (the restorer stops at the
+  first bad block); a corrupt local copy is repaired from it;
 - a flipped byte in the source's copy is caught (by the source or where the bytes land):
   DATA_LOSS only when every copy found is corrupt, and nothing is installed;
 - a lost copy is NOT_FOUND (`CheckpointNotFound`) naming the source;
@@ -26,11 +27,13 @@ What is checked (server/tierckptd/restore.py's docstring is the contract):
 from __future__ import annotations
 
 import abc
+import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 from tierckpt.checksum import checksum_bytes
@@ -45,19 +48,21 @@ from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.restore import FileSource, Outcome, Restorer
 
-from tests.support.source_nodes import MemoryNode, file_bytes
+from tests.support.source_nodes import MemoryNode, file_bytes, flip_byte
 
 __all__ = [
+    "BIG",
     "BLOCK",
+    "OUTAGE_REPORTED_WITHIN",
     "Backend",
     "FileSourceContract",
     "RestoringNode",
     "expected_record",
     "files_of",
+    "within",
 ]
 
 BLOCK = 64 << 10  # the smallest block a peer accepts (model.MIN_BLOCK_SIZE)
-NS = "conformance"
 ODD = "__0_0.distcp"  # several blocks, odd size: a short last block
 EMPTY = "__1_0.distcp"
 ONE_BLOCK = "__2_0.distcp"
@@ -75,11 +80,27 @@ ALL_SIZES = {**SIZES, BIG: (9 << 20) + 3}
 OUTAGE_REPORTED_WITHIN = 20.0  # seconds: a source must give up on a dead tier, not hang
 BACK_WITHIN = 15.0  # seconds the same source may take to serve again after an outage
 
+# More reads given up than a peer admits from one node at once (MAX_PER_PEER = 12).
+ABANDONED_READS = 16
+
 T = TypeVar("T")
+_namespaces = itertools.count()
 
 
-def files_of(checkpoint_id: str, sizes: Mapping[str, int] = SIZES) -> dict[str, bytes]:
-    return {name: file_bytes(NS, checkpoint_id, name, size) for name, size in sizes.items()}
+def fresh_namespace() -> str:
+    """A namespace no other test of this run uses: a backend may keep its store (a
+    daemon, a bucket) across tests, and each test's checkpoints stay its own."""
+    return f"conformance-{os.getpid()}-{next(_namespaces)}"
+
+
+def only(*names: str) -> dict[str, int]:
+    return {name: SIZES[name] for name in names}
+
+
+def files_of(
+    namespace: str, checkpoint_id: str, sizes: Mapping[str, int] = SIZES
+) -> dict[str, bytes]:
+    return {name: file_bytes(namespace, checkpoint_id, name, size) for name, size in sizes.items()}
 
 
 def expected_record(name: str, data: bytes, owner: str = "") -> FileRecord:
@@ -132,10 +153,10 @@ class RestoringNode:
     def __init__(self, root: Path, node_id: str = "node-dest") -> None:
         self.node = MemoryNode(root, node_id, block_size=BLOCK)
         self.catalog = self.node.catalog
+        self.ns = fresh_namespace()
 
-    def publish(
-        self, checkpoint_id: str, records: Mapping[str, FileRecord], namespace: str = NS
-    ) -> None:
+    def publish(self, checkpoint_id: str, records: Mapping[str, FileRecord]) -> None:
+        namespace = self.ns
         now = time.time()
         files = {
             name: FileRecord(
@@ -159,7 +180,8 @@ class RestoringNode:
     def restorer(self, *sources: FileSource) -> Restorer:
         return Restorer(self.catalog, lambda ns, cid, f: list(sources))
 
-    def assert_nothing_installed(self, checkpoint_id: str, name: str, namespace: str = NS) -> None:
+    def assert_nothing_installed(self, checkpoint_id: str, name: str) -> None:
+        namespace = self.ns
         _, path = self.catalog.file_view(namespace, checkpoint_id, name)
         assert path == "", f"{name} was installed: {path}"
         assert not self.catalog.tier.file_path(namespace, checkpoint_id, name).exists()
@@ -170,10 +192,10 @@ class RestoringNode:
         self.node.close()
 
 
-def read_all(source: FileSource, checkpoint_id: str, f: FileRecord) -> bytes:
+def read_all(source: FileSource, namespace: str, checkpoint_id: str, f: FileRecord) -> bytes:
     """The source's bytes of `f`, checking the pieces' offsets on the way."""
     out = bytearray()
-    for offset, data in source.chunks(NS, checkpoint_id, f):
+    for offset, data in source.chunks(namespace, checkpoint_id, f):
         assert offset == len(out), (
             f"{source.name}: piece at offset {offset} after {len(out)} bytes "
             "(pieces must come in order, without gaps or overlaps)"
@@ -202,29 +224,39 @@ def within(seconds: float, fn: Callable[[], T], what: str) -> T:
     return result[0]
 
 
-def ensure_local(restorer: Restorer, checkpoint_id: str, name: str) -> tuple[FileRecord, str]:
+def ensure_local(
+    node: RestoringNode, restorer: Restorer, checkpoint_id: str, name: str
+) -> tuple[FileRecord, str]:
     return within(
         OUTAGE_REPORTED_WITHIN,
-        lambda: restorer.ensure_local(NS, checkpoint_id, name),
+        lambda: restorer.ensure_local(node.ns, checkpoint_id, name),
         f"ensure_local of {name}",
     )
 
 
-def assert_lands(node: RestoringNode, restorer: Restorer, checkpoint_id: str, data: bytes, name: str) -> None:
-    f, path = ensure_local(restorer, checkpoint_id, name)
+def assert_lands(
+    node: RestoringNode, restorer: Restorer, checkpoint_id: str, data: bytes, name: str
+) -> None:
+    f, path = ensure_local(node, restorer, checkpoint_id, name)
     assert path and f.size == len(data)
     assert Path(path).read_bytes() == data
-    assert node.catalog.file_view(NS, checkpoint_id, name)[1] == path
-    ok, why = node.catalog.tier.verify_file(Path(path), f.size, f.checksums)  # type: ignore[arg-type]
+    assert node.catalog.file_view(node.ns, checkpoint_id, name)[1] == path
+    assert f.checksums is not None
+    ok, why = node.catalog.tier.verify_file(Path(path), f.size, f.checksums)
     assert ok, why
 
 
 def raises_naming(
-    kind: type[Exception], restorer: Restorer, checkpoint_id: str, name: str, sources: Sequence[str]
+    kind: type[Exception],
+    node: RestoringNode,
+    restorer: Restorer,
+    checkpoint_id: str,
+    name: str,
+    sources: Sequence[str],
 ) -> Exception:
     """The restore fails with exactly `kind` and the error names every source tried."""
     with pytest.raises(Exception) as caught:
-        ensure_local(restorer, checkpoint_id, name)
+        ensure_local(node, restorer, checkpoint_id, name)
     e = caught.value
     assert type(e) is kind, f"expected {kind.__name__}, got {type(e).__name__}: {e}"
     message = str(e)
@@ -242,9 +274,15 @@ class FileSourceContract:
         yield node
         node.close()
 
-    def stored(self, backend: Backend, node: RestoringNode, checkpoint_id: str, sizes: Mapping[str, int] = SIZES) -> dict[str, bytes]:
-        files = files_of(checkpoint_id, sizes)
-        records = backend.store(NS, checkpoint_id, files)
+    def stored(
+        self,
+        backend: Backend,
+        node: RestoringNode,
+        checkpoint_id: str,
+        sizes: Mapping[str, int] = SIZES,
+    ) -> dict[str, bytes]:
+        files = files_of(node.ns, checkpoint_id, sizes)
+        records = backend.store(node.ns, checkpoint_id, files)
         assert set(records) == set(files)
         for name, data in files.items():
             want = expected_record(name, data)
@@ -273,7 +311,7 @@ class FileSourceContract:
         # Memory first: a held file is not asked of the tier again, even when it is down.
         backend.outage()
         for name, data in files.items():
-            _, path = ensure_local(restorer, "step-1", name)
+            _, path = ensure_local(node, restorer, "step-1", name)
             assert Path(path).read_bytes() == data
 
     def test_chunks_cover_the_file_exactly_at_increasing_offsets(
@@ -282,13 +320,11 @@ class FileSourceContract:
         files = self.stored(backend, node, "step-1", ALL_SIZES)
         source = backend.source(node.catalog)
         for name, data in files.items():
-            f, _ = node.catalog.file_view(NS, "step-1", name)
-            assert read_all(source, "step-1", f) == data, name
+            f, _ = node.catalog.file_view(node.ns, "step-1", name)
+            assert read_all(source, node.ns, "step-1", f) == data, name
             node.assert_nothing_installed("step-1", name)  # a source never installs
 
-    def test_each_checkpoint_has_its_own_bytes(
-        self, backend: Backend, node: RestoringNode
-    ) -> None:
+    def test_each_checkpoint_has_its_own_bytes(self, backend: Backend, node: RestoringNode) -> None:
         sizes = {ODD: SIZES[ODD]}
         first = self.stored(backend, node, "step-1", sizes)
         second = self.stored(backend, node, "step-2", sizes)
@@ -302,11 +338,11 @@ class FileSourceContract:
     ) -> None:
         files = self.stored(backend, node, "step-1", {MANY: SIZES[MANY]})
         source = backend.source(node.catalog)
-        f, _ = node.catalog.file_view(NS, "step-1", MANY)
+        f, _ = node.catalog.file_view(node.ns, "step-1", MANY)
 
         def interleave() -> tuple[bytes, bytes]:
             outs = (bytearray(), bytearray())
-            readers = [iter(source.chunks(NS, "step-1", f)) for _ in outs]
+            readers = [iter(source.chunks(node.ns, "step-1", f)) for _ in outs]
             live = [0, 1]
             while live:
                 for i in list(live):
@@ -321,6 +357,47 @@ class FileSourceContract:
         one, two = within(30, interleave, "two interleaved readers (a lock held across a yield?)")
         assert one == two == files[MANY]
 
+    def test_a_corrupt_local_copy_is_repaired_from_the_source(
+        self, backend: Backend, node: RestoringNode
+    ) -> None:
+        files = self.stored(backend, node, "step-1", only(ODD))
+        dropped: list[str] = []
+        restorer = Restorer(
+            node.catalog,
+            lambda ns, cid, f: [backend.source(node.catalog)],
+            on_corrupt_local=lambda ns, cid, name, why: dropped.append(name),
+        )
+        _, path = ensure_local(node, restorer, "step-1", ODD)
+        flip_byte(path, SIZES[ODD] // 2)
+        _, same = ensure_local(node, restorer, "step-1", ODD)  # no repair asked: as held
+        assert same == path
+        f, path = within(
+            OUTAGE_REPORTED_WITHIN,
+            lambda: restorer.ensure_local(node.ns, "step-1", ODD, repair=True),
+            "repair",
+        )
+        assert dropped == [ODD]
+        assert Path(path).read_bytes() == files[ODD]
+
+    def test_reads_given_up_half_way_leave_the_source_serving(
+        self, backend: Backend, node: RestoringNode
+    ) -> None:
+        # The restorer stops reading a source at the first bad block (the generator is
+        # closed); a source must let go of what it holds for the read (a stream, an
+        # admission slot, a file) so that the next restores are served.
+        files = self.stored(backend, node, "step-1", {MANY: SIZES[MANY], ODD: SIZES[ODD]})
+        source = backend.source(node.catalog)
+        f, _ = node.catalog.file_view(node.ns, "step-1", MANY)
+        for _ in range(ABANDONED_READS):
+            reader = iter(source.chunks(node.ns, "step-1", f))
+            offset, data = next(reader)
+            assert offset == 0 and bytes(data) == files[MANY][: len(data)]
+            getattr(reader, "close", lambda: None)()  # what a for loop's exit does
+            del reader
+        restorer = node.restorer(source)
+        assert_lands(node, restorer, "step-1", files[MANY], MANY)
+        assert_lands(node, restorer, "step-1", files[ODD], ODD)
+
     def test_concurrent_restores_of_one_file_share_one_copy(
         self, backend: Backend, node: RestoringNode
     ) -> None:
@@ -330,7 +407,7 @@ class FileSourceContract:
 
         def restore() -> None:
             try:
-                results.append(restorer.ensure_local(NS, "step-1", MANY))
+                results.append(restorer.ensure_local(node.ns, "step-1", MANY))
             except BaseException as e:
                 results.append(e)
 
@@ -359,44 +436,46 @@ class FileSourceContract:
     def test_a_flipped_byte_is_data_loss_and_nothing_is_installed(
         self, backend: Backend, node: RestoringNode, name: str, offset: int
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        backend.corrupt_byte(NS, "step-1", name, offset)
+        other = ODD if name != ODD else ONE_BYTE
+        files = self.stored(backend, node, "step-1", only(name, other))
+        backend.corrupt_byte(node.ns, "step-1", name, offset)
         source = backend.source(node.catalog)
         restorer = node.restorer(source)
-        e = raises_naming(ChecksumMismatch, restorer, "step-1", name, [source.name])
+        e = raises_naming(ChecksumMismatch, node, restorer, "step-1", name, [source.name])
         assert f"{source.name}: {Outcome.CORRUPT.value}" in str(e)
         node.assert_nothing_installed("step-1", name)
         # Read directly, the source says so (or, having found its copy corrupt, that it
         # holds none any more), or hands out bytes that differ.
-        f, _ = node.catalog.file_view(NS, "step-1", name)
+        f, _ = node.catalog.file_view(node.ns, "step-1", name)
         try:
-            got = read_all(source, "step-1", f)
+            got = read_all(source, node.ns, "step-1", f)
         except (ChecksumMismatch, CheckpointNotFound):
             pass
         else:
             assert got != files[name], "the corrupt copy read back as the original"
         # The other files of the checkpoint are untouched.
-        other = ODD if name != ODD else MANY
         assert_lands(node, restorer, "step-1", files[other], other)
 
     def test_a_corrupt_copy_then_a_good_one_lands_the_good_one(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        assert other_backend.store(NS, "step-1", files)
-        backend.corrupt_byte(NS, "step-1", MANY, 7 * BLOCK)
+        files = self.stored(backend, node, "step-1", only(MANY))
+        assert other_backend.store(node.ns, "step-1", files)
+        backend.corrupt_byte(node.ns, "step-1", MANY, 7 * BLOCK)
         restorer = node.restorer(backend.source(node.catalog), other_backend.source(node.catalog))
         assert_lands(node, restorer, "step-1", files[MANY], MANY)
 
     def test_every_copy_corrupt_is_data_loss_naming_each(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        assert other_backend.store(NS, "step-1", files)
-        backend.corrupt_byte(NS, "step-1", ODD, 0)
-        other_backend.corrupt_byte(NS, "step-1", ODD, 2 * BLOCK + 5)
+        files = self.stored(backend, node, "step-1", only(ODD))
+        assert other_backend.store(node.ns, "step-1", files)
+        backend.corrupt_byte(node.ns, "step-1", ODD, 0)
+        other_backend.corrupt_byte(node.ns, "step-1", ODD, 2 * BLOCK + 5)
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
-        e = raises_naming(ChecksumMismatch, node.restorer(a, b), "step-1", ODD, [a.name, b.name])
+        e = raises_naming(
+            ChecksumMismatch, node, node.restorer(a, b), "step-1", ODD, [a.name, b.name]
+        )
         assert f"{a.name}: {Outcome.CORRUPT.value}" in str(e)
         assert f"{b.name}: {Outcome.CORRUPT.value}" in str(e)
         node.assert_nothing_installed("step-1", ODD)
@@ -404,10 +483,12 @@ class FileSourceContract:
     def test_a_corrupt_copy_and_a_missing_one_is_data_loss_naming_both(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        self.stored(backend, node, "step-1")
-        backend.corrupt_byte(NS, "step-1", ODD, BLOCK)
+        self.stored(backend, node, "step-1", only(ODD))
+        backend.corrupt_byte(node.ns, "step-1", ODD, BLOCK)
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
-        e = raises_naming(ChecksumMismatch, node.restorer(b, a), "step-1", ODD, [a.name, b.name])
+        e = raises_naming(
+            ChecksumMismatch, node, node.restorer(b, a), "step-1", ODD, [a.name, b.name]
+        )
         assert f"{b.name}: {Outcome.MISSING.value}" in str(e)
         node.assert_nothing_installed("step-1", ODD)
 
@@ -416,37 +497,39 @@ class FileSourceContract:
     def test_a_lost_copy_is_not_found_naming_the_source(
         self, backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        backend.lose(NS, "step-1", ODD)
+        files = self.stored(backend, node, "step-1", only(ODD, ONE_BLOCK))
+        backend.lose(node.ns, "step-1", ODD)
         source = backend.source(node.catalog)
         restorer = node.restorer(source)
-        e = raises_naming(CheckpointNotFound, restorer, "step-1", ODD, [source.name])
+        e = raises_naming(CheckpointNotFound, node, restorer, "step-1", ODD, [source.name])
         assert f"{source.name}: {Outcome.MISSING.value}" in str(e)
         node.assert_nothing_installed("step-1", ODD)
-        f, _ = node.catalog.file_view(NS, "step-1", ODD)
+        f, _ = node.catalog.file_view(node.ns, "step-1", ODD)
         with pytest.raises(CheckpointNotFound):
-            read_all(source, "step-1", f)
-        assert_lands(node, restorer, "step-1", files[MANY], MANY)  # the others are there
+            read_all(source, node.ns, "step-1", f)
+        assert_lands(node, restorer, "step-1", files[ONE_BLOCK], ONE_BLOCK)  # the others are
 
     def test_a_file_never_stored_is_not_found(self, backend: Backend, node: RestoringNode) -> None:
         self.stored(backend, node, "step-1", {ODD: SIZES[ODD]})
         source = backend.source(node.catalog)
-        data = files_of("step-9", {ODD: SIZES[ODD]})[ODD]
+        data = files_of(node.ns, "step-9", {ODD: SIZES[ODD]})[ODD]
         node.publish("step-9", {ODD: expected_record(ODD, data, owner="node-gone")})
         with pytest.raises(CheckpointNotFound):
-            read_all(source, "step-9", expected_record(ODD, data))
-        raises_naming(CheckpointNotFound, node.restorer(source), "step-9", ODD, [source.name])
+            read_all(source, node.ns, "step-9", expected_record(ODD, data))
+        raises_naming(CheckpointNotFound, node, node.restorer(source), "step-9", ODD, [source.name])
         node.assert_nothing_installed("step-9", ODD)
 
     def test_missing_everywhere_is_not_found_naming_each(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        self.stored(backend, node, "step-1")
-        assert other_backend.store(NS, "step-1", files_of("step-1"))
-        backend.lose(NS, "step-1", MANY)
-        other_backend.lose(NS, "step-1", MANY)
+        files = self.stored(backend, node, "step-1", only(MANY))
+        assert other_backend.store(node.ns, "step-1", files)
+        backend.lose(node.ns, "step-1", MANY)
+        other_backend.lose(node.ns, "step-1", MANY)
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
-        raises_naming(CheckpointNotFound, node.restorer(a, b), "step-1", MANY, [a.name, b.name])
+        raises_naming(
+            CheckpointNotFound, node, node.restorer(a, b), "step-1", MANY, [a.name, b.name]
+        )
         node.assert_nothing_installed("step-1", MANY)
 
     # ---- outages ----------------------------------------------------------------------
@@ -454,18 +537,18 @@ class FileSourceContract:
     def test_an_outage_is_unavailable_naming_the_source_then_it_serves_again(
         self, backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
+        files = self.stored(backend, node, "step-1", only(ODD))
         source = backend.source(node.catalog)
         restorer = node.restorer(source)
         backend.outage()
         started = time.monotonic()
-        e = raises_naming(TierUnavailable, restorer, "step-1", ODD, [source.name])
+        e = raises_naming(TierUnavailable, node, restorer, "step-1", ODD, [source.name])
         assert str(e).startswith(f"{TIER_UNAVAILABLE_PREFIX}{source.name}"), str(e)
         assert time.monotonic() - started < OUTAGE_REPORTED_WITHIN
         node.assert_nothing_installed("step-1", ODD)
-        f, _ = node.catalog.file_view(NS, "step-1", ODD)
+        f, _ = node.catalog.file_view(node.ns, "step-1", ODD)
         with pytest.raises(SourceUnavailable) as down:
-            within(OUTAGE_REPORTED_WITHIN, lambda: read_all(source, "step-1", f), "chunks")
+            within(OUTAGE_REPORTED_WITHIN, lambda: read_all(source, node.ns, "step-1", f), "chunks")
         assert down.value.source == source.name
         backend.restore_service()
         # The same source object serves again (a client retries UNAVAILABLE).
@@ -477,17 +560,19 @@ class FileSourceContract:
             except TierUnavailable:
                 assert time.monotonic() < deadline, "the source did not come back"
                 time.sleep(0.2)
-        assert read_all(source, "step-1", f) == files[ODD]
+        assert read_all(source, node.ns, "step-1", f) == files[ODD]
 
     def test_an_outage_and_a_corrupt_copy_is_unavailable_not_data_loss(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        assert other_backend.store(NS, "step-1", files)
-        backend.corrupt_byte(NS, "step-1", ODD, 3)
+        files = self.stored(backend, node, "step-1", only(ODD))
+        assert other_backend.store(node.ns, "step-1", files)
+        backend.corrupt_byte(node.ns, "step-1", ODD, 3)
         other_backend.outage()
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
-        e = raises_naming(TierUnavailable, node.restorer(a, b), "step-1", ODD, [a.name, b.name])
+        e = raises_naming(
+            TierUnavailable, node, node.restorer(a, b), "step-1", ODD, [a.name, b.name]
+        )
         assert f"{a.name}: {Outcome.CORRUPT.value}" in str(e)
         assert f"{b.name}: {Outcome.UNAVAILABLE.value}" in str(e)
         node.assert_nothing_installed("step-1", ODD)
@@ -495,12 +580,8 @@ class FileSourceContract:
     def test_an_outage_then_a_good_copy_lands_the_good_one(
         self, backend: Backend, other_backend: Backend, node: RestoringNode
     ) -> None:
-        files = self.stored(backend, node, "step-1")
-        assert other_backend.store(NS, "step-1", files)
+        files = self.stored(backend, node, "step-1", only(ONE_BLOCK))
+        assert other_backend.store(node.ns, "step-1", files)
         backend.outage()
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
         assert_lands(node, node.restorer(a, b), "step-1", files[ONE_BLOCK], ONE_BLOCK)
-
-
-def _unused(*_: Any) -> None:  # keep typing imports honest for tools
-    return None

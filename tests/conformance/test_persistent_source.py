@@ -3,8 +3,9 @@ on ``file://`` and on S3 (moto's server over HTTP), each with the bytes stored v
 and as per-item zstd frames (what a drain of a DCP file writes).
 
 Files go in through `PersistentTier.upload_files`, the drain's own upload (markers
-included); zstd items are fixed slices of each file. An outage on S3 stops the moto
-server (connections refused) and restarts it on the same port with its objects; a
+included); zstd items are slices of each file, doubling in size. S3 stores live in one
+bucket for the module (each test has a namespace of its own). An outage on S3 stops the
+moto server (connections refused) and restarts it on the same port with its objects; a
 ``file://`` root has no service to stop, so its outage turns the root into a path the
 OS cannot resolve (ELOOP), as a stale network mount fails with an error other than
 "not found".
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import s3fs
 from tierckptd.catalog import Catalog
 from tierckptd.model import FileRecord
 from tierckptd.persistent.markers import FileUpload, fingerprint
@@ -26,23 +28,29 @@ from tierckptd.restore import FileSource
 
 from tests.conformance.file_source_contract import Backend, FileSourceContract, expected_record
 from tests.support import moto_s3
-from tests.support.moto_s3 import FAST_FAIL_CONFIG, MotoServer, S3Bucket
+from tests.support.moto_s3 import BUCKET, FAST_FAIL_CONFIG, MotoServer
 
 pytestmark = pytest.mark.integration
 
 moto_server = moto_s3.moto_server
-s3 = moto_s3.s3
 
-ITEM = 100_000  # bytes per zstd item (frame); odd, so items straddle blocks
+# zstd items (frames) double in size from this: odd sizes that straddle blocks, several
+# per file, and few enough that S3 is not asked a thousand times.
+FIRST_ITEM = 50_001
 FAST_RETRY = RetryPolicy(max_attempts=2, deadline=5.0, base=0.05, cap=0.1)
 
 
 def items_of(size: int) -> list[tuple[int, int]]:
-    return [(o, min(ITEM, size - o)) for o in range(0, size, ITEM)]
+    items, offset, length = [], 0, FIRST_ITEM
+    while offset < size:
+        items.append((offset, min(length, size - offset)))
+        offset += length
+        length *= 2
+    return items
 
 
 class PersistentBackend(Backend):
-    """One persistent-tier root; `down`/`up` make its outage."""
+    """One persistent-tier root, failing fast (two attempts) when it is down."""
 
     def __init__(self, url: str, compression: str, storage_options: dict[str, Any]) -> None:
         self.compression = compression
@@ -107,15 +115,15 @@ class FileBackend(PersistentBackend):
         self.root.symlink_to(self.root.name)  # ELOOP for every path under it
 
     def restore_service(self) -> None:
-        self.root.unlink()
-        self.root.with_name(self.root.name + ".down").rename(self.root)
+        if self.root.is_symlink():
+            self.root.unlink()
+            self.root.with_name(self.root.name + ".down").rename(self.root)
 
 
 class S3Backend(PersistentBackend):
     def __init__(self, server: MotoServer, bucket: str, prefix: str, compression: str) -> None:
         self.server = server
-        options = {"endpoint_url": server.endpoint_url, "config_kwargs": dict(FAST_FAIL_CONFIG)}
-        super().__init__(f"s3://{bucket}/{prefix}", compression, options)
+        super().__init__(f"s3://{bucket}/{prefix}", compression, s3_options(server))
 
     def outage(self) -> None:
         self.server.stop()
@@ -124,19 +132,42 @@ class S3Backend(PersistentBackend):
         self.server.restart()
 
 
-@pytest.fixture(params=["none", "zstd"])
-def compression(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def s3_options(server: MotoServer) -> dict[str, Any]:
+    """Fake credentials given explicitly (no environment needed), failing fast."""
+    return {
+        "endpoint_url": server.endpoint_url,
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": dict(FAST_FAIL_CONFIG),
+    }
 
 
 class TestFilePersistentSource(FileSourceContract):
-    @pytest.fixture
-    def backend(self, tmp_path: Path, compression: str) -> FileBackend:
-        return FileBackend(tmp_path / "persistent-one", compression)
+    @pytest.fixture(params=["none", "zstd"])
+    def compression(self, request: pytest.FixtureRequest) -> str:
+        return str(request.param)
 
     @pytest.fixture
-    def other_backend(self, tmp_path: Path, compression: str) -> FileBackend:
-        return FileBackend(tmp_path / "persistent-two", compression)
+    def backend(self, tmp_path: Path, compression: str) -> Iterator[FileBackend]:
+        b = FileBackend(tmp_path / "persistent-one", compression)
+        yield b
+        b.restore_service()
+
+    @pytest.fixture
+    def other_backend(self, tmp_path: Path, compression: str) -> Iterator[FileBackend]:
+        b = FileBackend(tmp_path / "persistent-two", compression)
+        yield b
+        b.restore_service()
+
+
+@pytest.fixture(scope="module")
+def bucket(moto_server: MotoServer) -> str:
+    """One bucket for the module (each test stores under a namespace of its own)."""
+    moto_server.restart()
+    moto_server.reset()
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem(**s3_options(moto_server)).mkdir(BUCKET)
+    return BUCKET
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +180,24 @@ def second_moto_server() -> Iterator[MotoServer]:
 
 
 class TestS3PersistentSource(FileSourceContract):
+    """S3 as a drain writes it (zstd frames: ranged GETs); file:// covers "none"."""
+
     @pytest.fixture
-    def backend(self, s3: S3Bucket, moto_server: MotoServer, compression: str) -> S3Backend:
-        return S3Backend(moto_server, s3.name, "one", compression)
+    def compression(self) -> str:
+        return "zstd"
+
+    @pytest.fixture
+    def backend(
+        self, bucket: str, moto_server: MotoServer, compression: str
+    ) -> Iterator[S3Backend]:
+        yield S3Backend(moto_server, bucket, "one", compression)
+        moto_server.restart()  # after an outage
 
     @pytest.fixture
     def other_backend(
-        self, s3: S3Bucket, second_moto_server: MotoServer, compression: str
-    ) -> S3Backend:
-        # moto's servers in one process share their state: the `s3` fixture's bucket
-        # (reset for each test) is there too, behind an endpoint with its own outages.
+        self, bucket: str, second_moto_server: MotoServer, compression: str
+    ) -> Iterator[S3Backend]:
+        # moto's servers in one process share their state: the bucket is there too,
+        # behind an endpoint with outages of its own.
+        yield S3Backend(second_moto_server, bucket, "two", compression)
         second_moto_server.restart()
-        return S3Backend(second_moto_server, s3.name, "two", compression)

@@ -110,12 +110,16 @@ def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
 
 
 def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> set[str]:
-    """Ids of the namespace's durable checkpoints: the index entries; with `scan`, or
-    when there are none, also a flat prefix scan for ``<id>/.metadata`` keys."""
-    index = _index_dir(tier, namespace)
-    ids = _valid_ids([p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)], f"{namespace} index")
-    if ids and not scan:
-        return ids
+    """Ids of the namespace's durable checkpoints, as listed. Without `scan` the index
+    entries (a hint: `.metadata` is checked before one is trusted), or the flat prefix
+    scan when there are none; with `scan` only the scan (its ``<id>/.metadata`` keys)."""
+    if not scan:
+        index = _index_dir(tier, namespace)
+        ids = _valid_ids(
+            [p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)], f"{namespace} index"
+        )
+        if ids:
+            return ids
     base = f"{tier.root}/{namespace}/"
     found = [
         parts[0]
@@ -124,7 +128,7 @@ def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> 
         and len(parts := p[len(base) :].split("/")) == 2
         and parts[1] == METADATA_FILE
     ]
-    return ids | _valid_ids(found, namespace)
+    return _valid_ids(found, namespace)
 
 
 # ---- adoption -------------------------------------------------------------------------
@@ -159,13 +163,20 @@ def adopt_checkpoint(tier: PersistentTier, catalog: Catalog, key: Key, known: se
     return 1
 
 
-def _adopt_ids(tier: PersistentTier, catalog: Catalog, namespace: str, ids: set[str]) -> int:
+def _adopt_ids(
+    tier: PersistentTier, catalog: Catalog, namespace: str, ids: set[str], *, verified: bool
+) -> int:
     adopted = 0
     known = set(catalog.committed_keys())
     for checkpoint_id in sorted(ids):
         key = (namespace, checkpoint_id)
+        if key in known and catalog.is_durable(*key):
+            continue  # nothing to learn
         try:
-            adopted += adopt_checkpoint(tier, catalog, key, known)
+            # A listing is a hint (an index entry may outlive a .metadata deleted by
+            # hand): only the commit marker makes a checkpoint durable.
+            if verified or tier.is_durable(*key):
+                adopted += adopt_checkpoint(tier, catalog, key, known)
         except PersistentTierUnavailable:
             raise
         except Exception as e:
@@ -186,7 +197,8 @@ def adopt_all(tier: PersistentTier, catalog: Catalog) -> int:
     """
     adopted = 0
     for namespace in tier.list_namespaces():
-        adopted += _adopt_ids(tier, catalog, namespace, durable_ids(tier, namespace, scan=True))
+        ids = durable_ids(tier, namespace, scan=True)  # .metadata keys: verified
+        adopted += _adopt_ids(tier, catalog, namespace, ids, verified=True)
     if adopted:
         logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))
     return adopted
@@ -309,7 +321,9 @@ class Discovery:
             try:
                 names = [namespace] if namespace else self.tier.list_namespaces()
                 adopted = sum(
-                    _adopt_ids(self.tier, self.catalog, ns, durable_ids(self.tier, ns))
+                    _adopt_ids(
+                        self.tier, self.catalog, ns, durable_ids(self.tier, ns), verified=False
+                    )
                     for ns in names
                 )
             except OSError as e:  # an outage, a 403: answer from what this node knows

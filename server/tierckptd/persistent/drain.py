@@ -44,7 +44,6 @@ the newest committed one is pinned, so an older copy goes only once a newer one 
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import threading
@@ -62,7 +61,7 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
-from tierckptd.jobs import StepAside
+from tierckptd.jobs import Drain, JobQueue, StepAside
 from tierckptd.model import FileRecord, Key
 from tierckptd.ops import metrics
 from tierckptd.persistent.discovery import (
@@ -137,33 +136,22 @@ class Drainer:
         self.max_failures = max_failures
         self.max_wait = max_wait
         self.failed_retry = failed_retry
-        self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, Key]] = []
-        self._when: dict[Key, float] = {}
+        self._cv = threading.Condition()  # guards the counters below
+        self._queue: JobQueue[Drain] = JobQueue(self._job, name="tierckptd-drain")
         # Per checkpoint, since its last success: unsuccessful attempts in a row (the
         # backoff), failed ones in a row, when the first one was; and the ones given up on.
         self._tries: dict[Key, int] = {}
         self._failures: dict[Key, int] = {}
         self._since: dict[Key, float] = {}
         self._failing: set[Key] = set()
-        self._seq = 0
-        self._stop = threading.Event()
         self._drain_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
 
     # ---- queue ------------------------------------------------------------------------
     def enqueue(self, namespace: str, checkpoint_id: str, delay: float = 0.0) -> None:
-        """Schedule a drain attempt (non-blocking: safe under the catalog lock)."""
-        key = (namespace, checkpoint_id)
-        when = time.monotonic() + delay
-        with self._cv:
-            if key in self._when and self._when[key] <= when:
-                return
-            self._when[key] = when
-            self._seq += 1
-            heapq.heappush(self._heap, (when, self._seq, key))
-            self._cv.notify()
+        """Schedule a drain attempt (non-blocking: safe under the catalog lock); queueing
+        it again keeps the earlier due time."""
+        self._queue.put(Drain(namespace, checkpoint_id), delay)
 
     def resume(self) -> int:
         """Queue every committed checkpoint that is due and not known durable."""
@@ -175,43 +163,17 @@ class Drainer:
         return len(keys)
 
     def pending(self) -> list[Key]:
-        with self._cv:
-            return sorted(self._when)
+        return sorted((j.namespace, j.checkpoint_id) for j in self._queue.pending())
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tierckptd-drain", daemon=True)
-        self._thread.start()
+        self._queue.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._queue.stop(timeout)
 
-    def _next(self) -> Key | None:
-        with self._cv:
-            while not self._stop.is_set():
-                if self._heap:
-                    when, _, key = self._heap[0]
-                    if self._when.get(key) != when:
-                        heapq.heappop(self._heap)  # superseded entry
-                        continue
-                    now = time.monotonic()
-                    if when <= now:
-                        heapq.heappop(self._heap)
-                        del self._when[key]
-                        return key
-                    self._cv.wait(when - now)
-                else:
-                    self._cv.wait()
-            return None
-
-    def _run(self) -> None:
-        while (key := self._next()) is not None:
-            delay = self._attempt(key)
-            if delay is not None and not self._stop.is_set():
-                self.enqueue(*key, delay=delay)
+    def _job(self, job: Drain) -> float | None:
+        """The queue's handler: one attempt, then the delay before the next (None: done)."""
+        return self._attempt((job.namespace, job.checkpoint_id))
 
     def _attempt(self, key: Key) -> float | None:
         """One attempt of the worker; the delay before the next one (None: finished)."""

@@ -1,8 +1,9 @@
 """gRPC servers of the daemon: the local control socket and the peer listener.
 
 DaemonService is served only on `listen.local` (a unix socket by default, whose file mode
-is the access control); the peer listener serves health only until PeerService exists,
-so the control plane is never reachable from the network by accident.
+is the access control); the peer listener serves PeerService and health (which names
+PeerService there, never DaemonService), so the control plane is never reachable from the
+network by accident.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def start_servers(
             interceptors=[*security.interceptors, HealthGuard()],
             maximum_concurrent_rpcs=PEER_MAX_RPCS,
         )
-        health.add_to(peer_server)
+        health.add_to(peer_server, peer=True)
         if register_peer is not None:
             register_peer(peer_server)
         peer_port = _bind_peer(peer_server, peer, security)

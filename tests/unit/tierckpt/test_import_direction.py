@@ -367,3 +367,14 @@ def test_no_module_over_600_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     ]
     assert not too_long, f"modules over {MAX_LINES} lines:\n" + "\n".join(too_long)
+
+
+def test_readme_layout_names_every_daemon_package_and_top_level_module() -> None:
+    """The README's layout section is the map a newcomer reads: it must not drift."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
+    names = [f"{p.name}/" for p in sorted(DAEMON.iterdir()) if (p / "__init__.py").exists()]
+    names += [p.name for p in sorted(DAEMON.glob("*.py")) if not p.name.startswith("__")]
+    assert len(names) >= 12
+    missing = [n for n in names if n not in section]
+    assert not missing, f"README.md's layout section does not mention {missing}"

@@ -26,10 +26,20 @@ def stub(catalog: Catalog, tmp_path: Path) -> Iterator[daemon_pb2_grpc.DaemonSer
     try:
         yield daemon_pb2_grpc.DaemonServiceStub(channel)
         peer = grpc.insecure_channel(f"127.0.0.1:{servers.peer_port}")
-        check = health_pb2_grpc.HealthStub(peer).Check(
+        probe = health_pb2_grpc.HealthStub(peer)
+        for service in ("", "tierckpt.v1.PeerService"):
+            check = probe.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING, service
+        # ... and does not claim the control plane it refuses (below).
+        with pytest.raises(grpc.RpcError) as missing:
+            probe.Check(
+                health_pb2.HealthCheckRequest(service="tierckpt.v1.DaemonService"), timeout=5
+            )
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        local = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tierckpt.v1.DaemonService"), timeout=5
         )
-        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        assert local.status == health_pb2.HealthCheckResponse.SERVING
         # The peer port serves health only, never the control plane.
         with pytest.raises(grpc.RpcError) as e:
             daemon_pb2_grpc.DaemonServiceStub(peer).GetStatus(

@@ -168,3 +168,19 @@ def test_an_outage_during_a_probe_is_unavailable_naming_the_tier(
 def test_relist_interval_is_a_persistent_key() -> None:
     assert PersistentConfig().relist_interval == 30.0
     assert parse_config({"persistent": {"relist_interval": 2}}).persistent.relist_interval == 2.0
+
+
+def test_an_index_entry_without_its_metadata_is_not_trusted(
+    node: Catalog, other: Catalog, save: Save, store: PersistentTier, tmp_path: Path
+) -> None:
+    _drain_elsewhere(other, save, store, tmp_path, "step-000001")
+    (tmp_path / "store" / NS / "step-000001" / ".metadata").unlink()  # deleted by hand
+    assert durable_ids(store, NS) == {"step-000001"}  # the entry is still listed
+    discovery = Discovery(store, node, relist_interval=0.0)
+    assert discovery.refresh(NS) == 0
+    with pytest.raises(CheckpointNotFound):
+        node.get(NS, "step-000001")
+    # The cluster that drained it: listed, known, but not durable any more.
+    other_view = Discovery(store, other, relist_interval=0.0)
+    other.forget_persistent(NS, "step-000001")
+    assert other_view.refresh(NS) == 0 and not other.is_durable(NS, "step-000001")

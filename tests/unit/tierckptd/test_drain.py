@@ -444,3 +444,23 @@ def test_a_zstd_bomb_in_the_bucket_is_refused_on_restore(
             _restore(node, store, "step-000001", name)
         assert node.file_view(NS, "step-000001", name)[1] == ""
     assert original > 0
+
+
+def test_a_metadata_not_held_here_comes_through_the_injected_restore(
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
+) -> None:
+    saved = save_checkpoint(tmp_path / "hot")
+    _commit(save, node, "step-000008", saved)
+    assert node.drop_local_copy(NS, "step-000008", ".metadata")
+    with pytest.raises(CheckpointNotFound):
+        Drainer(node, store).drain(NS, "step-000008")  # no restore chain: cannot drain
+    asked: list[tuple[str, str, str]] = []
+
+    def restore(namespace: str, checkpoint_id: str, name: str) -> tuple[FileRecord, str]:
+        asked.append((namespace, checkpoint_id, name))
+        f, _ = node.file_view(namespace, checkpoint_id, name)
+        return f, str(saved.directory / name)  # what a peer or S3 would have landed
+
+    assert Drainer(node, store, restore=restore).drain(NS, "step-000008")
+    assert asked == [(NS, "step-000008", ".metadata")]
+    assert store.is_durable(NS, "step-000008")

@@ -96,6 +96,8 @@ def test_missing_is_not_found_and_damaged_is_a_mismatch(tmp_path: Path) -> None:
     )
     tier = source.tier
     tier.uploaded = lambda *_: {"__0_0.distcp": marker}  # type: ignore[method-assign]
-    # The object is shorter than its marker says (read_range raises EOFError).
+    stored = tmp_path / "store" / NS / CID / "__0_0.distcp"
+    stored.parent.mkdir(parents=True)
+    stored.write_bytes(data[:5])  # shorter than its marker says
     with pytest.raises(ChecksumMismatch):
         _drain(source, _record("__0_0.distcp", data))
