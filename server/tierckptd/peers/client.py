@@ -10,6 +10,8 @@ generated message, and can be tested with a fake client.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,6 +29,7 @@ from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_inf
 
 __all__ = [
     "CONTROL_TIMEOUT",
+    "FETCH_STALL",
     "TRANSFER_TIMEOUT",
     "Holdings",
     "Manifests",
@@ -40,6 +43,9 @@ T = TypeVar("T")
 
 CONTROL_TIMEOUT = 2.0
 TRANSFER_TIMEOUT = 600.0
+# A FetchFile that brings no data for this long is cancelled (a frozen peer must not hold
+# a restore, and its file lock, for TRANSFER_TIMEOUT); the serving side reads from memory.
+FETCH_STALL = 10.0
 
 
 class PeerCallError(SourceUnavailable):
@@ -56,10 +62,6 @@ class PeerCallError(SourceUnavailable):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (PeerCallError, (self.node, self.method, self.code, self.details))
-
-    @property
-    def unreachable(self) -> bool:
-        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "NOT_A_PEER")
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,47 @@ def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
     return PeerCallError(node, method, code.name if code is not None else "UNKNOWN", details or "")
 
 
-class PeerClient:
-    """Every RPC to the peers of one `Membership` (see the module docstring)."""
+class StallWatch:
+    """Calls `cancel` once when `touch` was not called for `stall` seconds (one thread,
+    until `stop`)."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, cancel: Callable[[], object], stall: float, poll: float = 0.5) -> None:
+        self._cancel = cancel
+        self._stall = stall
+        self._poll = min(poll, stall)
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self.fired = False
+        self._thread = threading.Thread(
+            target=self._watch, name="tierckptd-fetch-watch", daemon=True
+        )
+        self._thread.start()
+
+    def touch(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self._poll):
+            if time.monotonic() - self._last > self._stall:
+                self.fired = True
+                self._cancel()
+                return
+
+
+class PeerClient:
+    """Every RPC to the peers of one `Membership` (see the module docstring).
+
+    Args:
+        fetch_stall: seconds without data after which a FetchFile is cancelled.
+    """
+
+    def __init__(self, membership: Membership, *, fetch_stall: float = FETCH_STALL) -> None:
         self.membership = membership
         self.node_id = membership.node_id
+        self.fetch_stall = fetch_stall
 
     @property
     def peer_ids(self) -> list[str]:
@@ -197,15 +234,26 @@ class PeerClient:
         self, node: str, namespace: str, checkpoint_id: str, name: str
     ) -> Iterator[tuple[int, memoryview]]:
         """FetchFile: the data of a file `node` holds, as (offset, bytes) pieces (views
-        into the received messages); a failure, at any point, is a `PeerCallError`."""
+        into the received messages); a failure, at any point, is a `PeerCallError` (code
+        "STALLED" when no data came for `fetch_stall` seconds)."""
         stub = self._stub(node, "FetchFile")
         request = peer_pb2.FetchFileRequest(ref=ref(namespace, checkpoint_id), file_name=name)
+        call = stub.FetchFile(request, timeout=TRANSFER_TIMEOUT)
+        watch = StallWatch(call.cancel, self.fetch_stall)
         try:
-            for chunk in stub.FetchFile(request, timeout=TRANSFER_TIMEOUT):
+            for chunk in call:
+                watch.touch()
                 if chunk.data:
                     yield chunk.offset, chunk.data
         except grpc.RpcError as e:
+            if watch.fired:
+                raise PeerCallError(
+                    node, "FetchFile", "STALLED", f"no data for {self.fetch_stall:g} s"
+                ) from None
             raise _error(node, "FetchFile", e) from None
+        finally:
+            watch.stop()
+            call.cancel()  # a no-op when it completed; frees the peer when we stop early
 
     def push(
         self,

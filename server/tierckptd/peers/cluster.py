@@ -29,24 +29,17 @@ from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 
 from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
-from tierckptd.jobs import SAVE_YIELD_MAX, Heal, JobQueue, Repair
+from tierckptd.jobs import Heal, JobQueue, Repair
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
-from tierckptd.peers.client import TRANSFER_TIMEOUT, PeerClient
+from tierckptd.peers.client import PeerClient
 from tierckptd.peers.commit import Committer
-from tierckptd.peers.healer import HEARTBEAT, Healer
-from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, ChannelFactory, Membership
+from tierckptd.peers.healer import Healer
+from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.serve import Served, Serving
 
-__all__ = [
-    "HEARTBEAT",
-    "PEER_CHANNEL_OPTIONS",
-    "SAVE_YIELD_MAX",
-    "TRANSFER_TIMEOUT",
-    "Cluster",
-    "LocalRestore",
-]
+__all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from tierckptd.memory.manifest import ManifestError
 from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
 from tierckptd.persistent.readback import check_stored_record
-from tierckptd.persistent.source import describe_failure
+from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
 
 __all__ = [
@@ -102,7 +102,7 @@ def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
     def scan() -> list[str]:
         tier.fs.invalidate_cache(prefix)
         try:
-            return [str(p) for p in tier.fs.find(prefix)]
+            return [str(p) for p in tier.find(prefix)]
         except FileNotFoundError:
             return []
 
@@ -241,7 +241,7 @@ class Discovery:
 
     @property
     def name(self) -> str:
-        return f"persistent {redact(self.tier.url)}"
+        return tier_label(self.tier.url)
 
     def _unavailable(self, what: str, e: BaseException) -> TierUnavailable:
         cause = describe_failure(e)

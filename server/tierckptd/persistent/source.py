@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Iterator
 
+import xxhash
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, TierckptError
 from tierckpt.names import METADATA_FILE
@@ -80,6 +81,18 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(last).__name__}: {str(last)[:_CAUSE_LIMIT]}"
 
 
+def tier_label(url: str) -> str:
+    """How errors sent to clients name the persistent tier: an object-store URL without its
+    credentials ("persistent s3://bucket/prefix"), but a local filesystem store only by a
+    short digest of its URL, since a path on this node is not the caller's business (the
+    daemon's log names it in full). Distinct stores keep distinct labels."""
+    shown = str(redact(url))
+    scheme = shown.split("://", 1)[0] if "://" in shown else "file"
+    if scheme in ("file", "local"):
+        return f"persistent file store {xxhash.xxh64_hexdigest(url.encode())[:8]}"
+    return f"persistent {shown}"
+
+
 class PersistentSource:
     """Original bytes of committed files from one persistent tier (see the module doc).
 
@@ -93,7 +106,7 @@ class PersistentSource:
 
     @property
     def name(self) -> str:
-        return f"persistent {redact(self.tier.url)}"
+        return tier_label(self.tier.url)
 
     def chunks(
         self, namespace: str, checkpoint_id: str, f: FileRecord

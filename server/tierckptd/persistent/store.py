@@ -205,6 +205,13 @@ class PersistentTier:
         """
         self._until = None if seconds is None else self._clock() + seconds
 
+    def find(self, path: str, *, detail: bool = False) -> Any:
+        """Every object under `path`, flat; an unreadable local directory raises (an
+        outage), where fsspec's walk would skip it as if empty."""
+        if "file" in _protocols(self.fs):
+            return self.fs.find(path, detail=detail, on_error="raise")
+        return self.fs.find(path, detail=detail)
+
     def retrying(self, fn: Callable[[], T], what: str) -> T:
         return retry_call(
             lambda: self._attempt(fn, what),
@@ -372,7 +379,7 @@ class PersistentTier:
         def read() -> dict[str, UploadedFile]:
             self.fs.invalidate_cache(files_dir)
             try:
-                paths = sorted(self.fs.find(files_dir))
+                paths = sorted(self.find(files_dir))
             except FileNotFoundError:
                 return {}
             if not paths:
@@ -415,7 +422,7 @@ class PersistentTier:
         def stored_sizes() -> dict[str, int]:
             self.fs.invalidate_cache(ckpt)
             try:
-                found = self.fs.find(ckpt, detail=True)
+                found = self.find(ckpt, detail=True)
             except FileNotFoundError:
                 return {}
             return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
@@ -551,13 +558,6 @@ class PersistentTier:
             return data
 
         return self.retrying(read, f"read {namespace}/{checkpoint_id}/{name}")
-
-    def read_metadata(self, namespace: str, checkpoint_id: str) -> bytes:
-        """The stored `.metadata` (FileNotFoundError if the checkpoint is not durable)."""
-        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
-        return self.retrying(
-            lambda: bytes(self.fs.cat_file(path)), f"read {namespace}/{checkpoint_id}/.metadata"
-        )
 
     # ---- deletion ----------------------------------------------------------------
 

@@ -44,7 +44,8 @@ from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.model import FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
-from tierckptd.peers.cluster import TRANSFER_TIMEOUT, Cluster
+from tierckptd.peers.client import TRANSFER_TIMEOUT
+from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.placement import coordinator_of
 from tierckptd.peers.security import caller_names
 from tierckptd.rpc.errors import StatusTranslator
@@ -81,7 +82,7 @@ MAX_PER_PEER = 12
 HEALTH_THREADS = 8
 WORKERS = MAX_IN_FLIGHT + HEALTH_THREADS
 # A call with no message in or out for this long is cancelled (a push stepping aside
-# for a save sends a heartbeat every peers.HEARTBEAT seconds).
+# for a save sends a heartbeat every peers.healer.HEARTBEAT seconds).
 STALL_TIMEOUT = 20.0
 
 _REASONS = {

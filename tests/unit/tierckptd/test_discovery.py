@@ -160,7 +160,7 @@ def test_an_outage_during_a_probe_is_unavailable_naming_the_tier(
     root.write_bytes(b"")  # every path under it fails with NotADirectoryError (transient)
     tier = PersistentTier(f"file://{root}", retry=FAST)
     discovery = Discovery(tier, node)
-    with pytest.raises(TierUnavailable, match="persistent file://"):
+    with pytest.raises(TierUnavailable, match="persistent file store "):
         discovery.probe(NS, "step-000001")
     assert discovery.refresh(NS) == 0  # logged, not raised: the memory tier answers
 

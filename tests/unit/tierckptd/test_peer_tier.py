@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ from tierckptd.config import PeerConfig
 from tierckptd.memory.incoming import IncomingFile, restore_plan
 from tierckptd.memory.manifest import read_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
-from tierckptd.peers.chunk_wire import PeerStub
+from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.membership import Membership
 from tierckptd.peers.security import node_client_interceptor
 from tierckptd.restore import Restorer, no_sources
 from tierckptd.rpc.health import Health
@@ -548,3 +551,38 @@ def test_health_on_the_peer_port_decodes_its_requests_and_stays_non_blocking(
             w.cancel()
     finally:
         channel.close()
+
+
+def test_a_peer_that_freezes_mid_fetch_is_given_up_on(tmp_path: Path) -> None:
+    """A FetchFile bringing no data for `fetch_stall` seconds is cancelled: a frozen peer
+    must not hold a restore (and its file lock) for TRANSFER_TIMEOUT."""
+    release = threading.Event()
+
+    def frozen(request: bytes, context: Any) -> Iterator[bytes]:
+        yield encode_data_chunk(0, b"x" * 10)
+        release.wait(30)  # SIGSTOPped, as far as the fetcher can tell
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_stream_rpc_method_handler(frozen)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tierckpt.v1.PeerService", {"FetchFile": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        client = PeerClient(
+            Membership("node-a", peers=[PeerConfig("node-z", f"127.0.0.1:{port}")]),
+            fetch_stall=0.5,
+        )
+        got: list[int] = []
+        started = time.monotonic()
+        with pytest.raises(PeerCallError) as e:
+            for _offset, data in client.fetch("node-z", "run", "s1", "__0_0.distcp"):
+                got.append(len(data))
+        assert got == [10] and e.value.code == "STALLED"
+        assert e.value.source == "peer node-z"  # a SourceUnavailable: the restore falls through
+        assert time.monotonic() - started < 5
+        client.membership.close()
+    finally:
+        release.set()
+        server.stop(0)

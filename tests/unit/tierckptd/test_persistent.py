@@ -125,7 +125,7 @@ def test_metadata_is_the_commit_marker(s3: moto_s3.S3Bucket, tmp_path: Path) -> 
     tier.upload_metadata_last(NS, "step-000001", saved.metadata)
     assert tier.is_durable(NS, "step-000001")
     # first went up verbatim, second compressed: the .metadata says so per file
-    stored = pickle.loads(tier.read_metadata(NS, "step-000001"))
+    stored = pickle.loads(tier.fs.cat_file(f"{tier.checkpoint_path(NS, 'step-000001')}/.metadata"))
     descriptors = {i.relative_path: i.transform_descriptors for i in stored.storage_data.values()}
     assert descriptors == {first: None, second: [ZSTD_DESCRIPTOR]}
     stock_load(tier.checkpoint_url(NS, "step-000001"), saved)

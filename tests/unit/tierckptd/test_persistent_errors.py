@@ -15,7 +15,7 @@ from tierckptd.errors import SourceUnavailable
 from tierckptd.model import FileRecord
 from tierckptd.persistent.markers import UploadedFile
 from tierckptd.persistent.retry import PersistentTierUnavailable
-from tierckptd.persistent.source import PersistentSource, describe_failure
+from tierckptd.persistent.source import PersistentSource, describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
 
 NS, CID = "run9", "step-000001"
@@ -49,9 +49,16 @@ def _drain(source: PersistentSource, f: FileRecord) -> bytes:
     return b"".join(bytes(d) for _, d in source.chunks(NS, CID, f))
 
 
-def test_name_redacts_credentials(tmp_path: Path) -> None:
-    tier = PersistentTier(f"file://{tmp_path / 'store'}")
-    assert PersistentSource(tier).name == f"persistent file://{tmp_path / 'store'}"
+def test_name_never_shows_a_local_path_and_tells_stores_apart(tmp_path: Path) -> None:
+    one = PersistentSource(PersistentTier(f"file://{tmp_path / 'one'}")).name
+    two = PersistentSource(PersistentTier(f"file://{tmp_path / 'two'}")).name
+    assert one.startswith("persistent file store ") and str(tmp_path) not in one
+    assert one != two
+
+
+def test_name_shows_an_object_store_url_without_credentials() -> None:
+    name = tier_label("s3://user:secret@bucket/prefix")
+    assert name.startswith("persistent s3://") and "secret" not in name and "bucket/prefix" in name
 
 
 @pytest.mark.parametrize(
