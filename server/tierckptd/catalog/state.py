@@ -376,6 +376,9 @@ class CatalogState:
             rec = self._records.get(key)
             if rec is None or rec.state is not State.COMMITTED:
                 return False
+            # Durable and drain-failed exclude each other: clear the mark in the same
+            # step, so no view shows both (the drainer's own bookkeeping follows).
+            self._drain_failed.pop(key, None)
             if key not in self._durable:
                 self._durable.add(key)
                 logger.info("%s/%s is DURABLE in the persistent tier", *key)
