@@ -43,7 +43,7 @@ from tests.conformance.file_source_contract import (
 )
 from tests.support.daemon_process import DaemonProcess
 from tests.support.ports import free_ports
-from tests.support.source_nodes import flip_byte
+from tests.support.source_nodes import flip_byte, write_in_place
 
 pytestmark = pytest.mark.integration
 
@@ -90,14 +90,7 @@ class PeerBackend(Backend):
         c.reserve_space(namespace, checkpoint_id, 0, sum(len(d) for d in files.values()))
         for name, data in files.items():
             path = c.open_file(namespace, checkpoint_id, name, 0).path
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                view = memoryview(data)
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
-                os.ftruncate(fd, len(data))
-            finally:
-                os.close(fd)
+            write_in_place(path, data)
             c.commit_file(namespace, checkpoint_id, name, 0, len(data), checksum_bytes(data, BLOCK))
         c.commit_checkpoint(namespace, checkpoint_id, list(files))
         rec = read_manifest(self.daemon.manifest_path(namespace, checkpoint_id))

@@ -45,6 +45,18 @@ def flip_byte(path: str | Path, offset: int) -> None:
         os.chmod(path, st.st_mode & 0o7777)
 
 
+def write_in_place(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` into the file the daemon opened for a rank (short writes resumed)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
 class MemoryNode:
     """One node's memory tier on `root`: a real `MemoryTier` and `Catalog`."""
 
@@ -73,14 +85,7 @@ class MemoryNode:
         catalog.reserve(namespace, checkpoint_id, rank, sum(len(d) for d in files.values()))
         for name, data in files.items():
             path, _ = catalog.open_file(namespace, checkpoint_id, name, rank)
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                view = memoryview(data)
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
-                os.ftruncate(fd, len(data))
-            finally:
-                os.close(fd)
+            write_in_place(path, data)
             cs = checksum_bytes(data, block_size=self.block_size)
             catalog.commit_file(
                 namespace,
