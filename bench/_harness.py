@@ -77,29 +77,37 @@ class Daemon:
 def make_daemon(
     *,
     node_id: str = "bench",
-    budget: str = "16GiB",
-    keep_last: int = 1,
+    budget: str | None = "16GiB",
+    keep_last: int | None = 1,
     peer: str = "",
     extra: str = "",
 ) -> Daemon:
-    """Write a config and return an unstarted daemon (call .start())."""
+    """Write a config and return an unstarted daemon (call .start()).
+
+    `budget` or `keep_last` None leaves the key out, so the daemon's own default applies:
+    a bench of "what a new user sees" must not tune the daemon behind the user's back.
+    """
     root = tempfile.mkdtemp(prefix="tcb")
     memory_dir = tempfile.mkdtemp(prefix="tierckpt-bench-", dir=tmpfs_root())
     sock = os.path.join(root, "d.sock")
     config = os.path.join(root, "tierckptd.toml")
+    budget_line = f'budget = "{budget}"\n' if budget is not None else ""
+    keep_line = f"memory_keep_last = {keep_last}\n" if keep_last is not None else ""
     with open(config, "w") as f:
         f.write(
             f'[node]\nid = "{node_id}"\nfailure_domain = "{node_id}"\n'
             f'[listen]\nlocal = "unix://{sock}"\npeer = "{peer}"\n'
-            f'[memory]\ndir = "{memory_dir}"\nbudget = "{budget}"\n'
-            f"[retention]\nmemory_keep_last = {keep_last}\n{extra}"
+            f'[memory]\ndir = "{memory_dir}"\n{budget_line}'
+            f"[retention]\n{keep_line}{extra}"
         )
     return Daemon(root, f"unix://{sock}", memory_dir, config)
 
 
 @contextlib.contextmanager
-def daemon(budget: str = "16GiB", keep_last: int = 1, extra: str = "") -> Iterator[Daemon]:
-    """A started single-node daemon, stopped and wiped on exit."""
+def daemon(
+    budget: str | None = "16GiB", keep_last: int | None = 1, extra: str = ""
+) -> Iterator[Daemon]:
+    """A started single-node daemon, stopped and wiped on exit (None: the daemon's default)."""
     d = make_daemon(budget=budget, keep_last=keep_last, extra=extra)
     try:
         yield d.start()
@@ -122,6 +130,28 @@ def _wait_serving(d: Daemon, timeout: float = 60.0) -> None:
                 return
         time.sleep(0.1)
     raise TimeoutError("tierckptd did not become SERVING")
+
+
+def machine_facts() -> dict[str, object]:
+    """What a reader needs to compare two runs: cores, memory, versions, where tmpfs is."""
+    import platform
+
+    import torch
+
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        pages = 0
+    return {
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": round(pages / GiB, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "tmpfs": tmpfs_root(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def best_of(

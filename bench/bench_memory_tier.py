@@ -1,23 +1,39 @@
-"""Memory-tier benchmark: save, async_save and load through tierckptd, next to baselines
-measured in the same run on the same bytes (the machine is shared and noisy: read ratios).
+"""Memory-tier benchmark: what a new user sees, next to baselines measured in the same run.
 
-Scenarios: 1 GiB of tensors on one rank, and 2 x 512 MiB on two gloo ranks.
-Baselines: memcpy, raw write into a fresh tmpfs file, torch.save into BytesIO per
-tensor, stock FileSystemWriter to local disk and to tmpfs, FileSystemReader from tmpfs.
+Scenarios: 1 GiB of fp32 tensors on one rank, and 2 x 512 MiB on two gloo ranks. Every
+tierckpt figure uses a daemon with the default configuration (only its socket and memory
+directory are set) and, unless said otherwise, a NEW `TieredStorageWriter` per save, as
+torchtitan, Lightning and our examples do.
 
-    python bench/bench_memory_tier.py [--gib 1.0] [--repeat 3]
+Measured per scenario (the machine is shared and noisy: read the ratios):
+- memcpy: torch `copy_` between two pre-touched tensors sets of the same bytes, with all
+  cores (torch threads = cores / ranks per rank) and with one thread;
+- stock `FileSystemWriter` into tmpfs, thread_count 1 and 2; every stock save writes a NEW
+  directory (a first save into a fresh dir, as tierckpt's first saves are), and the previous
+  one is deleted first so tmpfs holds one stock checkpoint at a time;
+- tierckpt's first saves one by one on a fresh daemon, back to back, and on another fresh
+  daemon with simulated compute between saves (sleep: the CPU idles as while a GPU computes;
+  `--compute busy` spins torch matmuls instead);
+- `dcp.async_save` blocking time (until it returns), calls 1..N, tierckpt with a reused and
+  with a new writer, stock `FileSystemWriter` + its default stager, THREAD and PROCESS;
+- steady-state saves (after the first saves, retention recycling old checkpoints) and
+  loads, each load checked bit-exact, beside stock `FileSystemReader` from tmpfs.
+
+    python bench/bench_memory_tier.py [--quick] [--gib 1.0] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +42,44 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import GiB, MiB, Table, best_of, daemon, tmpfs_root  # noqa: E402
+import tierckpt  # noqa: E402
+from _harness import GiB, MiB, machine_facts, make_daemon, tmpfs_root  # noqa: E402
+from _memory_report import render, summary  # noqa: E402
 from tierckpt import TieredStorageReader, TieredStorageWriter  # noqa: E402
+from tierckpt.daemon_client import DaemonClient  # noqa: E402
 
-TENSOR_BYTES = 64 * MiB
+EXECUTORS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
 
-def make_state(rank: int, nbytes: int) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Config:
+    gib: float = 1.0
+    tensor_mib: int = 64
+    saves: int = 5
+    compute_s: float = 2.0
+    compute: str = "sleep"
+    repeat: int = 3
+    executors: tuple[str, ...] = ("thread", "process")
+
+
+# --- state and checks -----------------------------------------------------------------------
+
+
+def make_state(rank: int, nbytes: int, tensor_bytes: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1234 + rank)
-    count = max(1, nbytes // TENSOR_BYTES)
+    count = max(1, nbytes // tensor_bytes)
     state: dict[str, Any] = {
-        f"rank{rank}.w{i}": torch.randn(TENSOR_BYTES // 4, generator=g) for i in range(count)
+        f"rank{rank}.w{i}": torch.randn(tensor_bytes // 4, generator=g) for i in range(count)
     }
     state[f"rank{rank}.meta"] = {"step": 100, "rank": rank}
     return state
+
+
+def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [v for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -54,270 +92,414 @@ def check_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
             raise AssertionError(f"bench restore is not bit-exact at {k}")
 
 
+# --- collective plumbing (also works with no process group) ---------------------------------
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def timed(fn: Any, repeat: int, setup: Any = None) -> float:
-    """Wall time of the slowest rank for the fastest of `repeat` runs."""
-
-    def run() -> None:
-        barrier()
-        fn()
-        barrier()
-
-    return best_of(run, repeat, setup)
+def timed(fn: Callable[[], object]) -> float:
+    """Wall time of one run, barriers on both sides: the slowest rank's time."""
+    barrier()
+    start = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - start
 
 
-def fresh_dir(base: str) -> str:
-    return tempfile.mkdtemp(prefix="fsw-", dir=base)
+def worst_over_ranks(values: list[float]) -> list[float]:
+    """Per position, the largest value any rank measured (the job waits for the slowest)."""
+    if not dist.is_initialized():
+        return values
+    gathered: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, values)
+    return [max(col) for col in zip(*gathered, strict=True)]
 
 
-def suite(
-    rank: int, nbytes: int, repeat: int, address: str, scratch_disk: str, scratch_tmpfs: str
-) -> Table:
-    state = make_state(rank, nbytes)
-    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    table = Table(f"{world} rank(s) x {nbytes / GiB:.2f} GiB", nbytes * world)
-
-    # --- baselines ----------------------------------------------------------------------
-    dst = [torch.empty_like(t) for t in tensors]
-    for d, t in zip(dst, tensors, strict=True):  # touch the pages once: memcpy is a warm copy
-        d.copy_(t)
-
-    def memcpy() -> None:
-        for d, t in zip(dst, tensors, strict=True):
-            d.copy_(t)
-
-    table.add("memcpy (warm destination)", timed(memcpy, repeat))
-    dst.clear()
-
-    raw_path = os.path.join(scratch_tmpfs, f"raw-{rank}")
-
-    def raw_write() -> None:
-        with open(raw_path, "wb", buffering=0) as f:
-            for t in tensors:
-                f.write(memoryview(t.numpy()).cast("B"))
-
-    table.add(
-        "raw write into a fresh tmpfs file",
-        timed(raw_write, repeat, setup=lambda: _unlink(raw_path)),
-    )
-    _unlink(raw_path)
-
-    def torch_save_bytesio() -> None:
-        for t in tensors:
-            torch.save(t, io.BytesIO())
-
-    table.add("torch.save into BytesIO per tensor", timed(torch_save_bytesio, repeat))
-
-    def fsw(base: str) -> tuple[float, str]:
-        paths: list[str] = []
-
-        def setup() -> None:
-            paths.append(_shared_dir(base))
-
-        def run() -> None:
-            dcp.save(state, storage_writer=FileSystemWriter(paths[-1]))
-
-        seconds = timed(run, repeat, setup)
-        for p in paths[:-1]:
-            _rmtree_once(p)
-        return seconds, paths[-1]
-
-    disk_s, disk_path = fsw(scratch_disk)
-    table.add("FileSystemWriter -> local disk (stock defaults)", disk_s)
-    _rmtree_once(disk_path)
-    tmpfs_s, tmpfs_path = fsw(scratch_tmpfs)
-    table.add("FileSystemWriter -> tmpfs (stock defaults)", tmpfs_s)
-
-    target = zeros_like_state(state)
-    table.add(
-        "FileSystemReader <- tmpfs",
-        timed(lambda: dcp.load(target, storage_reader=FileSystemReader(tmpfs_path)), repeat),
-    )
-    check_equal(state, target)
-    _rmtree_once(tmpfs_path)
-
-    # --- tierckpt -----------------------------------------------------------------------
-    ns = f"bench-{world}"
-    counter = iter(range(1_000_000))
-
-    def save() -> None:
-        dcp.save(
-            state,
-            checkpoint_id=f"step-{next(counter):06d}",
-            storage_writer=TieredStorageWriter(ns, daemon=address),
-        )
-
-    table.add("tierckpt dcp.save, first (cold tmpfs pages)", timed(save, 1))
-    table.add("tierckpt dcp.save, steady state (recycled pages)", timed(save, repeat + 1))
-
-    writer = TieredStorageWriter(ns, daemon=address)
-    blocking: list[float] = []
-
-    def async_save() -> None:
-        barrier()
-        start = time.perf_counter()
-        fut = dcp.async_save(
-            state, checkpoint_id=f"step-{next(counter):06d}", storage_writer=writer
-        )
-        blocking.append(time.perf_counter() - start)
-        fut.result()
-
-    total = timed(async_save, repeat + 1)
-    table.add(
-        "tierckpt dcp.async_save, blocking part", min(blocking[1:]), "training waits only for this"
-    )
-    table.add("tierckpt dcp.async_save, until durable in memory", total)
-
-    target = zeros_like_state(state)
-    table.add(
-        "tierckpt dcp.load (newest, verified)",
-        timed(
-            lambda: dcp.load(target, storage_reader=TieredStorageReader(ns, daemon=address)), repeat
-        ),
-    )
-    check_equal(state, target)
-    return table
-
-
-def _unlink(path: str) -> None:
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-def _shared_dir(base: str) -> str:
+def shared_dir(base: str) -> str:
     """A fresh directory that every rank agrees on."""
-    box = [fresh_dir(base) if not dist.is_initialized() or dist.get_rank() == 0 else ""]
+    box = [tempfile.mkdtemp(prefix="fsw-", dir=base) if rank() == 0 else ""]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _rmtree_once(path: str) -> None:
+def remove_once(path: str) -> None:
     barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
     barrier()
 
 
-RATIOS = [
-    (
-        "sync save vs FileSystemWriter -> tmpfs",
-        "tierckpt dcp.save, steady state (recycled pages)",
-        "FileSystemWriter -> tmpfs (stock defaults)",
-    ),
-    (
-        "sync save vs FileSystemWriter -> local disk",
-        "tierckpt dcp.save, steady state (recycled pages)",
-        "FileSystemWriter -> local disk (stock defaults)",
-    ),
-    (
-        "first sync save (cold pages) vs FileSystemWriter -> tmpfs",
-        "tierckpt dcp.save, first (cold tmpfs pages)",
-        "FileSystemWriter -> tmpfs (stock defaults)",
-    ),
-    (
-        "sync save vs memcpy (1.0 = one copy at memcpy speed)",
-        "tierckpt dcp.save, steady state (recycled pages)",
-        "memcpy (warm destination)",
-    ),
-    (
-        "async_save blocking vs FileSystemWriter -> tmpfs",
-        "tierckpt dcp.async_save, blocking part",
-        "FileSystemWriter -> tmpfs (stock defaults)",
-    ),
-    (
-        "load vs FileSystemReader <- tmpfs",
-        "tierckpt dcp.load (newest, verified)",
-        "FileSystemReader <- tmpfs",
-    ),
-    (
-        "load vs memcpy (goal >= 0.8)",
-        "tierckpt dcp.load (newest, verified)",
-        "memcpy (warm destination)",
-    ),
-    (
-        "save vs torch.save into BytesIO (the path we replace)",
-        "tierckpt dcp.save, steady state (recycled pages)",
-        "torch.save into BytesIO per tensor",
-    ),
-]
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def compute_pause(cfg: Config) -> Callable[[], None]:
+    """Simulated training compute between saves: idle CPU (sleep) or a busy torch loop."""
+
+    def pause() -> None:
+        barrier()
+        if cfg.compute == "sleep":
+            time.sleep(cfg.compute_s)
+            return
+        a = torch.randn(256, 256)
+        deadline = time.perf_counter() + cfg.compute_s
+        while time.perf_counter() < deadline:
+            a = torch.tanh(a @ a)
+
+    return pause
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+def memcpy_figures(state: dict[str, Any], cfg: Config) -> dict[str, float]:
+    """copy_ between pre-touched tensors: all cores, then one thread (ranks one at a time)."""
+    src = tensors_of(state)
+    dst = [torch.empty_like(t) for t in src]
+
+    def copy() -> None:
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t)
+
+    copy()  # touch every destination page once: a warm copy, as the pool's pages are
+    all_cores = min(timed(copy) for _ in range(cfg.repeat + 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def one_thread() -> None:  # ranks take turns: the whole job's bytes through one thread
+        for r in range(dist.get_world_size() if dist.is_initialized() else 1):
+            if r == rank():
+                copy()
+            barrier()
+
+    single = min(timed(one_thread) for _ in range(cfg.repeat))
+    torch.set_num_threads(threads)
+    return {"memcpy_s": all_cores, "memcpy_1thread_s": single}
+
+
+def stock_save_figures(state: dict[str, Any], cfg: Config, shm: str) -> tuple[dict[str, Any], str]:
+    """Stock FileSystemWriter into tmpfs, each save a first save into a new directory."""
+    out: dict[str, Any] = {}
+    last = ""
+    for threads in (1, 2):
+        runs = []
+        for _ in range(cfg.repeat):
+            if last:
+                remove_once(last)  # one stock checkpoint in tmpfs at a time
+            path = last = shared_dir(shm)
+            runs.append(
+                timed(
+                    lambda p=path, n=threads: dcp.save(
+                        state, storage_writer=FileSystemWriter(p, thread_count=n)
+                    )
+                )
+            )
+        out[f"stock_fsw_tc{threads}_s"] = runs
+    return out, last
+
+
+def load_figures(state: dict[str, Any], cfg: Config, make_reader: Callable[[], Any]) -> list[float]:
+    """Loads into pre-touched tensors; every one is checked bit-exact (check not timed)."""
+    target = zeros_like_state(state)
+    runs = []
+    for _ in range(cfg.repeat):
+        for t in tensors_of(target):
+            t.zero_()
+        runs.append(timed(lambda: dcp.load(target, storage_reader=make_reader())))
+        check_equal(state, target)
+    return runs
+
+
+def tier_saves(
+    state: dict[str, Any],
+    address: str,
+    namespace: str,
+    steps: range,
+    pause: Callable[[], None] | None = None,
+) -> list[float]:
+    """Sync saves one by one, each with a new TieredStorageWriter (built inside the timing)."""
+    runs = []
+    for step in steps:
+        if pause is not None:
+            pause()
+        runs.append(
+            timed(
+                lambda s=step: dcp.save(
+                    state,
+                    checkpoint_id=f"step-{s:06d}",
+                    storage_writer=TieredStorageWriter(namespace, daemon=address),
+                )
+            )
+        )
+    return runs
+
+
+def async_series(
+    calls: int,
+    start: Callable[[int], Any],
+    after: Callable[[int], None] | None = None,
+) -> dict[str, list[float]]:
+    """`calls` async_saves one after the other: blocking time and time until durable.
+
+    `start(i)` builds its writer first (not timed), then returns a callable issuing the
+    async_save; the blocking time is the time that call takes to return.
+    """
+    blocking, total = [], []
+    for i in range(calls):
+        issue = start(i)
+        barrier()
+        t0 = time.perf_counter()
+        fut = issue()
+        blocking.append(time.perf_counter() - t0)
+        fut.result()
+        total.append(time.perf_counter() - t0)
+        if after is not None:
+            after(i)
+    return {"blocking_s": worst_over_ranks(blocking), "until_durable_s": worst_over_ranks(total)}
+
+
+def async_figures(
+    state: dict[str, Any], cfg: Config, address: str, shm: str
+) -> dict[str, dict[str, list[float]]]:
+    out: dict[str, dict[str, list[float]]] = {}
+    for executor in cfg.executors:
+        if executor == "process":
+            _start_process_executor(shm)
+        out.update(async_for_executor(state, cfg.saves, executor, address, shm))
+        forget(address, f"async-reused-{executor}")
+        forget(address, f"async-new-{executor}")
+    return out
+
+
+def async_for_executor(
+    state: dict[str, Any], calls: int, executor: str, address: str, shm: str
+) -> dict[str, dict[str, list[float]]]:
+    """Stock first, then tierckpt with one writer reused, then a new writer per call."""
+    kind = EXECUTORS[executor]
+    stock_dirs: list[str] = []
+
+    def stock(i: int) -> Callable[[], Any]:
+        stock_dirs.append(shared_dir(shm))  # a new directory per call, removed once durable
+        writer = FileSystemWriter(stock_dirs[-1])
+        return lambda: dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
+
+    reused = TieredStorageWriter(f"async-reused-{executor}", daemon=address)
+
+    def tier(i: int, writer: TieredStorageWriter | None = None) -> Callable[[], Any]:
+        writer = writer or TieredStorageWriter(f"async-new-{executor}", daemon=address)
+        return lambda: dcp.async_save(
+            state,
+            checkpoint_id=f"step-{i + 1:06d}",
+            storage_writer=writer,
+            async_checkpointer_type=kind,
+        )
+
+    return {
+        f"stock {executor}": async_series(calls, stock, after=lambda i: remove_once(stock_dirs[i])),
+        f"tierckpt {executor} reused writer": async_series(calls, lambda i: tier(i, reused)),
+        f"tierckpt {executor} new writer": async_series(calls, tier),
+    }
+
+
+def _start_process_executor(shm: str) -> None:
+    """Start torch's checkpoint process with a tiny save, so that no series pays for it."""
+    path = shared_dir(shm)
+    dcp.async_save(
+        {f"warmup{rank()}": torch.zeros(4)},
+        storage_writer=FileSystemWriter(path),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    ).result()
+    remove_once(path)
+
+
+def suite(rank_id: int, world: int, cfg: Config, shm: str) -> dict[str, Any]:
+    """Everything for one scenario, on this rank; the figures are the slowest rank's."""
+    nbytes = int(cfg.gib * GiB) // world
+    state = make_state(rank_id, nbytes, cfg.tensor_mib * MiB)
+    res: dict[str, Any] = {
+        "title": f"{world} rank(s) x {nbytes / GiB:.2f} GiB",
+        "world": world,
+        "bytes": nbytes * world,
+        "torch_threads_per_rank": torch.get_num_threads(),
+        "compute": f"{cfg.compute} {cfg.compute_s:g} s",
+    }
+    res.update(memcpy_figures(state, cfg))
+    stock, stock_path = stock_save_figures(state, cfg, shm)
+    res.update(stock)
+    res["stock_load_s"] = load_figures(state, cfg, lambda: FileSystemReader(stock_path))
+    remove_once(stock_path)
+
+    n = cfg.saves
+    with fresh_daemon() as a:  # first saves back to back, then steady state and loads
+        res["first_saves_back_to_back_s"] = tier_saves(state, a, "first", range(1, n + 1))
+        res["steady_saves_s"] = tier_saves(state, a, "first", range(n + 1, n + 1 + cfg.repeat))
+        res["load_s"] = load_figures(state, cfg, lambda: TieredStorageReader("first", daemon=a))
+    with fresh_daemon() as b:  # first saves with simulated compute before each (#1 too)
+        res["first_saves_with_compute_s"] = tier_saves(
+            state, b, "first", range(1, n + 1), pause=compute_pause(cfg)
+        )
+        forget(b, "first")
+        res["async"] = async_figures(state, cfg, b, shm)
+    return res
+
+
+@contextlib.contextmanager
+def fresh_daemon() -> Iterator[str]:
+    """A new tierckptd with the default configuration for one phase; every rank gets its
+    address. Rank 0 owns it and stops it (memory wiped) when the phase ends, so that the
+    phases' checkpoints never add up in RAM (the machine also runs other jobs)."""
+    d = make_daemon(budget=None, keep_last=None).start() if rank() == 0 else None
+    box = [d.address if d is not None else ""]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    try:
+        yield box[0]
+    finally:
+        barrier()
+        if d is not None:
+            d.stop()
+
+
+def forget(address: str, namespace: str) -> None:
+    """Delete a namespace's checkpoints and its staging buffers between series (untimed):
+    deleted files become pool pages the next series reuses instead of new RAM."""
+    barrier()
+    if rank() == 0:
+        client = DaemonClient(address)
+        for info in client.list_checkpoints(namespace):
+            client.delete_checkpoint(namespace, info.checkpoint_id)
+        client.close()
+    # Process-owned staging (when this tierckpt has it) outlives writers: release it too.
+    release = getattr(tierckpt, "release_staging", None)
+    if release is not None:
+        release(namespace)
+    barrier()
+
+
+# --- processes -------------------------------------------------------------------------------
 
 
 def _rank_main(
-    rank: int,
+    rank_id: int,
     world: int,
     store_dir: str,
-    nbytes: int,
-    repeat: int,
-    address: str,
-    disk: str,
+    cfg: Config,
     shm: str,
     out: str,
 ) -> None:
+    # The ranks' output (and torch's PROCESS executor's INFO chatter, which it inherits)
+    # goes to a log the parent shows only on failure; the tables come from the parent.
+    log = os.open(os.path.join(store_dir, "ranks.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world
+        "gloo", init_method=f"file://{store_dir}/store", rank=rank_id, world_size=world
     )
     try:
-        table = suite(rank, nbytes, repeat, address, disk, shm)
-        if rank == 0:
-            Path(out).write_text(
-                json.dumps({"title": table.title, "nbytes": table.nbytes, "rows": table.rows})
-            )
+        res = suite(rank_id, world, cfg, shm)
+        if rank_id == 0:
+            Path(out).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def run_scenario(world: int, cfg: Config, shm: str) -> dict[str, Any]:
+    """Spawn `world` gloo ranks (1 included: the PROCESS executor needs a process group)."""
+    with tempfile.TemporaryDirectory() as store:
+        out = os.path.join(store, "result.json")
+        try:
+            mp.start_processes(
+                _rank_main,
+                args=(world, store, cfg, shm, out),
+                nprocs=world,
+                start_method="spawn",
+            )
+        except Exception:
+            with contextlib.suppress(OSError):
+                print(Path(store, "ranks.log").read_text()[-6000:], file=sys.stderr)
+            raise
+        result: dict[str, Any] = json.loads(Path(out).read_text())
+        return result
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--gib",
-        type=float,
-        default=1.0,
-        help="GiB of tensors in the 1-rank case (2-rank: half each)",
+        "--quick", action="store_true", help="a smoke: 32 MiB, 2 saves, best of 1, THREAD"
     )
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--gib", type=float, help="GiB in total per scenario (default 1)")
+    parser.add_argument("--saves", type=int, help="first saves / async calls (default 5)")
+    parser.add_argument("--compute-seconds", type=float, help="between saves (default 2)")
+    parser.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
+    parser.add_argument("--repeat", type=int, help="runs of each best-of figure (default 3)")
+    parser.add_argument(
+        "--executors", help="comma-separated async executors (default thread,process)"
+    )
+    parser.add_argument("--worlds", default="1,2", help="rank counts to run (default 1,2)")
+    parser.add_argument("--out", help="JSON results (default bench/results/memory_tier.json)")
     parser.add_argument(
         "--tmpfs",
         help="tmpfs directory for the memory tier and the tmpfs baselines (default /dev/shm); "
         "e.g. a mount with huge=within_size",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    base = (
+        Config(gib=1 / 32, tensor_mib=8, saves=2, compute_s=0.1, repeat=1, executors=("thread",))
+        if args.quick
+        else Config()
+    )
+    cfg = dataclasses.replace(
+        base,
+        gib=args.gib if args.gib is not None else base.gib,
+        saves=args.saves if args.saves is not None else base.saves,
+        compute_s=args.compute_seconds if args.compute_seconds is not None else base.compute_s,
+        compute=args.compute,
+        repeat=args.repeat if args.repeat is not None else base.repeat,
+        executors=tuple(args.executors.split(",")) if args.executors else base.executors,
+    )
+    if cfg.saves < 2 or cfg.repeat < 1 or any(e not in EXECUTORS for e in cfg.executors):
+        parser.error("--saves >= 2, --repeat >= 1, executors among thread,process")
+    return cfg, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, args = parse_args(argv)
     if args.tmpfs:
         os.environ["TIERCKPT_BENCH_TMPFS"] = args.tmpfs  # inherited by the spawned ranks
-    print(f"tmpfs for the memory tier and baselines: {tmpfs_root()}", flush=True)
-    nbytes = int(args.gib * GiB)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
-    disk = tempfile.mkdtemp(prefix="tierckpt-bench-disk-")
+    facts = machine_facts()
+    started = time.perf_counter()
     shm = tempfile.mkdtemp(prefix="tierckpt-bench-fsw-", dir=tmpfs_root())
-    results: list[dict[str, Any]] = []
+    scenarios = []
     try:
-        with daemon(budget="16GiB", keep_last=1) as d:
-            single = suite(0, nbytes, args.repeat, d.address, disk, shm)
-            print(single.render(RATIOS), flush=True)
-            results.append({"title": single.title, "nbytes": single.nbytes, "rows": single.rows})
-        with daemon(budget="16GiB", keep_last=1) as d, tempfile.TemporaryDirectory() as store:
-            out = os.path.join(store, "result.json")
-            mp.start_processes(
-                _rank_main,
-                args=(2, store, nbytes // 2, args.repeat, d.address, disk, shm, out),
-                nprocs=2,
-                start_method="spawn",
-            )
-            data = json.loads(Path(out).read_text())
-            multi = Table(data["title"], data["nbytes"], [tuple(r) for r in data["rows"]])
-            print(multi.render(RATIOS), flush=True)
-            results.append(data)
+        for world in (int(w) for w in args.worlds.split(",")):
+            res = run_scenario(world, cfg, shm)
+            print(render(res, cfg.saves), flush=True)
+            scenarios.append(res)
     finally:
-        shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "memory_tier.json").write_text(json.dumps(results, indent=2))
+    checks = summary(scenarios)
+    facts["bench_seconds"] = round(time.perf_counter() - started, 1)
+    print(checks["text"], flush=True)
+    print(f"(bench took {facts['bench_seconds']} s)", flush=True)
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).resolve().parent / "results" / ("memory_tier.json")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": " ".join(["python", "bench/bench_memory_tier.py", *(argv or sys.argv[1:])]),
+        "machine": facts,
+        "config": dataclasses.asdict(cfg),
+        "scenarios": scenarios,
+        "done_when": checks["items"],
+    }
+    out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

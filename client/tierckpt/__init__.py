@@ -8,6 +8,7 @@ shared-memory tier. They are imported lazily so the CLI starts without importing
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.errors import (
@@ -27,6 +28,7 @@ from tierckpt.errors import (
 )
 
 if TYPE_CHECKING:
+    from tierckpt.staging import StagingStats
     from tierckpt.storage_reader import TieredStorageReader
     from tierckpt.storage_writer import TieredStorageWriter
 
@@ -53,7 +55,27 @@ __all__ = [
     "TieredStorageWriter",
     "UnsafeMetadata",
     "__version__",
+    "release_staging",
+    "staging_stats",
 ]
+
+
+def release_staging(namespace: str | None = None) -> int:
+    """Free this process's async_save staging buffers of `namespace` (None: all); their bytes.
+
+    `dcp.async_save` with a TieredStorageWriter keeps one shared-memory copy of the state per
+    namespace and layout for the whole process, so later saves only copy. Call this when a
+    namespace will not be saved again; a save still in flight keeps its buffers until it ends.
+    """
+    staging = sys.modules.get("tierckpt.staging")  # nothing staged yet: don't import torch
+    return 0 if staging is None else int(staging.release_staging(namespace))
+
+
+def staging_stats() -> StagingStats:
+    """Staging buffers this process holds (namespaces, sets, bytes) and allocations/reuses."""
+    from tierckpt.staging import staging_stats as stats
+
+    return stats()
 
 
 def __getattr__(name: str) -> Any:

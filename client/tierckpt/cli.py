@@ -81,11 +81,19 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
         "namespaces": list(s.namespaces),
         "version": s.version,
         "address": client.address,
+        "prewarm_pending_bytes": s.prewarm_pending_bytes,
+        "prewarm_ready_bytes": s.prewarm_ready_bytes,
+        "prewarm_used_bytes": s.prewarm_used_bytes,
+        "pool_hits": s.pool_hits,
+        "pool_misses": s.pool_misses,
     }
     text = (
         f"node {s.node_id} (failure domain {s.failure_domain}) at {client.address}, tierckptd {s.version}\n"
         f"memory {s.memory_dir}: {format_size(s.used_bytes)} used + {format_size(s.reserved_bytes)} reserved "
         f"+ {format_size(s.pool_bytes)} warm pool of {format_size(s.budget_bytes)} budget\n"
+        f"warm pool: {format_size(s.prewarm_ready_bytes)} prewarmed for next saves, "
+        f"{format_size(s.prewarm_pending_bytes)} to prewarm, {format_size(s.prewarm_used_bytes)} "
+        f"prewarmed bytes written by saves; files opened warm {s.pool_hits}, cold {s.pool_misses}\n"
         f"{s.checkpoints} committed checkpoints in {len(s.namespaces)} namespaces: {', '.join(s.namespaces) or '-'}"
     )
     _emit(args, payload, text)
@@ -190,6 +198,31 @@ def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_import_sagemaker(client: DaemonClient, args: argparse.Namespace) -> int:
+    from tierckpt.sagemaker_import import import_sagemaker  # imports torch: only here
+
+    steps = [int(s) for part in args.steps or () for s in part.split(",") if s.strip()]
+    started = time.perf_counter()
+    done = import_sagemaker(
+        args.src_url, check_namespace(args.namespace), dest_url=args.dest, steps=steps or None
+    )
+    dest = args.dest or args.src_url
+    lines = [
+        f"{r.checkpoint_id}: already imported"
+        if r.skipped
+        else f"{r.checkpoint_id}: {r.files} files, {format_size(r.bytes)}"
+        for r in done
+    ]
+    lines.append(
+        f"imported {sum(not r.skipped for r in done)} checkpoint(s) of {args.namespace} into "
+        f"{dest}/{args.namespace}/ in {time.perf_counter() - started:.2f} s; load one with "
+        f"dcp.load(sd, checkpoint_id='{dest}/{args.namespace}/step_N') or a tierckptd whose "
+        "[persistent] url is that URL"
+    )
+    _emit(args, [r.to_json() for r in done], "\n".join(lines))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierckpt", description=__doc__.splitlines()[0] if __doc__ else None
@@ -226,6 +259,19 @@ def _parser() -> argparse.ArgumentParser:
     verify = add("verify", "re-read a checkpoint and check every block checksum")
     verify.add_argument("namespace")
     verify.add_argument("id")
+    sm = add(
+        "import-sagemaker",
+        "convert checkpoints of the SageMaker tiered-checkpointing client into stock DCP ones "
+        "(server-side copies; no daemon needed)",
+    )
+    sm.add_argument("src_url", help="the SageMaker client's s3_tier_base_path (s3://bucket/prefix)")
+    sm.add_argument("namespace", help="its namespace; also the tierckpt namespace")
+    sm.add_argument(
+        "--steps", action="append", help="steps to import, e.g. 100,200 (default: all committed)"
+    )
+    sm.add_argument(
+        "--dest", help="the daemon's [persistent] url to import into (default: SRC_URL)"
+    )
     return parser
 
 
@@ -237,6 +283,7 @@ _COMMANDS = {
     "pull": _cmd_pull,
     "rm": _cmd_rm,
     "verify": _cmd_verify,
+    "import-sagemaker": _cmd_import_sagemaker,
 }
 
 

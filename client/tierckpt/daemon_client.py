@@ -105,6 +105,13 @@ class NodeStatus:
     checkpoints: int
     namespaces: tuple[str, ...]
     version: str
+    # Warm pool: next-save prewarm planned / ready bytes, prewarmed bytes saves used,
+    # files saves opened warm (hits) or cold (misses) since the daemon started.
+    prewarm_pending_bytes: int = 0
+    prewarm_ready_bytes: int = 0
+    prewarm_used_bytes: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
 
 
 def _ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
@@ -314,4 +321,9 @@ class DaemonClient:
             checkpoints=s.checkpoints,
             namespaces=tuple(s.namespaces),
             version=s.version,
+            prewarm_pending_bytes=s.prewarm_pending_bytes,
+            prewarm_ready_bytes=s.prewarm_ready_bytes,
+            prewarm_used_bytes=s.prewarm_used_bytes,
+            pool_hits=s.pool_hits,
+            pool_misses=s.pool_misses,
         )

@@ -30,7 +30,7 @@ import importlib
 import io
 import pickle
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from tierckpt.errors import InvalidName, UnsafeMetadata
@@ -39,7 +39,7 @@ from tierckpt.names import METADATA_FILE, check_file_name
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "dump_metadata", "load_metadata"]
+__all__ = ["MAX_METADATA_BYTES", "dump_metadata", "load_metadata", "unpickle_allowed"]
 
 MAX_METADATA_BYTES = 1 << 30
 """A `.metadata` larger than this is refused before it is parsed (160k items is ~30 MB)."""
@@ -92,11 +92,19 @@ class _AllowListUnpickler(pickle.Unpickler):
     """`pickle.Unpickler` that resolves only `_ALLOWED` globals and torch's dtype and
     layout constants; no persistent ids."""
 
-    def __init__(self, data: bytes | bytearray | memoryview, what: str) -> None:
+    def __init__(
+        self,
+        data: bytes | bytearray | memoryview,
+        what: str,
+        extra: Mapping[tuple[str, str], type] | None = None,
+    ) -> None:
         super().__init__(io.BytesIO(data))
         self.what = what
+        self.extra = extra or {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.extra:
+            return self.extra[(module, name)]
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch":
@@ -224,6 +232,44 @@ def _check_shape(md: object, what: str) -> None:
             raise _refuse(what, f"item {_shown(key.fqn)} has malformed transform descriptors")
 
 
+def _unpickle(
+    raw: bytes | bytearray | memoryview, what: str, extra: Mapping[tuple[str, str], type]
+) -> Any:
+    size = memoryview(raw).nbytes
+    if size > MAX_METADATA_BYTES:
+        raise _refuse(what, f"{size} bytes, more than the {MAX_METADATA_BYTES} allowed")
+    guarded = _guarded() + tuple(extra.values())
+    with _LOCK:
+        before = _snapshot(guarded)
+        try:
+            return _AllowListUnpickler(raw, what, extra).load()
+        except UnsafeMetadata:
+            raise
+        except Exception as e:  # UnpicklingError, EOFError, RecursionError, MemoryError...
+            raise _refuse(what, f"unreadable: {type(e).__name__}: {_shown(str(e))}") from None
+        finally:
+            changed = _undo_changes(before)
+            if changed:
+                raise _refuse(what, f"it tried to change {_shown(', '.join(changed))}")
+
+
+def unpickle_allowed(
+    raw: bytes | bytearray | memoryview,
+    *,
+    what: str,
+    extra_classes: Mapping[tuple[str, str], type],
+) -> Any:
+    """Decode a DCP-like pickle that names classes of another writer (the SageMaker
+    client's storage info): each ``(module, name)`` in `extra_classes` resolves to the
+    given inert stand-in class; everything else as in `load_metadata`. The result is NOT
+    shape-checked: the caller converts it and re-checks it with `load_metadata`.
+
+    Raises:
+        UnsafeMetadata: as `load_metadata`.
+    """
+    return _unpickle(raw, what, extra_classes)
+
+
 def load_metadata(raw: bytes | bytearray | memoryview, *, what: str = METADATA_FILE) -> Metadata:
     """Decode a `.metadata` without running any code from it.
 
@@ -235,22 +281,7 @@ def load_metadata(raw: bytes | bytearray | memoryview, *, what: str = METADATA_F
         UnsafeMetadata: a global outside the allow-list, a class changed, the wrong
             shape, too large, or not a pickle at all.
     """
-    size = memoryview(raw).nbytes
-    if size > MAX_METADATA_BYTES:
-        raise _refuse(what, f"{size} bytes, more than the {MAX_METADATA_BYTES} allowed")
-    guarded = _guarded()
-    with _LOCK:
-        before = _snapshot(guarded)
-        try:
-            md = _AllowListUnpickler(raw, what).load()
-        except UnsafeMetadata:
-            raise
-        except Exception as e:  # UnpicklingError, EOFError, RecursionError, MemoryError...
-            raise _refuse(what, f"unreadable: {type(e).__name__}: {_shown(str(e))}") from None
-        finally:
-            changed = _undo_changes(before)
-        if changed:
-            raise _refuse(what, f"it tried to change {_shown(', '.join(changed))}")
+    md = _unpickle(raw, what, {})
     try:
         _check_shape(md, what)
     except UnsafeMetadata:

@@ -11,16 +11,24 @@ from __future__ import annotations
 import io
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import xxhash
 
-from tierckpt.checksum import DEFAULT_BLOCK_SIZE, BlockChecksums, BlockHasher, BytesLike
+from tierckpt.checksum import (
+    DEFAULT_BLOCK_SIZE,
+    DIGEST_SIZE,
+    BlockChecksums,
+    BlockHasher,
+    BytesLike,
+)
 from tierckpt.errors import ChecksumMismatch
 
-__all__ = ["ChecksummingWriter", "VerifiedFile"]
+__all__ = ["ChecksummingWriter", "VerifiedFile", "wait_all"]
 
 _SMALL_WRITE = 256 << 10
+_MAX_TASK_BLOCKS = 8  # blocks per parallel read task: small, so threads stay balanced
 
 
 class ChecksummingWriter(io.RawIOBase):
@@ -157,66 +165,129 @@ class VerifiedFile:
         header and the data it points at are covered by the same verification. With a
         pool, runs of blocks are read and hashed in parallel.
         """
+        tasks = self._plan(segments)
+        if pool is None or sum(t.blocks for t in tasks) < 16:
+            for task in tasks:
+                self._run(task)
+            return
+        wait_all([pool.submit(self._run, task) for task in tasks])
+
+    def start_segments(
+        self, segments: list[tuple[int, memoryview]], pool: ThreadPoolExecutor
+    ) -> list[Future[None]]:
+        """`read_segments` without waiting: the buffers are filled and verified once every
+        future has succeeded. The caller must wait for all of them (`wait_all`) before it
+        uses or frees the buffers, also when one fails."""
+        return [pool.submit(self._run, task) for task in self._plan(segments)]
+
+    def _plan(self, segments: list[tuple[int, memoryview]]) -> list[_Task]:
+        """Split the blocks the segments touch into tasks of consecutive blocks.
+
+        A block that lies wholly inside one segment (the bulk of a tensor) is read
+        straight into it and hashed there; an edge block, shared with framing, a gap or
+        another segment, is read whole with scratch buffers for the bytes nobody wants.
+        Consecutive tasks read consecutive blocks, so each thread streams through the file.
+        """
         segs = sorted(
             ((off, view.cast("B")) for off, view in segments if view.nbytes), key=lambda s: s[0]
         )
+        step = self._checksums.block_size
+        units: list[tuple[int, _Run | _Edge]] = []
+        edges: dict[int, _Edge] = {}
+        previous_end = 0
         for off, view in segs:
-            if off < 0 or off + view.nbytes > self.size:
+            end = off + view.nbytes
+            if off < 0 or end > self.size or off < previous_end:
                 raise ValueError(
-                    f"{self.what}: range {off}..{off + view.nbytes} outside its {self.size} bytes"
+                    f"{self.what}: range {off}..{end} outside its {self.size} bytes"
+                    if off < 0 or end > self.size
+                    else f"{self.what}: segments overlap at {off}"
                 )
-        step = self._checksums.block_size
-        blocks = sorted(
-            {
-                b
-                for off, view in segs
-                for b in range(off // step, (off + view.nbytes - 1) // step + 1)
-            }
-        )
-        if pool is None or len(blocks) < 16:
-            self._read_blocks(blocks, segs)
-            return
-        per_task = max(4, len(blocks) // 8)
-        futures = [
-            pool.submit(self._read_blocks, blocks[i : i + per_task], segs)
-            for i in range(0, len(blocks), per_task)
-        ]
-        for f in futures:
-            f.result()
+            previous_end = end
+            first, last = off // step, (end - 1) // step
+            whole_lo = -(-off // step)
+            whole_hi = last + 1 if end == self.size else end // step
+            if whole_lo < whole_hi:
+                stop = min(whole_hi * step, self.size)
+                run = _Run(whole_lo, view[whole_lo * step - off : stop - off], whole_hi - whole_lo)
+                units.append((whole_lo, run))
+            for block in sorted({first, last}):
+                if whole_lo <= block < whole_hi:
+                    continue
+                lo = max(off, block * step)
+                hi = min(end, (block + 1) * step)
+                if block not in edges:
+                    edges[block] = _Edge(block, [])
+                    units.append((block, edges[block]))
+                edges[block].parts.append((lo, view[lo - off : hi - off]))
+        units.sort(key=lambda u: u[0])
+        total = sum(u.blocks for _, u in units)
+        per_task = max(4, min(_MAX_TASK_BLOCKS, -(-total // 8)))
+        tasks: list[_Task] = []
+        current = _Task()
+        for _, unit in units:
+            pieces = unit.split(per_task, step) if isinstance(unit, _Run) else [unit]
+            for piece in pieces:
+                if current.blocks and current.blocks + piece.blocks > per_task:
+                    tasks.append(current)
+                    current = _Task()
+                current.units.append(piece)
+                current.blocks += piece.blocks
+        if current.blocks:
+            tasks.append(current)
+        return tasks
 
-    def _read_blocks(self, blocks: list[int], segs: list[tuple[int, memoryview]]) -> None:
+    def _run(self, task: _Task) -> None:
+        for unit in task.units:
+            if isinstance(unit, _Run):
+                self._read_run(unit)
+            else:
+                self._read_edge(unit)
+
+    def _read_run(self, run: _Run) -> None:
+        """Whole blocks straight into the caller's buffer, each hashed right after its read
+        (from cache) unless this file already verified it."""
         step = self._checksums.block_size
-        for block in blocks:
-            block_lo = block * step
-            block_hi = min(block_lo + step, self.size)
-            parts = [
-                (
-                    max(off, block_lo),
-                    view[max(off, block_lo) - off : min(off + view.nbytes, block_hi) - off],
-                )
-                for off, view in segs
-                if off < block_hi and off + view.nbytes > block_lo
-            ]
+        digests = self._checksums.digests
+        view = run.view
+        for i in range(run.blocks):
+            block = run.first + i
+            part = view[i * step : (i + 1) * step]
+            if os.preadv(self._fd, [part], block * step) != part.nbytes:
+                self._pread_full([part], block * step)  # short read: finish it
             if block in self._verified:
-                for off, view in parts:
-                    self._pread_full([view], off)
                 continue
-            buffers: list[memoryview] = []
-            cursor = block_lo
-            for off, view in parts:
-                if off > cursor:
-                    buffers.append(memoryview(bytearray(off - cursor)))
-                buffers.append(view)
-                cursor = off + view.nbytes
-            if block_hi > cursor:
-                buffers.append(memoryview(bytearray(block_hi - cursor)))
-            self._pread_full(buffers, block_lo)
-            hasher = xxhash.xxh3_128()
-            for b in buffers:
-                hasher.update(b)
-            self._checksums.check_block(block, hasher.digest(), what=self.what)
+            digest = xxhash.xxh3_128_digest(part)
+            if digest != digests[block * DIGEST_SIZE : (block + 1) * DIGEST_SIZE]:
+                self._checksums.check_block(block, digest, what=self.what)
             with self._lock:
                 self._verified.add(block)
+
+    def _read_edge(self, edge: _Edge) -> None:
+        step = self._checksums.block_size
+        block = edge.block
+        block_lo = block * step
+        block_hi = min(block_lo + step, self.size)
+        if block in self._verified:
+            for off, view in edge.parts:
+                self._pread_full([view], off)
+            return
+        buffers: list[memoryview] = []
+        cursor = block_lo
+        for off, view in edge.parts:
+            if off > cursor:
+                buffers.append(memoryview(bytearray(off - cursor)))
+            buffers.append(view)
+            cursor = off + view.nbytes
+        if block_hi > cursor:
+            buffers.append(memoryview(bytearray(block_hi - cursor)))
+        self._pread_full(buffers, block_lo)
+        hasher = xxhash.xxh3_128()
+        for b in buffers:
+            hasher.update(b)
+        self._checksums.check_block(block, hasher.digest(), what=self.what)
+        with self._lock:
+            self._verified.add(block)
 
     def _pread_full(self, buffers: list[memoryview], offset: int) -> None:
         want = sum(b.nbytes for b in buffers)
@@ -239,3 +310,57 @@ def _advance(buffers: list[memoryview], count: int) -> list[memoryview]:
         rest.append(b[count:])
         count = 0
     return rest
+
+
+@dataclass
+class _Run:
+    """Whole blocks from `first` on, read straight into `view`, which they fill exactly
+    (the last may be the file's short tail block)."""
+
+    first: int
+    view: memoryview
+    blocks: int
+
+    def split(self, most: int, step: int) -> list[_Run]:
+        return [
+            _Run(
+                self.first + i, self.view[i * step : (i + most) * step], min(most, self.blocks - i)
+            )
+            for i in range(0, self.blocks, most)
+        ]
+
+
+@dataclass
+class _Edge:
+    """One block shared by segments, gaps or framing: its wanted parts, in file order."""
+
+    block: int
+    parts: list[tuple[int, memoryview]]
+    blocks: int = 1
+
+
+@dataclass
+class _Task:
+    """Consecutive units one worker reads in order."""
+
+    units: list[_Run | _Edge] = field(default_factory=list)
+    blocks: int = 0
+
+
+def wait_all(futures: list[Future[None]]) -> None:
+    """Wait for every future and raise the first failure, but never while a worker may
+    still write into a caller's buffer: after a failure the rest are cancelled, and
+    those already running are awaited."""
+    error: BaseException | None = None
+    for f in futures:
+        if error is not None:
+            f.cancel()
+        if f.cancelled():
+            continue
+        exc = f.exception()
+        if exc is not None and error is None:
+            error = exc
+            for rest in futures:
+                rest.cancel()
+    if error is not None:
+        raise error

@@ -2,6 +2,10 @@
 
 Names become path components in the memory tier and keys under an fsspec URL, so the
 charset is narrow and `.`/`..` are refused: a name can never escape its directory.
+Checkpoint ids may also hold `=`, because frameworks name checkpoints that way
+(Lightning's ``epoch=0-step=100``); `=` is an ordinary character in a path component and
+an S3 key, never a separator, so it opens no path trick. Namespaces and file names keep
+the narrower set.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_CHECKPOINT_ID = re.compile(r"[A-Za-z0-9._=-]{1,128}")
 _STEP = re.compile(r"(\d+)$")
 METADATA_FILE = ".metadata"
 
@@ -30,11 +35,11 @@ def _shown(value: object) -> str:
     return text if len(text) <= 160 else f"{text[:64]}... ({len(text)} characters)"
 
 
-def _check(kind: str, value: object) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value) or value in (".", ".."):
+def _check(kind: str, value: object, grammar: re.Pattern[str] = _NAME, extra: str = "") -> str:
+    if not isinstance(value, str) or not grammar.fullmatch(value) or value in (".", ".."):
         raise InvalidName(
-            f"invalid {kind} {_shown(value)}: use 1-128 characters from [A-Za-z0-9._-], "
-            "not '.' or '..'"
+            f"invalid {kind} {_shown(value)}: use 1-128 characters from [A-Za-z0-9._-]"
+            f"{extra}, not '.' or '..'"
         )
     return value
 
@@ -45,8 +50,9 @@ def check_namespace(value: object) -> str:
 
 
 def check_checkpoint_id(value: object) -> str:
-    """Return `value` if it is a valid checkpoint id (e.g. ``step-000100``), else raise InvalidName."""
-    return _check("checkpoint id", value)
+    """Return `value` if it is a valid checkpoint id (``step-000100``, ``epoch=0-step=100``),
+    else raise InvalidName."""
+    return _check("checkpoint id", value, _CHECKPOINT_ID, " and '='")
 
 
 def is_checkpoint_id(value: object) -> bool:

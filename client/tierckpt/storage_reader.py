@@ -3,12 +3,15 @@
 Copies per byte on `dcp.load`: one. For each tensor item the reader parses the
 torch.save framing (a few KiB), then `preadv`s the needed bytes from shared memory
 straight into the destination tensor and verifies the covering checksum blocks while
-they are in cache. Only items that cannot be read that way (non-contiguous slices,
-compressed items, non-CPU destinations) go through a staging buffer and ``torch.load``.
-"""
+they are in cache. A file's items are read as one batch, each pool thread streaming runs
+of consecutive blocks. Destinations the bytes cannot land in (strided views, GPU
+tensors) get a host landing buffer (pinned for a GPU) and one more copy; items that
+cannot be read as raw bytes (non-contiguous slices, compressed items, converted dtypes)
+go through a staging buffer and ``torch.load``."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import io
@@ -24,7 +27,7 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._extension import ExtensionRegistry
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -37,7 +40,7 @@ from tierckpt.errors import (
     TierckptError,
     TierUnavailable,
 )
-from tierckpt.memory_files import VerifiedFile
+from tierckpt.memory_files import VerifiedFile, wait_all
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.saved_tensor import parse_saved_tensor
 
@@ -47,7 +50,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_PARALLEL_BYTES = 16 << 20  # below this a second thread costs more than it saves
+
+def _is_direct(target: torch.Tensor) -> bool:
+    """Whether the file's bytes can be read straight into `target`'s memory."""
+    return target.device.type == "cpu" and target.is_contiguous()
+
+
+def _landing_for(target: torch.Tensor) -> torch.Tensor:
+    """A contiguous host buffer for a destination the file cannot be read into directly
+    (a strided CPU view, or a GPU tensor: then pinned, so the copy to the device is one
+    DMA). The bytes are verified in it and copied once more, to the destination."""
+    pin = target.device.type == "cuda" and torch.cuda.is_available()
+    return torch.empty(target.shape, dtype=target.dtype, pin_memory=pin)
 
 
 def _writable_view(tensor: torch.Tensor) -> memoryview:
@@ -63,8 +77,8 @@ class TieredStorageReader(StorageReader):
         namespace: the training job whose checkpoints to read.
         daemon: the local daemon's address; default ``$TIERCKPT_DAEMON``, else the
             default unix socket.
-        io_threads: threads copying large items (preadv and xxh3 release the GIL; more
-            threads than cores still help because kernel page copies stall on memory).
+        io_threads: threads reading and hashing blocks (preadv and xxh3 release the
+            GIL); a few more than cores cost nothing, as kernel page copies stall on memory.
 
     ``dcp.load(sd, checkpoint_id=None, storage_reader=...)`` loads the newest committed
     checkpoint of the namespace; every rank must resolve the same one, which the
@@ -199,25 +213,17 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Tensor items are read concurrently (one item's framing is parsed while another's
-        bytes are copied); planner calls stay on this thread, in plan order."""
+        """One pool of `io_threads` streams each file's blocks into the destinations;
+        planner calls stay on this thread, in plan order."""
         per_file: dict[str, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
-        workers = max(1, self.io_threads)
-        with (
-            ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-item") as items_pool,
-            ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-block") as blocks_pool,
-        ):
-            self._fetch_missing(list(per_file), items_pool)
+        with ThreadPoolExecutor(
+            max(1, self.io_threads), thread_name_prefix="tierckpt-read"
+        ) as pool:
+            self._fetch_missing(list(per_file), pool)
             for name, items in per_file.items():
-                read = functools.partial(
-                    self._read_items,
-                    items=items,
-                    planner=planner,
-                    items_pool=items_pool,
-                    blocks_pool=blocks_pool,
-                )
+                read = functools.partial(self._read_items, items=items, planner=planner, pool=pool)
                 self._with_repair(name, read)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -238,30 +244,42 @@ class TieredStorageReader(StorageReader):
             self._fetched[name] = entry
 
     def _read_items(
-        self,
-        f: VerifiedFile,
-        items: list[ReadItem],
-        planner: LoadPlanner,
-        items_pool: ThreadPoolExecutor,
-        blocks_pool: ThreadPoolExecutor,
+        self, f: VerifiedFile, items: list[ReadItem], planner: LoadPlanner, pool: ThreadPoolExecutor
     ) -> None:
-        pending: list[tuple[ReadItem, torch.Tensor, CFuture[None]]] = []
+        """Read one file's items. Those read straight into their destination form one
+        batch of segments: blocks two items share are read and hashed once, and each of
+        the pool's threads streams runs of consecutive blocks. Items that need a landing
+        buffer or torch.load are one job each beside it (so at most `io_threads` such
+        buffers exist at a time)."""
+        segments: list[tuple[int, memoryview]] = []
+        jobs: list[CFuture[None]] = []
+        resolved: list[tuple[ReadItem, torch.Tensor]] = []
+        batched: set[MetadataIndex] = set()  # saved items in the batch: framing read once
         try:
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(self._item_bytes(f, item)))
                     continue
                 target = planner.resolve_tensor(item).detach()
-                job = items_pool.submit(self._read_tensor, f, item, target, blocks_pool)
-                pending.append((item, target, job))
-            for item, target, job in pending:
-                job.result()
-                planner.commit_tensor(item, target)
-        finally:
-            for _, _, job in pending:  # never leave a worker writing into a target
-                job.cancel()
-                if not job.cancelled():
-                    job.exception()
+                resolved.append((item, target))
+                direct = self._direct_segments(f, item, target)
+                if direct is None:
+                    jobs.append(pool.submit(self._read_staged, f, item, target))
+                elif _is_direct(target) and item.storage_index not in batched:
+                    batched.add(item.storage_index)
+                    segments += direct(_writable_view(target))
+                elif _is_direct(target):  # another piece of a batched item (resharding)
+                    jobs.append(pool.submit(f.read_segments, direct(_writable_view(target))))
+                else:
+                    jobs.append(pool.submit(self._read_landed, f, direct, target))
+            jobs += f.start_segments(segments, pool)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                wait_all(jobs)  # never leave a worker writing into a target
+            raise
+        wait_all(jobs)
+        for item, target in resolved:
+            planner.commit_tensor(item, target)
 
     # --- one item -----------------------------------------------------------------------
     def _item_bytes(self, f: VerifiedFile, item: ReadItem) -> bytes | bytearray:
@@ -270,36 +288,54 @@ class TieredStorageReader(StorageReader):
         raw = f.read(info.offset, info.length)
         return self._untransform(item, info, raw) if info.transform_descriptors else raw
 
-    def _read_tensor(
-        self, f: VerifiedFile, item: ReadItem, target: torch.Tensor, blocks: ThreadPoolExecutor
-    ) -> None:
-        """Fill `target` with the saved slice `item` names (runs on a worker thread)."""
+    def _direct_segments(
+        self, f: VerifiedFile, item: ReadItem, target: torch.Tensor
+    ) -> Callable[[memoryview], list[tuple[int, memoryview]]] | None:
+        """How to read `item` as raw bytes into a contiguous buffer shaped like `target`:
+        a function from that buffer to the file segments to read; None when the item
+        must be decoded by torch.load (a transform, a non-contiguous slice, a dtype or
+        shape DCP converts)."""
         info = self.storage_data[item.storage_index]
-        if not info.transform_descriptors:
-            layout = parse_saved_tensor(f.fileno(), info.offset, info.length)
-            span = layout.contiguous_range(tuple(item.storage_offsets), tuple(item.lengths))
-            if (
-                span is not None
-                and target.dtype == layout.meta.dtype
-                and tuple(target.shape) == tuple(item.lengths)
-            ):
-                start, nbytes = span
-                direct = target.device.type == "cpu" and target.is_contiguous()
-                landing = target if direct else torch.empty(target.shape, dtype=target.dtype)
-                # The framing before and after the storage record is read too, so the
-                # header we parsed is verified by the same block checksums as the data.
-                head_len = layout.storage_offset_bytes
-                tail_at = layout.storage_offset_bytes + layout.storage_nbytes
-                segments = [
-                    (info.offset, memoryview(bytearray(head_len))),
-                    (info.offset + start, _writable_view(landing)[:nbytes]),
-                    (info.offset + tail_at, memoryview(bytearray(info.length - tail_at))),
-                ]
-                f.read_segments(segments, blocks if nbytes >= _PARALLEL_BYTES else None)
-                if not direct:
-                    target.copy_(landing)
-                return
-        # Staged: non-contiguous slice, transformed item, or a dtype/shape DCP converts.
+        if info.transform_descriptors:
+            return None
+        layout = parse_saved_tensor(f.fileno(), info.offset, info.length)
+        span = layout.contiguous_range(tuple(item.storage_offsets), tuple(item.lengths))
+        if (
+            span is None
+            or target.dtype != layout.meta.dtype
+            or tuple(target.shape) != tuple(item.lengths)
+        ):
+            return None
+        start, nbytes = span
+        head_len = layout.storage_offset_bytes
+        tail_at = layout.storage_offset_bytes + layout.storage_nbytes
+
+        def segments(into: memoryview) -> list[tuple[int, memoryview]]:
+            # The framing before and after the storage record is read too, so the header
+            # parsed above is verified by the same block checksums as the data.
+            return [
+                (info.offset, memoryview(bytearray(head_len))),
+                (info.offset + start, into[:nbytes]),
+                (info.offset + tail_at, memoryview(bytearray(info.length - tail_at))),
+            ]
+
+        return segments
+
+    def _read_landed(
+        self,
+        f: VerifiedFile,
+        segments: Callable[[memoryview], list[tuple[int, memoryview]]],
+        target: torch.Tensor,
+    ) -> None:
+        """A destination the file cannot be read into (strided, or on a GPU): read and
+        verify into a host landing buffer, then copy that to the destination."""
+        landing = _landing_for(target)
+        f.read_segments(segments(_writable_view(landing)))
+        target.copy_(landing)
+
+    def _read_staged(self, f: VerifiedFile, item: ReadItem, target: torch.Tensor) -> None:
+        """Non-contiguous slice, transformed item, or a dtype/shape DCP converts: the
+        item is read into memory (verified) and decoded by torch.load."""
         saved = torch.load(
             io.BytesIO(self._item_bytes(f, item)), map_location="cpu", weights_only=True
         )

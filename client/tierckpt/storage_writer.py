@@ -7,7 +7,8 @@ shared memory, and commits it with its size and block checksums. `finish()` writ
 `.metadata` the same way and commits the checkpoint.
 
 Copies per byte on `dcp.save`: one (tensor -> tmpfs page). `async_save` adds the
-staging copy into cached shared-memory buffers, which is all the training loop waits for.
+staging copy into the process's shared-memory staging buffers (tierckpt.staging: reused by
+every writer for the same namespace and layout), which is all the training loop waits for.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
@@ -35,6 +35,7 @@ from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import MemoryBudgetExceeded, TierckptError
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
+from tierckpt.staging import stage_state_dict
 
 __all__ = ["TieredStorageWriter"]
 
@@ -72,7 +73,8 @@ class _MemoryTierFileSystem(FileSystemBase):
         fd = os.open(opened.path, os.O_WRONLY)  # no O_TRUNC: overwrite a warm recycled segment
         try:
             stream = ChecksummingWriter(fd)
-            yield stream
+            with _torch_save_without_crc():  # in this writer thread, where torch.save runs
+                yield stream
             size, checksums = stream.finish()
         finally:
             os.close(fd)
@@ -132,17 +134,17 @@ class _MemoizedBytesPlanner:
 @contextlib.contextmanager
 def _torch_save_without_crc() -> Iterator[None]:
     """torch.save's CRC32 halves its throughput; our xxh3 blocks already cover every byte
-    and torch.load does not check the CRC, so stock readers still read the files."""
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    if config is None:
-        yield
-        return
-    previous = config.save.compute_crc32
-    config.save.compute_crc32 = False
+    and torch.load does not check the CRC, so stock readers still read the files.
+
+    torch's serialization config is thread-local (a ContextVar): this must run in the
+    thread that calls torch.save, i.e. around each file's stream in the writer threads.
+    """
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
     try:
         yield
     finally:
-        config.save.compute_crc32 = previous
+        torch.serialization.set_crc32_options(previous)
 
 
 class TieredStorageWriter(FileSystemWriter):
@@ -225,8 +227,7 @@ class TieredStorageWriter(FileSystemWriter):
         except MemoryBudgetExceeded:
             self._abort_quietly()  # release the other ranks' reservations now, not at the GC
             raise
-        with _torch_save_without_crc():
-            return super().write_data(plan, cast(SavePlanner, memo))
+        return super().write_data(plan, cast(SavePlanner, memo))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
@@ -259,16 +260,15 @@ class TieredStorageWriter(FileSystemWriter):
 
     # --- async staging ----------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy the state into cached shared-memory CPU buffers (one copy, reused per save).
+        """Copy the state into the process's staging buffers (one copy; see tierckpt.staging).
 
-        Shared memory makes the PROCESS executor's pickling a handle, not a copy. The next
-        stage() overwrites the buffers: wait for the previous async_save to finish first,
-        as DCP requires anyway.
+        The buffers belong to the process, keyed by namespace and state-dict layout, so a
+        new writer per save still copies into warm pages. They are shared memory (the
+        PROCESS executor pickles a handle), pinned when the state is on a CUDA device. A
+        stage never overwrites buffers an unfinished save still holds: it takes another set.
         """
-        self.per_thread_copy_ahead = 0
-        if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, share_memory=True)
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+        self.per_thread_copy_ahead = 0  # the staged state is on the host already
+        return stage_state_dict(self.namespace, state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -107,6 +107,10 @@ class MemoryConfig:
     budget: int = field(default=64 * 1024**3, metadata=SIZE)
     recycle: bool = True
     prewarm: int = field(default=0, metadata=SIZE)
+    # After each commit, warm pool segments for the namespace's next save in the
+    # background (within the budget), at most prewarm_next_max bytes (0: the last save's).
+    prewarm_next: bool = True
+    prewarm_next_max: int = field(default=0, metadata=SIZE)
     abandon_after: float = 900.0
 
 

@@ -29,6 +29,7 @@ from tierckpt.units import format_size
 
 from tierckptd import __version__
 from tierckptd.catalog import Catalog, Sweeper
+from tierckptd.catalog.prewarm import NextSaveWarmer
 from tierckptd.config import (
     Config,
     ConfigError,
@@ -36,6 +37,7 @@ from tierckptd.config import (
     load_config,
 )
 from tierckptd.config_secrets import config_changes, config_file_warnings, redact
+from tierckptd.jobs import JobQueue
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
 from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
@@ -154,6 +156,10 @@ class Daemon:
                 catalog.pool_bytes,
                 catalog.committed_count,
             )
+            metrics.bind_prewarm_gauges(
+                lambda: catalog.status().prewarm_pending_bytes,
+                lambda: catalog.status().prewarm_ready_bytes,
+            )
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
             # The one restore chain: memory, then the file's peer holders and the other
@@ -252,6 +258,7 @@ class Daemon:
         )
         sweeper = Sweeper(catalog)
         sweeper.start()
+        warmer = self._start_warmer(catalog)
         if cfg.memory.prewarm:
             threading.Thread(
                 target=catalog.prewarm,
@@ -264,11 +271,27 @@ class Daemon:
             if self._emergency and self.drainer is not None:
                 self.drainer.emergency(cfg.persistent.shutdown_deadline)
         finally:
+            if warmer is not None:
+                warmer[0].stop()
+                warmer[1].stop()
             if self.drainer is not None:
                 self.drainer.stop()
             cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
+
+    def _start_warmer(self, catalog: Catalog) -> tuple[NextSaveWarmer, JobQueue[str]] | None:
+        """`[memory] prewarm_next`: after each commit, warm the namespace's next save's
+        pool segments on one worker thread (only when evicted files are recycled too)."""
+        memory = self.config.memory
+        if not (memory.prewarm_next and memory.recycle):
+            return None
+        warmer = NextSaveWarmer(catalog, max_bytes=memory.prewarm_next_max)
+        queue: JobQueue[str] = JobQueue(warmer.run_pass, name="tierckptd-prewarm-next")
+        catalog.prewarm_pending = lambda: warmer.pending_bytes
+        catalog.prewarm_next = queue.put
+        queue.start()
+        return warmer, queue
 
     def _loop(self) -> None:
         while True:

@@ -140,6 +140,13 @@ class NodeStatusView:
     checkpoints: int
     namespaces: tuple[str, ...]
     version: str
+    # Warm pool use: bytes the next-save prewarm has planned and not made yet, prewarmed
+    # segments waiting for a save, prewarmed bytes saves got; files opened warm / cold.
+    prewarm_pending_bytes: int = 0
+    prewarm_ready_bytes: int = 0
+    prewarm_used_bytes: int = 0
+    pool_hits: int = 0
+    pool_misses: int = 0
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

@@ -414,6 +414,11 @@ class NodeStatus(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
     NAMESPACES_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    PREWARM_PENDING_BYTES_FIELD_NUMBER: _builtins.int
+    PREWARM_READY_BYTES_FIELD_NUMBER: _builtins.int
+    PREWARM_USED_BYTES_FIELD_NUMBER: _builtins.int
+    POOL_HITS_FIELD_NUMBER: _builtins.int
+    POOL_MISSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     failure_domain: _builtins.str
     memory_dir: _builtins.str
@@ -426,6 +431,16 @@ class NodeStatus(_message.Message):
     """warm recycled segments, reclaimable"""
     checkpoints: _builtins.int
     version: _builtins.str
+    prewarm_pending_bytes: _builtins.int
+    """Warm pool ([memory] prewarm_next): bytes the next-save prewarm has planned and not
+    made yet, prewarmed segments waiting for a save (part of pool_bytes), and since the
+    daemon started: prewarmed bytes saves wrote into, files saves opened in a warm
+    segment (hits) or as a new, cold file (misses).
+    """
+    prewarm_ready_bytes: _builtins.int
+    prewarm_used_bytes: _builtins.int
+    pool_hits: _builtins.int
+    pool_misses: _builtins.int
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -441,10 +456,15 @@ class NodeStatus(_message.Message):
         checkpoints: _builtins.int = ...,
         namespaces: _abc.Iterable[_builtins.str] | None = ...,
         version: _builtins.str = ...,
+        prewarm_pending_bytes: _builtins.int = ...,
+        prewarm_ready_bytes: _builtins.int = ...,
+        prewarm_used_bytes: _builtins.int = ...,
+        pool_hits: _builtins.int = ...,
+        pool_misses: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "pool_bytes", b"pool_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "pool_bytes", b"pool_bytes", "pool_hits", b"pool_hits", "pool_misses", b"pool_misses", "prewarm_pending_bytes", b"prewarm_pending_bytes", "prewarm_ready_bytes", b"prewarm_ready_bytes", "prewarm_used_bytes", b"prewarm_used_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

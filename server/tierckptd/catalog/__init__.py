@@ -23,8 +23,9 @@ Lock order (outermost first; never take an earlier one while holding a later one
 
 The catalog lock is a plain (non-reentrant) `threading.Lock`: no public method is called
 with it held. Manifest writes (small, atomic renames) happen under it, so a manifest on
-disk always agrees with the record; `on_committed` and `tier.on_namespace_dir` are called
-under it and must only enqueue or take locks later in the order. The warm pool shares
+disk always agrees with the record; `on_committed`, `prewarm_next` (the next-save prewarm,
+`prewarm.py`) and `tier.on_namespace_dir` are called under it and must only enqueue or
+take locks later in the order. The warm pool shares
 the lock (it waits on a Condition of it for segments being preallocated).
 """
 
@@ -49,7 +50,6 @@ from tierckptd.catalog.peer_state import PeerState
 from tierckptd.catalog.state import listing
 from tierckptd.catalog.sweeper import Sweeper
 from tierckptd.memory.adoption import Adopted, adopt
-from tierckptd.memory.pool import PREWARM_SEGMENT
 from tierckptd.memory.verify import VerifyResult, hash_rate, verify_files
 from tierckptd.model import (
     MAX_FILES,
@@ -112,11 +112,15 @@ class Catalog(PeerState):
                 self._records[key] = rec
                 self._track(rec)
                 logger.info("begin %s/%s (rank %d)", namespace, checkpoint_id, rank)
+                self._prewarm_once(namespace)
             rec.last_activity = self._clock()
 
     def reserve(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
         """Reserve `nbytes` more for (checkpoint, rank); returns the rank's reservation."""
         with self._lock:
+            self._writing(namespace, checkpoint_id)  # a save is writing: prewarms stop
+            if self.pool.pending and self._budget.short(nbytes, self._unwritten):
+                self.pool.wait_pending()  # they join the pool, which the budget may drop
             rec = self._writing(namespace, checkpoint_id)
             # Free space must back this reservation and every one not yet written
             # (their pages are not allocated yet); the pool can be unlinked to make room.
@@ -140,6 +144,7 @@ class Catalog(PeerState):
             path = self.tier.file_path(namespace, checkpoint_id, name)
             remaining = rec.reservations.get(rank, 0)
             seg = self.pool.pick_segment(name, remaining, namespace)
+            self.pool_use.record(seg)
             preallocated = 0
             if seg is not None:
                 self.pool.take_segment(seg, path)
@@ -410,6 +415,11 @@ class Catalog(PeerState):
                 checkpoints=len(committed),
                 namespaces=tuple(sorted({r.namespace for r in self._records.values()})),
                 version=__version__,
+                prewarm_pending_bytes=self.prewarm_pending() + self.pool.pending,
+                prewarm_ready_bytes=self.pool.prewarmed_bytes,
+                prewarm_used_bytes=self.pool_use.prewarmed_bytes,
+                pool_hits=self.pool_use.hits,
+                pool_misses=self.pool_use.misses,
             )
 
     # ---- background work ----------------------------------------------------------------
@@ -435,22 +445,6 @@ class Catalog(PeerState):
             for rec in stale:
                 self._abort(rec, f"no activity for {now - rec.last_activity:.0f} s")
             return [r.key for r in stale]
-
-    def prewarm(self, total: int, segment_size: int = PREWARM_SEGMENT) -> int:
-        """Preallocate up to `total` bytes of pool segments (`memory.prewarm`); returns
-        bytes allocated. Runs in a background thread at start."""
-        sizes = [min(segment_size, total - at) for at in range(0, total, segment_size)]
-        return self.prewarm_segments([(size, None) for size in sizes], "memory.prewarm")
-
-    def prewarm_segments(self, plan: list[tuple[int, str | None]], why: str) -> int:
-        """Preallocate pool segments of the given (size, file name) while the budget and
-        tmpfs allow; a segment named for a file is the one that file's copy takes (a copy
-        already arriving is skipped). Returns bytes allocated."""
-
-        def arriving(name: str) -> bool:
-            return any(key[2] == name for key in self._budget.incoming)
-
-        return self.pool.prewarm(plan, self._budget.fits, skip=arriving, why=why)
 
     # ---- adoption -----------------------------------------------------------------------
     def adopt(self) -> None:

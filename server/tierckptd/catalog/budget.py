@@ -108,6 +108,14 @@ class Budget:
         a new segment never displaces a warm one)."""
         return self.used + self.reserved + self.pooled + nbytes <= self.limit
 
+    def short(self, nbytes: int, unwritten: Callable[[], int]) -> bool:
+        """Whether `nbytes` more would be refused now (budget, or free pages beside the
+        `unwritten` reservations) even with the whole pool dropped: a save then waits
+        for the pool segments being preallocated, which count as reserved until done."""
+        if self.used + self.reserved + nbytes > self.limit:
+            return True
+        return self.pool.tier.free_bytes() - unwritten() + self.pooled < nbytes
+
     def trim_pool(self, extra: int = 0) -> None:
         """Drop pool segments, largest first, until C + R + P + extra fits the limit."""
         while self.used + self.reserved + self.pooled + extra > self.limit:

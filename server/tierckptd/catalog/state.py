@@ -21,11 +21,12 @@ from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd.catalog.budget import Budget
+from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, shortfall
 from tierckptd.catalog.retention import evictions_by_coordinator
 from tierckptd.catalog.views import view_of
 from tierckptd.memory.manifest import to_json as manifest_to_json
 from tierckptd.memory.manifest import write_manifest
-from tierckptd.memory.pool import WarmPool
+from tierckptd.memory.pool import PREWARM_SEGMENT, WarmPool
 from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.ops import metrics
@@ -83,6 +84,12 @@ class CatalogState:
         self._durable: set[Key] = set()
         self._drain_failed: dict[Key, bool] = {}  # shown as "drain-failed"; True: refused
         self.on_committed: Callable[[str, str], None] | None = None
+        # Next-save prewarm (`prewarm.NextSaveWarmer.schedule`, called under the lock: it
+        # only enqueues) after every commit here, and what saves got from the pool.
+        self.prewarm_next: Callable[[str], object] | None = None
+        self.prewarm_pending: Callable[[], int] = lambda: 0  # bytes planned, not made yet
+        self.pool_use = PoolUse()
+        self._prewarm_begun: set[str] = set()  # namespaces prewarmed for at a Begin
 
     @property
     def budget(self) -> int:
@@ -282,6 +289,8 @@ class CatalogState:
     def _notify_committed(self, rec: CheckpointRecord) -> None:
         if self.on_committed is not None and self._due(rec):
             self.on_committed(rec.namespace, rec.checkpoint_id)
+        if self.prewarm_next is not None:
+            self.prewarm_next(rec.namespace)  # plans after retention: evicted files count
 
     def _apply_retention(self, namespace: str) -> None:
         committed = [
@@ -327,6 +336,72 @@ class CatalogState:
         self._health.pop(rec.key, None)
         self._budget.trim_pool()
         return freed
+
+    # ---- prewarm -------------------------------------------------------------------------
+    def prewarm(self, total: int, segment_size: int = PREWARM_SEGMENT) -> int:
+        """Preallocate up to `total` bytes of fresh pool segments (`memory.prewarm`);
+        returns bytes allocated. Runs in a background thread at start."""
+        sizes = [min(segment_size, total - at) for at in range(0, total, segment_size)]
+        plan: list[tuple[int, str | None]] = [(size, None) for size in sizes]
+        return self.prewarm_segments(plan, "memory.prewarm", kind="start")
+
+    def prewarm_segments(
+        self,
+        plan: list[tuple[int, str | None]],
+        why: str,
+        *,
+        namespace: str = "",
+        stop: Callable[[], bool] | None = None,
+        progress: Callable[[int], None] | None = None,
+        kind: str = "restore",
+        headroom: int = 0,
+    ) -> int:
+        """Preallocate pool segments of the given (size, file name) while the budget
+        (`fits` beside `headroom` more: no pool dropped for them) and tmpfs allow; a
+        segment named for a file is the one that file's copy or save takes (a copy
+        already arriving is skipped), one of a `namespace` is for that job only. `stop`
+        ends it between steps (a save started). Returns bytes allocated (counted by
+        `kind` in the metrics)."""
+
+        def arriving(name: str) -> bool:
+            return any(key[2] == name for key in self._budget.incoming)
+
+        done = self.pool.prewarm(
+            plan,
+            lambda size: self._budget.fits(size + headroom),
+            skip=arriving,
+            why=why,
+            namespace=namespace,
+            stop=stop,
+            progress=progress,
+        )
+        metrics.PREWARM_BYTES.labels(kind=kind).inc(done)
+        return done
+
+    def next_save_plan(self, namespace: str, cap: int = 0) -> NextSavePlan:
+        """The segments `namespace`'s next save lacks: one per file this node wrote in its
+        newest checkpoint that no pool segment covers (`shortfall`), and those files' bytes."""
+        with self._lock:
+            rec = self._newest(namespace)
+            if rec is None:
+                return NextSavePlan([], 0)
+            files = [
+                (f.name, f.size, f.rank)
+                for f in rec.files.values()
+                if f.committed and f.held and f.owner_node == self.node_id
+            ]
+            plan = shortfall(files, self.pool.segments, namespace, cap)
+            return NextSavePlan(plan, sum(size for _, size, _ in files))
+
+    def _prewarm_once(self, namespace: str) -> None:
+        """At the first Begin of a namespace since start (e.g. after a restart adopted
+        its checkpoints), schedule the prewarm a commit would have (call under the lock;
+        it runs once the save is over, or right away if the save is abandoned)."""
+        if self.prewarm_next is None or namespace in self._prewarm_begun:
+            return
+        self._prewarm_begun.add(namespace)
+        if self._newest(namespace) is not None:
+            self.prewarm_next(namespace)
 
     # ---- persistent tier ----------------------------------------------------------------
     def set_drain_failed(

@@ -4,7 +4,8 @@ Writing into a fresh tmpfs file costs a page fault and a zeroed page per 4 KiB, 
 slower than overwriting pages that are already allocated, so evicted and deleted files
 are renamed into ``pool/seg-<n>@<namespace>`` and handed to the next save (or incoming
 copy) instead of being unlinked. A segment is handed only to the namespace it last served
-(``seg-<n>@`` is a fresh one from prewarm): another job must never read a previous
+(``seg-<n>@`` is a fresh one from prewarm; one prewarmed for a namespace's next save is
+tagged with it so no other tenant takes it): another job must never read a previous
 tenant's bytes, nor share an inode with a tenant that kept a descriptor open.
 
 Not thread-safe on its own: the owner (the catalog) calls it under its lock, which it
@@ -28,7 +29,15 @@ from tierckpt.units import format_size
 
 from tierckptd.memory.tier import WRITING_MODE, MemoryTier, UnsafePath, no_space
 
-__all__ = ["POOL_MODE", "PREWARM_SEGMENT", "PREWARM_WAIT", "Segment", "WarmPool"]
+__all__ = [
+    "POOL_MODE",
+    "PREWARM_SEGMENT",
+    "PREWARM_STEP",
+    "PREWARM_WAIT",
+    "Segment",
+    "WarmPool",
+    "pick",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +45,8 @@ POOL_MODE = 0o600
 PREWARM_SEGMENT = 1 << 30
 # Longest an incoming copy waits for the pool segment being preallocated for it.
 PREWARM_WAIT = 30.0
+# A prewarm that may be stopped (for a save) checks between steps of this many bytes.
+PREWARM_STEP = 64 << 20
 _TOUCH_CHUNK = 1 << 20
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _SEGMENT = re.compile(r"seg-(\d+)@([A-Za-z0-9._-]{0,128})")
@@ -43,13 +54,33 @@ _SEGMENT = re.compile(r"seg-(\d+)@([A-Za-z0-9._-]{0,128})")
 
 @dataclass
 class Segment:
-    """A warm pooled file; `previous_name` is the DCP file it last held (None if unknown)
-    and `namespace` the job it last served ("" for a fresh, never handed out segment)."""
+    """A warm pooled file; `previous_name` is the DCP file it last held or was prewarmed
+    for (None if unknown), `namespace` the job it last served or was prewarmed for (""
+    for a fresh segment any job may take) and `prewarmed` whether it never held data
+    (allocated by a prewarm; counted as such when a save takes it)."""
 
     path: Path
     size: int
     previous_name: str | None = None
     namespace: str = ""
+    prewarmed: bool = False
+
+
+def pick(segments: list[Segment], file_name: str, remaining: int, namespace: str) -> Segment | None:
+    """Best of `segments` for a new file of `namespace` given the rank's remaining
+    reservation (`WarmPool.pick_segment`; the next-save prewarm plans with it too).
+
+    Only segments of `namespace` or fresh ones qualify. Prefer the segment that last
+    held (or was prewarmed for) a file of the same name (a periodic save writes the same
+    files with the same sizes), allowing 25% slack; else the largest segment that fits
+    in the reservation; else none.
+    """
+    mine = [s for s in segments if s.namespace in (namespace, "")]
+    same = [s for s in mine if s.previous_name == file_name and s.size <= remaining * 1.25]
+    if same:
+        return max(same, key=lambda s: s.size)
+    fitting = [s for s in mine if s.size <= remaining]
+    return max(fitting, key=lambda s: s.size) if fitting else None
 
 
 class WarmPool:
@@ -71,6 +102,11 @@ class WarmPool:
     @property
     def pool_bytes(self) -> int:
         return sum(s.size for s in self.segments)
+
+    @property
+    def prewarmed_bytes(self) -> int:
+        """Pool bytes allocated by a prewarm and not handed out yet."""
+        return sum(s.size for s in self.segments if s.prewarmed)
 
     def _segment_path(self, namespace: str) -> Path:
         path = self.tier.pool_dir / f"seg-{self._next_segment}@{namespace}"
@@ -102,19 +138,8 @@ class WarmPool:
         return seg
 
     def pick_segment(self, file_name: str, remaining: int, namespace: str) -> Segment | None:
-        """Best segment of `namespace` (or a fresh one) for a new file given the rank's
-        remaining reservation.
-
-        Prefer the segment that last held a file of the same name (a periodic save writes
-        the same files with the same sizes), allowing 25% slack; else the largest segment
-        that fits in the reservation; else none.
-        """
-        mine = [s for s in self.segments if s.namespace in (namespace, "")]
-        same = [s for s in mine if s.previous_name == file_name and s.size <= remaining * 1.25]
-        if same:
-            return max(same, key=lambda s: s.size)
-        fitting = [s for s in mine if s.size <= remaining]
-        return max(fitting, key=lambda s: s.size) if fitting else None
+        """Best segment of `namespace` (or a fresh one) for a new file (see `pick`)."""
+        return pick(self.segments, file_name, remaining, namespace)
 
     def take_segment(self, seg: Segment, dest: Path) -> None:
         """Rename a pooled segment to a data path; its pages stay allocated."""
@@ -161,23 +186,32 @@ class WarmPool:
             else:
                 os.unlink(entry.path)
 
-    def new_prewarm_path(self) -> tuple[Path, Path]:
-        """(temporary path, final segment path) for a segment being preallocated."""
-        final = self._segment_path("")
+    def new_prewarm_path(self, namespace: str = "") -> tuple[Path, Path]:
+        """(temporary path, final segment path) for a segment being preallocated; tagged
+        with `namespace` when it is for that job only ("" = fresh, for any job)."""
+        final = self._segment_path(namespace)
         return self.tier.pool_dir / f".prewarm-{final.name}", final
 
     @staticmethod
-    def preallocate(tmp: Path, size: int) -> None:
+    def preallocate(tmp: Path, size: int, stop: Callable[[], bool] | None = None) -> int:
         """Allocate `size` bytes of resident pages in `tmp` (long: run outside the catalog
-        lock). posix_fallocate reserves the pages (ENOSPC up front); writing them makes
-        them resident, since fallocated tmpfs pages are only touched at first write and a
-        VM host may back guest memory only on first touch (3 s/GiB measured here)."""
+        lock); returns the bytes allocated, fewer when `stop()` said so between steps of
+        PREWARM_STEP (the pages made so far stay: a shorter warm segment still helps).
+
+        posix_fallocate reserves the pages (ENOSPC up front); writing them makes them
+        resident, since fallocated tmpfs pages are only touched at first write and a VM
+        host may back guest memory only on first touch (3 s/GiB measured here)."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, POOL_MODE)
         try:
-            os.posix_fallocate(fd, 0, size)
             zeros = memoryview(bytes(min(size, _TOUCH_CHUNK)))
-            for offset in range(0, size, _TOUCH_CHUNK):
-                os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, size - offset)], offset)
+            for step in range(0, size, PREWARM_STEP):
+                if step and stop is not None and stop():
+                    return step
+                end = min(size, step + PREWARM_STEP)
+                os.posix_fallocate(fd, step, end - step)
+                for offset in range(step, end, _TOUCH_CHUNK):
+                    os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, end - offset)], offset)
+            return size
         finally:
             os.close(fd)
 
@@ -189,46 +223,69 @@ class WarmPool:
         *,
         skip: Callable[[str], bool] = lambda name: False,
         why: str = "memory.prewarm",
+        namespace: str = "",
+        stop: Callable[[], bool] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
         """Preallocate pool segments of the given (size, file name) while `admit(size)`
         (the budget, called under the lock) and the tmpfs allow; a segment named for a
-        file is the one that file's copy takes, and one whose file `skip`s (its copy is
-        already arriving) is left out.
+        file is the one that file's copy (or save) takes, and one whose file `skip`s (its
+        copy is already arriving) is left out. Segments are tagged with `namespace`
+        ("" = fresh, for any job).
 
         posix_fallocate happens outside the lock, with the bytes counted in `pending` so
-        concurrent reservations stay in budget. Returns bytes allocated.
+        concurrent reservations stay in budget. `stop()` (called outside the lock) ends
+        the prewarm between steps: a save started. `progress(n)` is told the bytes of
+        each segment made. Returns bytes allocated.
         """
         done = 0
         for size, name in plan:
+            if stop is not None and stop():
+                break
+            # Copies (`skip`, `wait_for`) only concern fresh segments: a namespace's own
+            # are for its next save, whose file names other jobs' copies share.
+            copies = name if name is not None and not namespace else None
             with self._lock:
-                if name is not None and skip(name):
+                if copies is not None and skip(copies):
                     continue  # its copy is already arriving, into pages of its own
                 if not admit(size) or self.tier.free_bytes() < size:
                     break
-                tmp, final = self.new_prewarm_path()
+                tmp, final = self.new_prewarm_path(namespace)
                 self.pending += size
-                if name is not None:
-                    self._prewarming.add(name)
-            ok = False
+                if copies is not None:
+                    self._prewarming.add(copies)
+            made = 0
             try:
-                self.preallocate(tmp, size)
-                ok = True
+                made = self.preallocate(tmp, size, stop)
             except OSError as e:
                 logger.warning("prewarm stopped after %s: %s", format_size(done), e)
-                tmp.unlink(missing_ok=True)
+                made = -1
             finally:
                 with self._lock:
                     self.pending -= size
-                    if ok:
+                    if made > 0:
                         tmp.rename(final)
-                        self.segments.append(Segment(final, size, name))
-                    self._prewarming.discard(name or "")
+                        self.segments.append(Segment(final, made, name, namespace, True))
+                    else:
+                        tmp.unlink(missing_ok=True)
+                    self._prewarming.discard(copies or "")
                     self._prewarmed.notify_all()
-            if not ok:
+            if made > 0:
+                done += made
+                if progress is not None:
+                    progress(made)
+            if made < size:
                 break
-            done += size
         logger.info("prewarmed %s of pool segments (%s)", format_size(done), why)
         return done
+
+    def wait_pending(self, timeout: float = PREWARM_WAIT) -> None:
+        """Wait (under the owner's lock) until no segment is being preallocated: a save
+        whose reservation would not fit beside them waits for them to join the pool,
+        which the budget may then drop (a prewarm never makes a reservation fail)."""
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self._prewarmed.wait(max(0.0, deadline - time.monotonic()))
 
     def wait_for(self, name: str, timeout: float = PREWARM_WAIT) -> None:
         """Wait (under the owner's lock) while a segment for `name` is preallocated: it is

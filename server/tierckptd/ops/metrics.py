@@ -28,9 +28,14 @@ __all__ = [
     "REFUSED_METADATA",
     "DRAIN_FAILED",
     "PEER_REFUSED",
+    "POOL_HITS",
+    "POOL_MISSES",
+    "PREWARM_BYTES",
+    "PREWARM_USED_BYTES",
     "MetricsEndpoint",
     "UNDER_REPLICATED",
     "bind_gauges",
+    "bind_prewarm_gauges",
     "serve",
 ]
 
@@ -49,6 +54,25 @@ REJECTED_SAVES = Counter(
     "tierckpt_rejected_saves", "Reservations refused with RESOURCE_EXHAUSTED", ["reason"]
 )
 RECYCLED_BYTES = Counter("tierckpt_recycled_bytes", "Bytes of warm pool segments reused by saves")
+POOL_HITS = Counter("tierckpt_pool_hits", "Files a save opened in a warm pool segment")
+POOL_MISSES = Counter(
+    "tierckpt_pool_misses", "Files a save opened as a new (cold) file: no pool segment fit"
+)
+PREWARM_BYTES = Counter(
+    "tierckpt_prewarm_bytes",
+    "Bytes of pool segments allocated and touched ahead of use, by kind (start: "
+    "[memory] prewarm, next_save: [memory] prewarm_next, restore: files to fetch)",
+    ["kind"],
+)
+PREWARM_USED_BYTES = Counter(
+    "tierckpt_prewarm_used_bytes", "Bytes of prewarmed pool segments handed to saves"
+)
+PREWARM_PENDING = Gauge(
+    "tierckpt_prewarm_pending_bytes", "Bytes the next-save prewarm has planned and not made yet"
+)
+PREWARM_READY = Gauge(
+    "tierckpt_prewarm_ready_bytes", "Bytes of prewarmed pool segments waiting for a save"
+)
 CORRUPT_COPIES = Counter(
     "tierckpt_corrupt_copies", "Local copies that failed verification and were replaced", ["where"]
 )
@@ -93,6 +117,12 @@ def bind_gauges(
     RESERVED.set_function(reserved)
     POOL.set_function(pool)
     CHECKPOINTS.set_function(checkpoints)
+
+
+def bind_prewarm_gauges(pending: Callable[[], float], ready: Callable[[], float]) -> None:
+    """Point the prewarm gauges at the live catalog."""
+    PREWARM_PENDING.set_function(pending)
+    PREWARM_READY.set_function(ready)
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             checkpoints=s.checkpoints,
             namespaces=[ns for ns in s.namespaces if ns in shown],
             version=s.version,
+            prewarm_pending_bytes=s.prewarm_pending_bytes,
+            prewarm_ready_bytes=s.prewarm_ready_bytes,
+            prewarm_used_bytes=s.prewarm_used_bytes,
+            pool_hits=s.pool_hits,
+            pool_misses=s.pool_misses,
         )
 
 

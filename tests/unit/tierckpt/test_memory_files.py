@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 from tierckpt.checksum import BlockChecksums, checksum_bytes
 from tierckpt.errors import ChecksumMismatch
-from tierckpt.memory_files import ChecksummingWriter, VerifiedFile
+from tierckpt.memory_files import ChecksummingWriter, VerifiedFile, wait_all
 
 MiB = 1 << 20
 SMALL = 256 << 10  # the writer's coalescing threshold
@@ -343,3 +344,75 @@ def test_file_truncated_after_open_raises_instead_of_spinning(stored) -> None:
         os.truncate(path, 10 * BS)
         with pytest.raises(OSError, match="unexpected end of file"):
             f.read(20 * BS, 10)
+
+
+# --- batched reads: whole blocks straight into buffers, shared edge blocks read once -----
+def test_start_segments_batch_of_adjacent_items_with_shared_blocks(tmp_path: Path) -> None:
+    # Items laid end to end as in a DCP file: framing (scratch) + data per item, item
+    # boundaries inside blocks, one batch for all of them, several tasks on the pool.
+    data = random.Random(11).randbytes(9 * MiB + 333)
+    path = tmp_path / "items"
+    path.write_bytes(data)
+    cuts = [0, 700, MiB + 5, 4 * MiB - 1, 4 * MiB + 900, 8 * MiB, len(data)]
+    outs = [bytearray(b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+    sums = checksum_bytes(data)
+    with VerifiedFile(str(path), len(data), sums, what="f") as f, ThreadPoolExecutor(2) as pool:
+        jobs = f.start_segments(
+            [(a, memoryview(o)) for a, o in zip(cuts, outs, strict=False)], pool
+        )
+        assert len(jobs) > 2
+        wait_all(jobs)
+    assert b"".join(outs) == data
+
+
+def test_start_segments_reports_a_corrupt_interior_block_after_every_job_ended(
+    tmp_path: Path,
+) -> None:
+    data = random.Random(12).randbytes(12 * MiB)
+    path = tmp_path / "bad"
+    path.write_bytes(data)
+    sums = checksum_bytes(data)
+    with open(path, "r+b") as fh:
+        fh.seek(7 * MiB + 77)
+        fh.write(bytes([data[7 * MiB + 77] ^ 1]))
+    out = bytearray(len(data) - 10)
+    with VerifiedFile(str(path), len(data), sums, what="ns/1/f") as f:
+        with ThreadPoolExecutor(2) as executor:
+            jobs = f.start_segments([(10, memoryview(out))], executor)
+            with pytest.raises(ChecksumMismatch, match="ns/1/f, block 7\\b"):
+                wait_all(jobs)
+            assert all(j.done() for j in jobs)  # no worker still writes into `out`
+        with pytest.raises(ChecksumMismatch, match="block 7\\b"):  # not cached as good
+            f.read(7 * MiB, 1)
+
+
+def test_wait_all_cancels_what_has_not_started_and_raises_the_first_error() -> None:
+    def boom() -> None:
+        raise RuntimeError("first")
+
+    with ThreadPoolExecutor(1) as executor:
+        gate = threading.Event()
+        blocker = executor.submit(gate.wait, 5)
+        failing = executor.submit(boom)
+        later = executor.submit(lambda: None)
+        gate.set()
+        with pytest.raises(RuntimeError, match="first"):
+            wait_all([blocker, failing, later])  # type: ignore[list-item]
+        assert blocker.done() and failing.done() and later.done()
+
+
+def test_overlapping_segments_are_refused(stored) -> None:
+    path, sums = stored
+    with (
+        VerifiedFile(str(path), SIZE, sums, what="f") as f,
+        pytest.raises(ValueError, match="overlap"),
+    ):
+        f.read_segments([(0, memoryview(bytearray(10))), (5, memoryview(bytearray(10)))])
+
+
+def test_whole_file_read_with_the_pool_uses_the_fast_path_and_verifies(stored, content) -> None:
+    path, sums = stored
+    with VerifiedFile(str(path), SIZE, sums, what="f") as f, ThreadPoolExecutor(3) as executor:
+        out = bytearray(SIZE)
+        f.read_segments([(0, memoryview(out))], executor)  # the short last block included
+        assert bytes(out) == content

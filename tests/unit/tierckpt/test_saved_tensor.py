@@ -163,15 +163,51 @@ def test_parse_reads_only_the_framing(tmp_path: Path, monkeypatch: pytest.Monkey
         seen.append((offset, got))
         return got
 
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, offset: int) -> bytes:
+        got = real_pread(fd, n, offset)
+        seen.append((offset, len(got)))
+        return got
+
     monkeypatch.setattr(os, "preadv", counting_preadv)
+    monkeypatch.setattr(os, "pread", counting_pread)
     fd = os.open(path, os.O_RDONLY)
     try:
         layout = parse_saved_tensor(fd, base, length)
     finally:
         os.close(fd)
     assert layout.meta.shape == t.shape
-    assert all(base <= off and off + got <= base + length for off, got in seen)
+    assert seen and all(base <= off and off + got <= base + length for off, got in seen)
     assert sum(got for _, got in seen) < (1 << 20)
+
+
+def test_items_sharing_a_pickle_parse_to_their_own_offsets(tmp_path: Path) -> None:
+    # A DCP file holds many same-shape items: the meta result is reused per exact pickle
+    # bytes, so each item's own storage offset and a different shape/dtype must still show.
+    tensors = [torch.randn(300, 7) for _ in range(3)] + [torch.randn(7, 300)]
+    tensors += [torch.randn(300, 7).double(), torch.randn(300, 7)[:, 1:]]
+    blobs = [_save_blob(t) for t in tensors]
+    path = tmp_path / "file.distcp"
+    offsets, cursor = [], PREFIX
+    for b in blobs:
+        offsets.append(cursor)
+        cursor += len(b) + 13
+    path.write_bytes(os.urandom(PREFIX) + b"".join(b + os.urandom(13) for b in blobs) + SUFFIX)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(2):  # the second round is served from the remembered results
+            for t, blob, base in zip(tensors, blobs, offsets, strict=True):
+                layout = parse_saved_tensor(fd, base, len(blob))
+                assert (layout.meta.dtype, layout.meta.shape) == (t.dtype, t.shape)
+                assert layout.meta.stride() == t.stride()
+                if t.is_contiguous():
+                    rng = layout.contiguous_range(*_full(t))
+                    assert _slice(blob, rng) == _tensor_bytes(t)
+                else:
+                    assert layout.contiguous_range(*_full(t)) is None
+    finally:
+        os.close(fd)
 
 
 def test_crc_off_blob_is_readable_by_plain_torch_load(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 from tierckpt.checksum import BytesLike
 from tierckptd import restore as restore_module
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.prewarm import NextSaveWarmer
 from tierckptd.jobs import Drain, JobQueue
 from tierckptd.model import FileRecord
 from tierckptd.restore import Restorer
@@ -171,3 +172,26 @@ def test_restores_commits_and_jobs_keep_the_documented_order(
     assert {"file", "catalog", "jobs"} <= set(w.taken)
     assert {("file", "catalog"), ("catalog", "jobs")} <= w.nested
     assert {j.checkpoint_id for j in handled} >= {f"s{i}" for i in range(2, 6)}
+
+
+def test_the_next_save_prewarm_keeps_the_documented_order(catalog: Catalog, save: Save) -> None:
+    """Commits schedule it under the catalog lock; its worker plans and makes segments
+    (the pool takes the catalog lock) with no queue lock held, while saves run."""
+    w = Witness()
+    _rank_catalog(catalog, w)
+    warmer = NextSaveWarmer(catalog, retry=0.01)
+    jobs: JobQueue[str] = JobQueue(warmer.run_pass)
+    attrs: Any = jobs
+    attrs._cv = threading.Condition(RankedLock(w, JOBS, "jobs"))
+    catalog.prewarm_next = jobs.put
+    jobs.start()
+    try:
+        for i in range(1, 6):
+            save(catalog, "run", f"s{i}", {"__0_0.distcp": DATA, ".metadata": DATA[:100]})
+            assert jobs.wait_idle(10)
+    finally:
+        warmer.stop()
+        jobs.stop()
+    assert w.violations == []
+    assert ("catalog", "jobs") in w.nested
+    assert catalog.status().prewarm_used_bytes > 0  # not vacuous: saves took its segments

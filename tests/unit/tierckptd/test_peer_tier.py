@@ -227,10 +227,10 @@ def test_incoming_copy_waits_for_the_segment_being_preallocated_for_it(
     allocating = threading.Event()
     preallocate = catalog.pool.preallocate
 
-    def slow_preallocate(tmp: Path, size: int) -> None:
+    def slow_preallocate(tmp: Path, size: int, stop: Callable[[], bool] | None = None) -> int:
         allocating.set()
         release.wait(10)
-        preallocate(tmp, size)
+        return preallocate(tmp, size, stop)
 
     monkeypatch.setattr(catalog.pool, "preallocate", slow_preallocate)
     prewarm = threading.Thread(

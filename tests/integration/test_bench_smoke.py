@@ -1,0 +1,63 @@
+"""The memory-tier bench still runs end to end (`--quick`) and reports every ratio.
+
+A smoke only: it asserts that each scenario produced finite, positive ratios and a verdict
+per Done-when item, never a timing (the machine is shared; figures belong to the bench).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _finite_positive(values: list[float]) -> bool:
+    return bool(values) and all(math.isfinite(v) and v > 0 for v in values)
+
+
+@pytest.mark.timeout(180)
+def test_memory_tier_bench_quick_reports_every_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "memory_tier.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_memory_tier.py"),
+            "--quick",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Done-when" in proc.stdout
+
+    record = json.loads(out.read_text())
+    assert record["machine"]["torch"] and record["machine"]["cores"]
+    assert [s["world"] for s in record["scenarios"]] == [1, 2]
+    for scenario in record["scenarios"]:
+        r = scenario["ratios"]
+        assert _finite_positive(r["first_back_to_back_stock_over_tier"])
+        assert _finite_positive(r["first_with_compute_stock_over_tier"])
+        for key in (
+            "steady_memcpy_over_save",
+            "steady_stock_over_save",
+            "load_memcpy_over_load",
+            "load_stock_over_load",
+        ):
+            assert _finite_positive([r[key]]), key
+        assert set(r["async_tier_over_stock"]) == {"thread reused", "thread new"}
+        for values in r["async_tier_over_stock"].values():
+            assert _finite_positive(values)
+    verdicts = [item["verdict"] for item in record["done_when"]]
+    assert len(verdicts) == 8 and set(verdicts) <= {"PASS", "MISS"}

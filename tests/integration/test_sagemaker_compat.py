@@ -1,0 +1,139 @@
+"""Migrating from SageMaker's checkpointing client, end to end: moto S3 over HTTP, real daemons.
+
+- `tierckpt import-sagemaker` on checkpoints in the seed's S3 layout (re-created by
+  `tests.support.sagemaker_seed` from its documented writer: two ranks, tensors and
+  BYTE_IO items): stock `dcp.load` from the persistent URL and tierckpt restores (by id,
+  the newest, and the compat reader with ``step=None``) are bit-exact; the seed's AWS
+  packages are never imported.
+- The seed's README example with only its import line changed, on 2 gloo ranks against a
+  daemon whose ``[persistent] url`` is the job's ``s3_tier_base_path``: its ``save_to_s3``
+  steps land under that path, and the newest restores bit-exact with ``step=None``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tierckpt import cli
+from tierckpt.compat.sagemaker import SageMakerCheckpointConfig, SageMakerTieredStorageReader
+from tierckpt.storage_reader import TieredStorageReader
+
+from tests.support import moto_s3, sagemaker_seed
+from tests.support.daemon_process import DaemonProcess
+from tests.support.dist_job import run_job
+
+pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
+
+NS = "sm-job"
+
+
+def _rank_state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {
+        f"r{rank}.weight": torch.randn(129, 33, generator=g),
+        f"r{rank}.bf16": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        f"r{rank}.count": torch.tensor(step * 10 + rank, dtype=torch.int64),
+        f"r{rank}.extra": {"rank": rank, "lr": 0.1 * (step + 1), "name": f"step {step}"},
+    }
+
+
+def _template(step: int) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for rank in (0, 1):
+        for key, value in _rank_state(rank, step).items():
+            if isinstance(value, torch.Tensor):
+                state[key] = torch.zeros_like(value)
+            else:  # BYTE_IO leaves: DCP replaces them
+                state[key] = {"rank": -1, "lr": 0.0, "name": ""}
+    return state
+
+
+def _expected(step: int) -> dict[str, Any]:
+    return {**_rank_state(0, step), **_rank_state(1, step)}
+
+
+def _assert_bit_exact(loaded: dict[str, Any], step: int) -> None:
+    assert sagemaker_seed._equal(loaded, _expected(step)), f"step {step} differs"
+
+
+def test_import_sagemaker_then_stock_dcp_and_tierckpt_restore_bit_exact(
+    s3: moto_s3.S3Bucket, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fs = s3.fs()
+    base = f"{s3.name}/checkpoints"
+    for step in (10, 20):
+        sagemaker_seed.seed_save(fs, base, NS, step, [_rank_state(0, step), _rank_state(1, step)])
+    fs.pipe_file(f"{base}/{NS}/rank_0/step_30/checkpoint.pt", b"never committed")
+    assert sagemaker_seed.SEED_MODULE not in sys.modules
+
+    src = s3.url("checkpoints")
+    assert cli.main(["import-sagemaker", src, NS]) == 0
+    out = capsys.readouterr().out
+    assert "step_10: 3 files" in out and "step_20: 3 files" in out and "step_30" not in out
+    assert not any(m.startswith("amzn_sagemaker_checkpointing") for m in sys.modules)
+    # Server-side copies: the seed's objects are untouched; stock DCP layout beside them.
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{base}/{NS}/step_10"))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert fs.cat_file(f"{base}/{NS}/step_10/__1_0.distcp") == fs.cat_file(
+        f"{base}/{NS}/rank_1/step_10/checkpoint.pt"
+    )
+    # Again: already imported, nothing rewritten.
+    assert cli.main(["import-sagemaker", src, NS, "--steps", "10"]) == 0
+    assert "step_10: already imported" in capsys.readouterr().out
+
+    for step in (10, 20):
+        state = _template(step)
+        dcp.load(state, checkpoint_id=f"{src}/{NS}/step_{step}")  # stock FsspecReader
+        _assert_bit_exact(state, step)
+
+    daemon = DaemonProcess(
+        {"persistent": {"url": src, "storage_options": dict(s3.storage_options)}}, name="sm"
+    )
+    try:
+        state = _template(10)
+        dcp.load(
+            state,
+            storage_reader=TieredStorageReader(NS, daemon=daemon.address),
+            checkpoint_id="step_10",
+        )
+        _assert_bit_exact(state, 10)
+        reader = SageMakerTieredStorageReader(
+            SageMakerCheckpointConfig(namespace=NS, world_size=2, s3_tier_base_path=src),
+            daemon=daemon.address,
+        )
+        state = _template(20)
+        dcp.load(state, storage_reader=reader)  # step=None: the highest step in any tier
+        assert reader.step == 20
+        _assert_bit_exact(state, 20)
+        assert set(reader.sources.values()) == {"fetched"}  # restored from S3, verified
+    finally:
+        daemon.cleanup()
+
+
+def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> None:
+    base = s3.url("checkpoints")
+    daemon = DaemonProcess(
+        {"persistent": {"url": base, "storage_options": dict(s3.storage_options), "every": 1}},
+        name="smx",
+    )
+    try:
+        env = {"TIERCKPT_DAEMON": daemon.address}
+        results = run_job(
+            sagemaker_seed.readme_example, 2, base, NS, 7, (2, 4), timeout=120, env=env
+        )
+    finally:
+        daemon.cleanup()
+    for restored, exact, s3_steps in results:
+        assert restored == 6 and exact
+        assert s3_steps == [0, 4]
+    fs = s3.fs()
+    for step in (0, 4):  # save_to_s3 steps are under the job's s3_tier_base_path
+        assert fs.exists(f"{s3.name}/checkpoints/{NS}/step_{step}/.metadata")
