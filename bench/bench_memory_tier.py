@@ -6,8 +6,9 @@ directory are set) and, unless said otherwise, a NEW `TieredStorageWriter` per s
 torchtitan, Lightning and our examples do.
 
 Measured per scenario (the machine is shared and noisy: read the ratios):
-- memcpy: torch `copy_` between two pre-touched tensors sets of the same bytes, with all
-  cores (torch threads = cores / ranks per rank) and with one thread;
+- memcpy: torch `copy_` between two pre-touched sets of tensors of the same bytes, with all
+  cores (torch threads = cores / ranks, per rank) and with one thread, at the start and at
+  the end; the memcpy reference is the fastest of all those runs;
 - stock `FileSystemWriter` into tmpfs, thread_count 1 and 2; every stock save writes a NEW
   directory (a first save into a fresh dir, as tierckpt's first saves are), and the previous
   one is deleted first so tmpfs holds one stock checkpoint at a time;
@@ -27,9 +28,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -156,8 +159,11 @@ def compute_pause(cfg: Config) -> Callable[[], None]:
 # --- measurements ----------------------------------------------------------------------------
 
 
-def memcpy_figures(state: dict[str, Any], cfg: Config) -> dict[str, float]:
-    """copy_ between pre-touched tensors: all cores, then one thread (ranks one at a time)."""
+def memcpy_figures(state: dict[str, Any], cfg: Config) -> dict[str, list[float]]:
+    """copy_ between pre-touched tensors: all cores, then one thread (ranks one at a time).
+
+    Measured at the start and again at the end of a scenario; the report's memcpy is the
+    fastest of all these runs (the strictest reference on a machine that others share)."""
     src = tensors_of(state)
     dst = [torch.empty_like(t) for t in src]
 
@@ -166,7 +172,7 @@ def memcpy_figures(state: dict[str, Any], cfg: Config) -> dict[str, float]:
             d.copy_(t)
 
     copy()  # touch every destination page once: a warm copy, as the pool's pages are
-    all_cores = min(timed(copy) for _ in range(cfg.repeat + 1))
+    all_cores = [timed(copy) for _ in range(cfg.repeat + 1)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
@@ -176,7 +182,7 @@ def memcpy_figures(state: dict[str, Any], cfg: Config) -> dict[str, float]:
                 copy()
             barrier()
 
-    single = min(timed(one_thread) for _ in range(cfg.repeat))
+    single = [timed(one_thread) for _ in range(cfg.repeat)]
     torch.set_num_threads(threads)
     return {"memcpy_s": all_cores, "memcpy_1thread_s": single}
 
@@ -242,6 +248,7 @@ def async_series(
     calls: int,
     start: Callable[[int], Any],
     after: Callable[[int], None] | None = None,
+    last: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
     """`calls` async_saves one after the other: blocking time and time until durable.
 
@@ -257,8 +264,12 @@ def async_series(
         blocking.append(time.perf_counter() - t0)
         fut.result()
         total.append(time.perf_counter() - t0)
+        del issue, fut
+        gc.collect()  # free this call's writer and staged copy now, not at some later call
         if after is not None:
             after(i)
+    if last is not None:
+        last()  # free the series' checkpoints and staging before the next series
     return {"blocking_s": worst_over_ranks(blocking), "until_durable_s": worst_over_ranks(total)}
 
 
@@ -270,8 +281,6 @@ def async_figures(
         if executor == "process":
             _start_process_executor(shm)
         out.update(async_for_executor(state, cfg.saves, executor, address, shm))
-        forget(address, f"async-reused-{executor}")
-        forget(address, f"async-new-{executor}")
     return out
 
 
@@ -300,8 +309,12 @@ def async_for_executor(
 
     return {
         f"stock {executor}": async_series(calls, stock, after=lambda i: remove_once(stock_dirs[i])),
-        f"tierckpt {executor} reused writer": async_series(calls, lambda i: tier(i, reused)),
-        f"tierckpt {executor} new writer": async_series(calls, tier),
+        f"tierckpt {executor} reused writer": async_series(
+            calls, lambda i: tier(i, reused), last=lambda: forget(address, reused.namespace)
+        ),
+        f"tierckpt {executor} new writer": async_series(
+            calls, tier, last=lambda: forget(address, f"async-new-{executor}")
+        ),
     }
 
 
@@ -327,7 +340,7 @@ def suite(rank_id: int, world: int, cfg: Config, shm: str) -> dict[str, Any]:
         "torch_threads_per_rank": torch.get_num_threads(),
         "compute": f"{cfg.compute} {cfg.compute_s:g} s",
     }
-    res.update(memcpy_figures(state, cfg))
+    memcpy = memcpy_figures(state, cfg)
     stock, stock_path = stock_save_figures(state, cfg, shm)
     res.update(stock)
     res["stock_load_s"] = load_figures(state, cfg, lambda: FileSystemReader(stock_path))
@@ -344,7 +357,12 @@ def suite(rank_id: int, world: int, cfg: Config, shm: str) -> dict[str, Any]:
         )
         forget(b, "first")
         res["async"] = async_figures(state, cfg, b, shm)
+    again = memcpy_figures(state, cfg)
+    res.update({key: memcpy[key] + again[key] for key in memcpy})
     return res
+
+
+_DAEMON_LIST = tempfile.gettempdir()  # the parent's per-scenario directory, in the ranks
 
 
 @contextlib.contextmanager
@@ -352,7 +370,14 @@ def fresh_daemon() -> Iterator[str]:
     """A new tierckptd with the default configuration for one phase; every rank gets its
     address. Rank 0 owns it and stops it (memory wiped) when the phase ends, so that the
     phases' checkpoints never add up in RAM (the machine also runs other jobs)."""
-    d = make_daemon(budget=None, keep_last=None).start() if rank() == 0 else None
+    d = make_daemon(budget=None, keep_last=None) if rank() == 0 else None
+    if d is not None:
+        d.start()
+        assert d.proc is not None
+        # If this rank dies (e.g. the OOM killer), the parent stops what is listed here.
+        listed = Path(_DAEMON_LIST, f"daemon-{d.proc.pid}.json")
+        record = {"pid": d.proc.pid, "config": d.config_path, "dirs": [d.root, d.memory_dir]}
+        listed.write_text(json.dumps(record))
     box = [d.address if d is not None else ""]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
@@ -362,6 +387,7 @@ def fresh_daemon() -> Iterator[str]:
         barrier()
         if d is not None:
             d.stop()
+            listed.unlink()
 
 
 def forget(address: str, namespace: str) -> None:
@@ -396,6 +422,8 @@ def _rank_main(
     log = os.open(os.path.join(store_dir, "ranks.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    global _DAEMON_LIST
+    _DAEMON_LIST = store_dir
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group(
         "gloo", init_method=f"file://{store_dir}/store", rank=rank_id, world_size=world
@@ -423,8 +451,21 @@ def run_scenario(world: int, cfg: Config, shm: str) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 print(Path(store, "ranks.log").read_text()[-6000:], file=sys.stderr)
             raise
+        finally:
+            _stop_orphans(store)
         result: dict[str, Any] = json.loads(Path(out).read_text())
         return result
+
+
+def _stop_orphans(store: str) -> None:
+    """Stop the daemons a dead rank 0 left behind (they hold GiBs of tmpfs)."""
+    for listed in Path(store).glob("daemon-*.json"):
+        record = json.loads(listed.read_text())
+        with contextlib.suppress(OSError):  # only if that pid is still that daemon
+            if record["config"] in Path(f"/proc/{record['pid']}/cmdline").read_text():
+                os.kill(record["pid"], signal.SIGKILL)
+        for path in record["dirs"]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:

@@ -191,6 +191,7 @@ def _mtime(fs: Any, path: str) -> float:
 
 def _copy(src_fs: Any, dst_fs: Any, src: str, dst: str) -> None:
     """Server-side copy when both ends are the same filesystem, else a streamed one."""
+    _mkdirs(dst_fs, dst)
     if src_fs is dst_fs or src_fs == dst_fs:
         src_fs.copy(src, dst)
         return
@@ -262,9 +263,14 @@ def _import_step(
     return ImportedStep(step, cid, len(items) + 1, total + len(metadata), skipped=False)
 
 
-def _put(fs: Any, path: str, data: bytes) -> None:
+def _mkdirs(fs: Any, path: str) -> None:
+    """A local destination needs its directories; object stores have none."""
     if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+
+
+def _put(fs: Any, path: str, data: bytes) -> None:
+    _mkdirs(fs, path)
     fs.pipe_file(path, data)
 
 

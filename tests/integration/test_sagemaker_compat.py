@@ -19,8 +19,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from tierckpt import cli
-from tierckpt.compat.sagemaker import SageMakerCheckpointConfig, SageMakerTieredStorageReader
+from tierckpt.compat.sagemaker import (
+    SageMakerCheckpointConfig,
+    SageMakerS3TierError,
+    SageMakerTieredStorageReader,
+    SageMakerTieredStorageWriter,
+)
 from tierckpt.storage_reader import TieredStorageReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.support import moto_s3, sagemaker_seed
 from tests.support.daemon_process import DaemonProcess
@@ -127,13 +133,36 @@ def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> No
     try:
         env = {"TIERCKPT_DAEMON": daemon.address}
         results = run_job(
-            sagemaker_seed.readme_example, 2, base, NS, 7, (2, 4), timeout=120, env=env
+            sagemaker_seed.readme_example, 2, base, NS, 5, (2, 4), timeout=120, env=env
         )
     finally:
         daemon.cleanup()
     for restored, exact, s3_steps in results:
-        assert restored == 6 and exact
+        assert restored == 4 and exact
         assert s3_steps == [0, 4]
     fs = s3.fs()
     for step in (0, 4):  # save_to_s3 steps are under the job's s3_tier_base_path
         assert fs.exists(f"{s3.name}/checkpoints/{NS}/step_{step}/.metadata")
+
+
+def test_save_to_s3_is_never_silently_dropped(s3: moto_s3.S3Bucket) -> None:
+    """A daemon draining elsewhere, or not at all: the save raises SageMakerS3TierError."""
+    config = SageMakerCheckpointConfig(
+        namespace=NS, world_size=1, s3_tier_base_path=s3.url("checkpoints"), save_to_s3=True
+    )
+    state = {"w": torch.arange(10.0)}
+    elsewhere = {"persistent": {"url": s3.url("other"), "storage_options": s3.storage_options}}
+    cases = ((elsewhere, 60.0, "not under s3_tier_base_path"), ({}, 1.0, "every = 1"))
+    for overrides, timeout, expected in cases:
+        daemon = DaemonProcess(overrides, name="sm3")
+        try:
+            writer = SageMakerTieredStorageWriter(
+                config, step=5, daemon=daemon.address, s3_timeout_s=timeout
+            )
+            with pytest.raises(CheckpointException) as raised:
+                dcp.save(state, storage_writer=writer)
+            ((failure, _),) = raised.value.failures.values()  # (exception, traceback)
+            assert isinstance(failure, SageMakerS3TierError), failure
+            assert expected in str(failure)
+        finally:
+            daemon.cleanup()

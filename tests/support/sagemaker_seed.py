@@ -11,7 +11,8 @@ that is removed again, so the importer under test cannot rely on it.
 
 `readme_example` is the seed's README "Complete Distributed Training Example" (DDP +
 AdamW + StepLR, in-memory every `memory_freq` steps, ``save_to_s3`` every `s3_freq`),
-with only its import line changed to `tierckpt.compat.sagemaker`, on gloo CPU ranks.
+with only its import line changed to `tierckpt.compat.sagemaker`, on gloo CPU ranks (the
+gradient all-reduce on a group of its own, standing in for the README's NCCL).
 """
 
 from __future__ import annotations
@@ -147,9 +148,6 @@ def readme_example(
     `s3_freq`), then restore the newest with ``step=None`` into a fresh model; returns
     (the step restored, whether it is bit-exact with what was saved at that step)."""
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.checkpoint import async_save, load
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     # The one changed line: was `from amzn_sagemaker_checkpointing... import ...`.
     from tierckpt.compat.sagemaker import (
@@ -157,11 +155,20 @@ def readme_example(
         SageMakerTieredStorageReader,
         SageMakerTieredStorageWriter,
     )
+    from torch import nn
+    from torch.distributed.checkpoint import async_save, load
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(1234)
 
+    # The README trains on NCCL (device collectives) while async_save's thread runs DCP's
+    # collectives on the default group; on gloo CPU ranks the gradient all-reduce gets a
+    # group of its own to stand in for NCCL, or the two threads would interleave
+    # collectives on one group. The checkpoint calls are the README's, unchanged.
+    grad_group = dist.new_group(backend="gloo")
+
     def create_model() -> nn.Module:
-        return DDP(nn.Linear(1000, 10))
+        return DDP(nn.Linear(1000, 10), process_group=grad_group)
 
     model = create_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

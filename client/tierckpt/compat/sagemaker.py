@@ -316,7 +316,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         if not steps:
             raise SageMakerTieredStorageError(
                 f"No checkpoints to read metadata: {self.namespace} has no step_N checkpoint "
-                "in any tier"
+                f"in any tier of the daemon at {self.client.address}. It reads S3 from its own "
+                f"[persistent] url, not from s3_tier_base_path ({self.s3_base_path or 'unset'}); "
+                "checkpoints the SageMaker client wrote need `tierckpt import-sagemaker` first"
             )
         return max(steps)
 
