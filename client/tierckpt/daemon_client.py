@@ -64,6 +64,7 @@ class CheckpointInfo:
     tiers: tuple[str, ...]
     pinned: bool
     files: tuple[FileEntry, ...] = field(default=())
+    durable_requested: bool = False  # committed with the "make this one durable" hint
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -153,6 +154,7 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         tiers=tuple(info.tiers),
         pinned=info.pinned,
         files=tuple(_file_from_wire(f) for f in info.files),
+        durable_requested=info.durable_requested,
     )
 
 
@@ -252,10 +254,20 @@ class DaemonClient:
         self._call(self._service().CommitFile, req)
 
     def commit_checkpoint(
-        self, namespace: str, checkpoint_id: str, required_files: Iterable[str]
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        required_files: Iterable[str],
+        *,
+        durable: bool = False,
     ) -> CheckpointInfo:
+        """Commit a save (the DCP coordinator). `durable`: drain this checkpoint to the
+        persistent tier whatever `[persistent] every` says, and keep it in memory until it
+        is durable (NoPersistentTier when the daemon has none)."""
         req = daemon_pb2.CommitCheckpointRequest(
-            ref=_ref(namespace, checkpoint_id), required_files=sorted(required_files)
+            ref=_ref(namespace, checkpoint_id),
+            required_files=sorted(required_files),
+            durable=durable,
         )
         return _info_from_wire(self._call(self._service().CommitCheckpoint, req))
 

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidName",
     "MemoryBudgetExceeded",
+    "NoPersistentTier",
     "PermissionDenied",
     "TierUnavailable",
     "TierckptError",
@@ -91,6 +92,17 @@ class TierUnavailable(TierckptError, ConnectionError):
 TIER_UNAVAILABLE_PREFIX = "tier unavailable: "
 
 
+class NoPersistentTier(TierckptError, RuntimeError):
+    """A request needs the persistent tier (e.g. a commit with the durable hint) and the
+    daemon has none (`[persistent] url` unset). Travels as FAILED_PRECONDITION with a
+    message starting with `NO_PERSISTENT_TIER_PREFIX`."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+NO_PERSISTENT_TIER_PREFIX = "no persistent tier: "
+
+
 class DaemonTimeout(TierckptError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -120,4 +132,8 @@ def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
     """The client-side exception for a failed RPC; unknown codes become TierckptError."""
     if code == grpc.StatusCode.UNAVAILABLE and message.startswith(TIER_UNAVAILABLE_PREFIX):
         return TierUnavailable(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(
+        NO_PERSISTENT_TIER_PREFIX
+    ):
+        return NoPersistentTier(message)
     return _BY_CODE.get(code, TierckptError)(message)

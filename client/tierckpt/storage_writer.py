@@ -156,13 +156,26 @@ class TieredStorageWriter(FileSystemWriter):
             default unix socket.
         thread_count: files (and writer threads) per rank; 2 keeps both copy engines of
             a small host busy.
+        durable: the "make this one durable" hint for each checkpoint this writer
+            commits: the daemon drains it to the persistent tier whatever
+            ``[persistent] every`` says, and keeps it in memory until it is there
+            (NoPersistentTier at commit when the daemon has no persistent tier). A plain
+            attribute: a reused writer may flip ``writer.durable`` between saves; what the
+            coordinator's writer holds at ``finish`` counts.
 
     The checkpoint id is DCP's ``checkpoint_id`` (``dcp.save(sd, checkpoint_id="step-000100",
     storage_writer=...)``); a committed id is immutable, reusing it raises CheckpointExists.
     The writer pickles (``AsyncCheckpointerType.PROCESS``): it holds configuration only.
     """
 
-    def __init__(self, namespace: str, *, daemon: str | None = None, thread_count: int = 2) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        daemon: str | None = None,
+        thread_count: int = 2,
+        durable: bool = False,
+    ) -> None:
         super().__init__(
             path=check_namespace(namespace),
             single_file_per_rank=True,
@@ -172,6 +185,7 @@ class TieredStorageWriter(FileSystemWriter):
             overwrite=False,
         )
         self.namespace = namespace
+        self.durable = durable
         self._target = _SaveTarget(namespace)
         self.client = DaemonClient(daemon)
         self.fs = _MemoryTierFileSystem(self.client, self._target)  # type: ignore[assignment]
@@ -243,7 +257,9 @@ class TieredStorageWriter(FileSystemWriter):
         ) as stream:
             stream.write(data)
         required = {info.relative_path for info in metadata.storage_data.values()} | {METADATA_FILE}
-        info = self.client.commit_checkpoint(self.namespace, self._require_id(), required)
+        info = self.client.commit_checkpoint(
+            self.namespace, self._require_id(), required, durable=self.durable
+        )
         logger.info(
             "committed %s/%s: %d files, %d bytes",
             self.namespace,

@@ -87,6 +87,9 @@ class CheckpointRecord:
     committed_unix: float = 0.0
     sequence: int = 0
     pinned: bool = False
+    # Committed with the "make this one durable" hint: due for the persistent tier
+    # whatever `[persistent] every` says (kept in its manifest and published manifest).
+    durable_requested: bool = False
     files: dict[str, FileRecord] = field(default_factory=dict)
     # (rank -> bytes reserved and not yet charged by a committed file); WRITING only.
     reservations: dict[int, int] = field(default_factory=dict)
@@ -126,6 +129,7 @@ class CheckpointView:
     files: tuple[FileRecord, ...]
     local_paths: dict[str, str]  # "" for a file this node does not hold
     tiers: tuple[str, ...] = ()
+    durable_requested: bool = False
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,7 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         files=[file_entry(f, view.local_paths[f.name] if local_paths else "") for f in view.files],
         tiers=list(view.tiers),
         pinned=view.pinned,
+        durable_requested=view.durable_requested,
     )
 
 
@@ -208,6 +209,8 @@ def record_from_info(
         committed_unix=check_time(info.committed_unix, f"{what}: committed_unix", now),
         sequence=info.sequence,
         pinned=False,  # a pin is this node's operator's decision, never a peer's
+        # The coordinator's durable hint: this node drains its own files of it too.
+        durable_requested=info.durable_requested,
     )
     total = 0
     for e in info.files:

@@ -127,7 +127,9 @@ def test_import_sagemaker_then_stock_dcp_and_tierckpt_restore_bit_exact(
 def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> None:
     base = s3.url("checkpoints")
     daemon = DaemonProcess(
-        {"persistent": {"url": base, "storage_options": dict(s3.storage_options), "every": 1}},
+        # every = 100: none of the 5 saves is due by `every`; save_to_s3 steps drain anyway
+        # (the commit's durable hint), the others stay in memory only.
+        {"persistent": {"url": base, "storage_options": dict(s3.storage_options), "every": 100}},
         name="smx",
     )
     try:
@@ -141,8 +143,9 @@ def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> No
         assert restored == 4 and exact
         assert s3_steps == [0, 4]
     fs = s3.fs()
-    for step in (0, 4):  # save_to_s3 steps are under the job's s3_tier_base_path
-        assert fs.exists(f"{s3.name}/checkpoints/{NS}/step_{step}/.metadata")
+    for step in range(5):  # save_to_s3 steps, and only they, are under s3_tier_base_path
+        landed = fs.exists(f"{s3.name}/checkpoints/{NS}/step_{step}/.metadata")
+        assert landed == (step in (0, 4)), step
 
 
 def test_save_to_s3_is_never_silently_dropped(s3: moto_s3.S3Bucket) -> None:
@@ -151,8 +154,10 @@ def test_save_to_s3_is_never_silently_dropped(s3: moto_s3.S3Bucket) -> None:
         namespace=NS, world_size=1, s3_tier_base_path=s3.url("checkpoints"), save_to_s3=True
     )
     state = {"w": torch.arange(10.0)}
-    elsewhere = {"persistent": {"url": s3.url("other"), "storage_options": s3.storage_options}}
-    cases = ((elsewhere, 60.0, "not under s3_tier_base_path"), ({}, 1.0, "every = 1"))
+    elsewhere = {
+        "persistent": {"url": s3.url("other"), "storage_options": s3.storage_options, "every": 100}
+    }
+    cases = ((elsewhere, 60.0, "not under s3_tier_base_path"), ({}, 1.0, "[persistent] url"))
     for overrides, timeout, expected in cases:
         daemon = DaemonProcess(overrides, name="sm3")
         try:

@@ -20,11 +20,12 @@ __all__ = ["Backend", "Directory", "Nodes", "Tiered"]
 class Tiered:
     namespace: str
     address: str
+    durable: bool = False  # commit with the "make this one durable" hint
 
     def writer(self) -> Any:
         from tierckpt import TieredStorageWriter
 
-        return TieredStorageWriter(self.namespace, daemon=self.address)
+        return TieredStorageWriter(self.namespace, daemon=self.address, durable=self.durable)
 
     def reader(self) -> Any:
         from tierckpt import TieredStorageReader
@@ -84,12 +85,13 @@ class Nodes:
     namespace: str
     addresses: tuple[str, ...]
     ranks_per_node: int
+    durable: bool = False  # commit with the "make this one durable" hint
 
     def _tiered(self) -> Tiered:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return Tiered(self.namespace, self.addresses[rank // self.ranks_per_node])
+        return Tiered(self.namespace, self.addresses[rank // self.ranks_per_node], self.durable)
 
     def writer(self) -> Any:
         return self._tiered().writer()

@@ -23,14 +23,15 @@ Mapping (same signatures, same step rules):
 - ``world_size`` is validated and otherwise unused (tierckpt also loads at another world
   size); ``disk_tier_base_path``/``save_to_disk`` are dead in the seed and ignored here.
 
-The persistent tier is the daemon's (``[persistent] url``), not the client's. Until the
-daemon has a per-namespace persistent URL and a per-checkpoint durable hint,
-``save_to_s3=True`` is honoured like this (never silently dropped): after the commit the
-coordinator waits until the daemon reports the checkpoint durable (the daemon must drain
-it: ``[persistent] every = 1``), then checks that ``<s3_tier_base_path>/<namespace>/
+The persistent tier is the daemon's (``[persistent] url``), not the client's.
+``save_to_s3=True`` commits the checkpoint with tierckpt's per-checkpoint durable hint:
+the daemon drains it whatever its ``[persistent] every`` says (a daemon without a
+persistent tier refuses the commit: `SageMakerS3TierError`). The coordinator then waits
+until the daemon reports it durable and checks that ``<s3_tier_base_path>/<namespace>/
 step_N/.metadata`` exists; a timeout, a failed drain, or a durable copy somewhere else
-(the daemon's URL differs from ``s3_tier_base_path``) raises `SageMakerS3TierError` from
-the save. Errors keep their tierckpt cause (``__cause__``).
+(the daemon's URL differs from ``s3_tier_base_path``: tierckptd has no per-namespace URL
+yet) raises `SageMakerS3TierError` from the save. Errors keep their tierckpt cause
+(``__cause__``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt.errors import InvalidName, TierckptError
+from tierckpt.errors import InvalidName, NoPersistentTier, TierckptError
 from tierckpt.names import METADATA_FILE, check_namespace
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.storage_writer import TieredStorageWriter
@@ -189,10 +190,14 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
     ) -> None:
         step = step_from(step, path)  # the seed checks the step first
         config = _validated(checkpoint_config)
-        super().__init__(config.namespace, daemon=daemon, thread_count=thread_count)
+        # per writer (the README flips save_to_s3 per step): the commit's durable hint
+        save_to_s3 = bool(config.save_to_s3)
+        super().__init__(
+            config.namespace, daemon=daemon, thread_count=thread_count, durable=save_to_s3
+        )
         self.checkpoint_config = config
         self.step = step
-        self.save_to_s3 = bool(config.save_to_s3)  # per writer: the README flips it per step
+        self.save_to_s3 = save_to_s3
         self.s3_base_path = config.s3_tier_base_path
         self.s3_timeout_s = s3_timeout_s
         self.reset()
@@ -222,6 +227,11 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:
             super().finish(metadata, results)
+        except NoPersistentTier as e:  # save_to_s3 with a daemon that has no S3 tier
+            raise SageMakerS3TierError(
+                f"save_to_s3=True, but the daemon has no persistent tier: set its "
+                f"[persistent] url = {self.s3_base_path!r} ({e})"
+            ) from e
         except TierckptError as e:
             raise _in_memory_error(e) from e
         if self.save_to_s3:
@@ -245,9 +255,9 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
                 )
             if time.monotonic() >= deadline:
                 raise SageMakerS3TierError(
-                    f"{what}: save_to_s3=True, but it is not durable after {self.s3_timeout_s:.0f} s. "
-                    "tierckptd has no per-checkpoint durable hint yet: configure [persistent] "
-                    f"url = {self.s3_base_path!r} and every = 1 so that it drains every checkpoint"
+                    f"{what}: save_to_s3=True, but it is not durable after "
+                    f"{self.s3_timeout_s:.0f} s (the daemon drains it in the background; "
+                    "see its log, or raise s3_timeout_s)"
                 )
             time.sleep(_POLL_S)
         self._check_location(what)

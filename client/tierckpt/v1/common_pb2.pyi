@@ -166,6 +166,7 @@ class CheckpointInfo(_message.Message):
     FILES_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    DURABLE_REQUESTED_FIELD_NUMBER: _builtins.int
     state: Global___CheckpointState.ValueType
     size_bytes: _builtins.int
     file_count: _builtins.int
@@ -174,6 +175,10 @@ class CheckpointInfo(_message.Message):
     sequence: _builtins.int
     """commit order within the node; newest is highest"""
     pinned: _builtins.bool
+    durable_requested: _builtins.bool
+    """Committed with CommitCheckpointRequest.durable: drained to the persistent tier
+    whatever `[persistent] every` says (travels with the published manifest).
+    """
     @_builtins.property
     def ref(self) -> Global___CheckpointRef: ...
     @_builtins.property
@@ -195,10 +200,11 @@ class CheckpointInfo(_message.Message):
         files: _abc.Iterable[Global___FileEntry] | None = ...,
         tiers: _abc.Iterable[_builtins.str] | None = ...,
         pinned: _builtins.bool = ...,
+        durable_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "file_count", b"file_count", "files", b"files", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

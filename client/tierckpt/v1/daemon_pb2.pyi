@@ -260,6 +260,12 @@ class CommitCheckpointRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     REQUIRED_FILES_FIELD_NUMBER: _builtins.int
+    DURABLE_FIELD_NUMBER: _builtins.int
+    durable: _builtins.bool
+    """Drain this checkpoint to the persistent tier whatever `[persistent] every` says,
+    and keep it in memory until it is durable there. FAILED_PRECONDITION when the
+    daemon has no persistent tier (`[persistent] url` unset).
+    """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     @_builtins.property
@@ -273,10 +279,11 @@ class CommitCheckpointRequest(_message.Message):
         *,
         ref: _common_pb2.CheckpointRef | None = ...,
         required_files: _abc.Iterable[_builtins.str] | None = ...,
+        durable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

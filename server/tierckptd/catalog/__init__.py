@@ -38,9 +38,11 @@ import time
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
 from tierckpt.errors import (
+    NO_PERSISTENT_TIER_PREFIX,
     CheckpointExists,
     CheckpointIncomplete,
     InvalidArgument,
+    NoPersistentTier,
 )
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.units import format_size
@@ -238,13 +240,24 @@ class Catalog(PeerState):
         checkpoint_id: str,
         required_files: list[str],
         remote: dict[str, FileRecord] | None = None,
+        *,
+        durable: bool = False,
     ) -> CheckpointView:
         """Publish a checkpoint atomically (its manifest), then collect and apply retention.
 
         `remote` are required files that peers hold (the cluster commit asked them with
-        Holdings); they enter the manifest with their owner and `held` False.
+        Holdings); they enter the manifest with their owner and `held` False. `durable`:
+        the "make this one durable" hint, kept in the manifest (restarts, peers): due
+        whatever `drain_every` says (`_due`). Refused without a persistent tier, never
+        ignored: the caller asked for a copy that would never exist.
         """
         key = self._ref(namespace, checkpoint_id)
+        if durable and self.drain_every <= 0:
+            raise NoPersistentTier(
+                f"{NO_PERSISTENT_TIER_PREFIX}cannot commit {namespace}/{checkpoint_id} with "
+                "durable=true: this daemon has no persistent tier; set `[persistent] url` in "
+                "its config, or commit without durable"
+            )
         if len(required_files) > MAX_FILES:
             raise InvalidArgument(
                 f"cannot commit {namespace}/{checkpoint_id}: {len(required_files):,} required "
@@ -288,12 +301,14 @@ class Catalog(PeerState):
                 sequence=self._next_sequence,
                 state=State.COMMITTED,
                 committed_unix=self._wall(),
+                durable_requested=durable,
             )
             self._write_manifest(staged)
             rec.files.update(added)
             rec.reservations.clear()
             rec.sequence, rec.state = staged.sequence, staged.state
             rec.committed_unix = staged.committed_unix
+            rec.durable_requested = durable
             self._track(rec)
             self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()

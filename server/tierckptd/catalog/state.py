@@ -267,11 +267,12 @@ class CatalogState:
 
     # ---- memory retention ---------------------------------------------------------------
     def _due(self, rec: CheckpointRecord) -> bool:
-        """Whether the checkpoint is due for the persistent tier (call under the lock).
-        One the drain refused (hostile `.metadata`) never can be: it is no longer due."""
+        """Whether the checkpoint is due for the persistent tier (call under the lock):
+        every `drain_every`-th one, and any committed with the durable hint. One the drain
+        refused (hostile `.metadata`) never can be: it is no longer due."""
         return (
             self.drain_every > 0
-            and rec.sequence % self.drain_every == 0
+            and (rec.durable_requested or rec.sequence % self.drain_every == 0)
             and not self._drain_failed.get(rec.key, False)
         )
 

@@ -78,4 +78,5 @@ def view_of(
         files=files,
         local_paths={f.name: paths.get(f.name, "") if f.held else "" for f in files},
         tiers=tuple(tiers),
+        durable_requested=rec.durable_requested,
     )

@@ -111,9 +111,19 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "created_unix": record.created_unix,
         "committed_unix": record.committed_unix,
         "pinned": record.pinned,
+        "durable_requested": record.durable_requested,
         "node_id": record.node_id,
         "files": files,
     }
+
+
+def _flag(doc: dict[str, Any], key: str) -> bool:
+    """An optional boolean field (absent in manifests written before it existed: False);
+    anything but a JSON boolean is refused, so a damaged manifest is not read as a hint."""
+    value = doc.get(key, False)
+    if not isinstance(value, bool):
+        raise ManifestError(f"malformed manifest: {key} is not a boolean")
+    return value
 
 
 def from_json(doc: dict[str, Any]) -> CheckpointRecord:
@@ -130,6 +140,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
             sequence=int(doc["sequence"]),
             pinned=bool(doc["pinned"]),
             node_id=str(doc["node_id"]),
+            durable_requested=_flag(doc, "durable_requested"),
         )
         for f in doc["files"]:
             checksums = BlockChecksums(

@@ -175,9 +175,11 @@ class Cluster:
         self.healer.heal(namespace, checkpoint_id)
 
     # ---- commit and manifests ---------------------------------------------------------
-    def commit(self, namespace: str, checkpoint_id: str, required: list[str]) -> CheckpointView:
+    def commit(
+        self, namespace: str, checkpoint_id: str, required: list[str], *, durable: bool = False
+    ) -> CheckpointView:
         """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
-        return self.committer.commit(namespace, checkpoint_id, required)
+        return self.committer.commit(namespace, checkpoint_id, required, durable=durable)
 
     def published(self, rec: CheckpointRecord) -> bool:
         return self.committer.published(rec)

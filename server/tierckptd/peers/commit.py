@@ -81,8 +81,12 @@ class Committer:
         self.node_id = catalog.node_id
         self._heal = heal
 
-    def commit(self, namespace: str, checkpoint_id: str, required: list[str]) -> CheckpointView:
-        """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
+    def commit(
+        self, namespace: str, checkpoint_id: str, required: list[str], *, durable: bool = False
+    ) -> CheckpointView:
+        """The DCP coordinator's commit: find remote files, commit, publish, replicate.
+        `durable` (the hint) travels in the published manifest: every owner drains its
+        files of the checkpoint."""
         peers = self.client.peer_ids
         local = self.catalog.local_committed_files(namespace, checkpoint_id)
         missing = {r for r in required if r not in local}
@@ -99,7 +103,7 @@ class Committer:
                 on_error=unanswered,
             )
             remote = claims(namespace, checkpoint_id, held, missing)
-        view = self.catalog.commit(namespace, checkpoint_id, required, remote)
+        view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
         if peers:
 
             def unpublished(node: str, e: PeerCallError) -> None:

@@ -146,7 +146,12 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> common_pb2.CheckpointInfo:
         ref = request.ref
         self._allow(context, "CommitCheckpoint", ref.namespace)
-        view = self.cluster.commit(ref.namespace, ref.checkpoint_id, list(request.required_files))
+        view = self.cluster.commit(
+            ref.namespace,
+            ref.checkpoint_id,
+            list(request.required_files),
+            durable=request.durable,
+        )
         return to_info(view)
 
     @rpc_method

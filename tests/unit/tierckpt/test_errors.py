@@ -19,13 +19,16 @@ REFINEMENTS = {
 }
 MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError and cls not in REFINEMENTS]
 # Errors that share a status code and are told apart by the message's prefix.
-PREFIXED = {errors.TierUnavailable: errors.TIER_UNAVAILABLE_PREFIX}
+PREFIXED = {
+    errors.TierUnavailable: errors.TIER_UNAVAILABLE_PREFIX,
+    errors.NoPersistentTier: errors.NO_PERSISTENT_TIER_PREFIX,
+}
 
 
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
     assert set(TierckptError.__subclasses__()) == set(MAPPED)
-    assert len(MAPPED) == 10
+    assert len(MAPPED) == 11
     for refined, base in REFINEMENTS.items():
         assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
@@ -71,6 +74,7 @@ def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
         (errors.ChecksumMismatch, OSError),
         (errors.DaemonUnavailable, ConnectionError),
         (errors.TierUnavailable, ConnectionError),
+        (errors.NoPersistentTier, RuntimeError),
         (errors.DaemonTimeout, TimeoutError),
         (errors.PermissionDenied, PermissionError),
         (errors.UnsafeMetadata, ValueError),
@@ -105,6 +109,15 @@ def test_unavailable_without_the_prefix_is_the_daemon() -> None:
     assert type(back) is errors.DaemonUnavailable
     back = error_from_status(grpc.StatusCode.UNAVAILABLE, "x " + errors.TIER_UNAVAILABLE_PREFIX)
     assert type(back) is errors.DaemonUnavailable  # a prefix, not anywhere in the message
+
+
+def test_failed_precondition_without_the_prefix_is_an_incomplete_checkpoint() -> None:
+    back = error_from_status(grpc.StatusCode.FAILED_PRECONDITION, "missing files: x")
+    assert type(back) is errors.CheckpointIncomplete
+    back = error_from_status(
+        grpc.StatusCode.FAILED_PRECONDITION, errors.NO_PERSISTENT_TIER_PREFIX + "durable=true"
+    )
+    assert type(back) is errors.NoPersistentTier
 
 
 @pytest.mark.parametrize(

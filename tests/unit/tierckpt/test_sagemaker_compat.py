@@ -106,9 +106,11 @@ def test_writer_ignores_dcp_ids_snapshots_save_to_s3_and_pickles() -> None:
     config.save_to_s3 = False  # the README flips it for the next step's writer
     writer.reset("something-else")
     assert writer.checkpoint_id == "step_7" and writer.save_to_s3
+    assert writer.durable  # save_to_s3 is the commit's "make this one durable" hint
     assert writer.s3_checkpoint_dir == "s3://bucket/prefix/job-1/step_7"
     clone = pickle.loads(pickle.dumps(writer))  # AsyncCheckpointerType.PROCESS
-    assert clone.checkpoint_id == "step_7" and clone.namespace == "job-1"
+    assert clone.checkpoint_id == "step_7" and clone.namespace == "job-1" and clone.durable
+    assert not SageMakerTieredStorageWriter(config, step=8, daemon=DAEMON).durable
 
 
 def test_reader_step_names_the_checkpoint() -> None:
