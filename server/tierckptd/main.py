@@ -42,6 +42,7 @@ from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
 from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
 from tierckptd.ops.malloc_tuning import tune_malloc
+from tierckptd.ops.priority import at_idle_priority
 from tierckptd.ops.systemd import sd_notify
 from tierckptd.peers import security as auth
 from tierckptd.peers.client import PeerClient
@@ -287,7 +288,10 @@ class Daemon:
         if not (memory.prewarm_next and memory.recycle):
             return None
         warmer = NextSaveWarmer(catalog, max_bytes=memory.prewarm_next_max)
-        queue: JobQueue[str] = JobQueue(warmer.run_pass, name="tierckptd-prewarm-next")
+        # Idle priority: the pages are touched while training computes on the same cores.
+        queue: JobQueue[str] = JobQueue(
+            at_idle_priority(warmer.run_pass), name="tierckptd-prewarm-next"
+        )
         catalog.prewarm_pending = lambda: warmer.pending_bytes
         catalog.prewarm_next = queue.put
         queue.start()
