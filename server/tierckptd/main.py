@@ -38,6 +38,7 @@ from tierckptd.config import (
 )
 from tierckptd.config_secrets import config_changes, config_file_warnings, redact
 from tierckptd.jobs import JobQueue
+from tierckptd.memory.capacity import budget_warnings
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
 from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
@@ -136,6 +137,8 @@ class Daemon:
         except OSError as e:
             logger.error("cannot use [memory] dir %s: %s", cfg.memory.dir, e)
             return 1
+        for warning in budget_warnings(cfg.memory.budget, tier.root):
+            logger.warning("%s", warning)
         catalog = Catalog(
             tier,
             node_id=cfg.node.id,
