@@ -61,3 +61,28 @@ def test_memory_tier_bench_quick_reports_every_ratio(tmp_path: Path) -> None:
             assert _finite_positive(values)
     verdicts = [item["verdict"] for item in record["done_when"]]
     assert len(verdicts) == 8 and set(verdicts) <= {"PASS", "MISS"}
+
+
+@pytest.mark.timeout(60)
+def test_routes_bench_quick_prints_every_ratio(tmp_path: Path) -> None:
+    """Native, `tierckpt://` and stock routes each save, load bit-exact and get ratios."""
+    out = tmp_path / "routes.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_routes.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for route in ("native", "tierckpt://", "stock"):
+        assert route in proc.stdout
+    assert "stock/route" in proc.stdout and "memcpy/route" in proc.stdout
+    assert "load average" in proc.stdout
+
+    record = json.loads(out.read_text())
+    assert record["machine"]["torch"] and len(record["loadavg_before"]) == 3
+    assert list(record["routes"]) == ["native", "tierckpt://", "stock"]
+    for route, figures in record["routes"].items():
+        assert len(figures["save_s"]) == 4 and len(figures["load_s"]) == 1, route
+        assert _finite_positive(list(record["ratios"][route].values())), route
