@@ -283,13 +283,15 @@ class WarmPool:
         """Wait (under the owner's lock) until no segment is being preallocated: a save
         whose reservation would not fit beside them waits for them to join the pool,
         which the budget may then drop (a prewarm never makes a reservation fail)."""
-        deadline = time.monotonic() + timeout
-        while self.pending and time.monotonic() < deadline:
-            self._prewarmed.wait(max(0.0, deadline - time.monotonic()))
+        self._wait_while(lambda: self.pending > 0, timeout)
 
     def wait_for(self, name: str, timeout: float = PREWARM_WAIT) -> None:
         """Wait (under the owner's lock) while a segment for `name` is preallocated: it is
         moments from ready, better than allocating the same pages twice."""
+        self._wait_while(lambda: name in self._prewarming, timeout)
+
+    def _wait_while(self, busy: Callable[[], bool], timeout: float) -> None:
+        """Wait on the prewarm condition (its lock held) while `busy()`, at most `timeout`."""
         deadline = time.monotonic() + timeout
-        while name in self._prewarming and time.monotonic() < deadline:
+        while busy() and time.monotonic() < deadline:
             self._prewarmed.wait(max(0.0, deadline - time.monotonic()))
