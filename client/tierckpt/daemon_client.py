@@ -65,6 +65,7 @@ class CheckpointInfo:
     pinned: bool
     files: tuple[FileEntry, ...] = field(default=())
     durable_requested: bool = False  # committed with the "make this one durable" hint
+    persistent_url: str = ""  # where it drains; "" is the daemon's `[persistent] url`
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -155,6 +156,7 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         pinned=info.pinned,
         files=tuple(_file_from_wire(f) for f in info.files),
         durable_requested=info.durable_requested,
+        persistent_url=info.persistent_url,
     )
 
 
@@ -315,6 +317,18 @@ class DaemonClient:
         """Exempt a checkpoint from retention on this node (or lift that with pinned=False)."""
         req = daemon_pb2.PinCheckpointRequest(ref=_ref(namespace, checkpoint_id), pinned=pinned)
         return _info_from_wire(self._call(self._service().PinCheckpoint, req))
+
+    def set_namespace(self, namespace: str, *, persistent_url: str = "") -> str:
+        """Make the namespace's next commits on this node drain to `persistent_url` ("":
+        the daemon's `[persistent] url`); returns the URL as the daemon recorded it.
+
+        Raises:
+            PermissionDenied: the URL is not under the daemon's `[persistent] allowed_urls`
+                (or, with local isolation, the namespace is another user's).
+            InvalidName: the URL is malformed.
+        """
+        req = daemon_pb2.SetNamespaceRequest(namespace=namespace, persistent_url=persistent_url)
+        return str(self._call(self._service().SetNamespace, req).persistent_url)
 
     def verify_checkpoint(self, namespace: str, checkpoint_id: str) -> tuple[bool, int, list[str]]:
         resp = self._call(self._service().VerifyCheckpoint, _ref(namespace, checkpoint_id))

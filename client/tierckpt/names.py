@@ -19,6 +19,7 @@ __all__ = [
     "check_checkpoint_id",
     "check_file_name",
     "check_namespace",
+    "check_persistent_url",
     "is_checkpoint_id",
     "step_of",
 ]
@@ -26,6 +27,9 @@ __all__ = [
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _CHECKPOINT_ID = re.compile(r"[A-Za-z0-9._=-]{1,128}")
 _STEP = re.compile(r"(\d+)$")
+_URL = re.compile(r"([a-z][a-z0-9+.-]{0,31})://(/?)([^/].*?)/*")
+_URL_SEGMENT = re.compile(r"[A-Za-z0-9._~=:+-]{1,255}")
+MAX_URL = 1024
 METADATA_FILE = ".metadata"
 
 
@@ -73,3 +77,29 @@ def step_of(checkpoint_id: str) -> int | None:
     """The step of a checkpoint id: its trailing integer (``step-000100`` -> 100), if any."""
     match = _STEP.search(checkpoint_id)
     return int(match.group(1)) if match else None
+
+
+def check_persistent_url(value: object) -> str:
+    """`value` normalized if it is a persistent-tier URL a namespace may drain to ("" is
+    the daemon's own `[persistent] url`), else raise InvalidName.
+
+    The URL becomes an fsspec root and travels in manifests between nodes, so the grammar
+    is narrow: ``scheme://segment/segment...`` (``file:///abs/path`` too), segments from
+    [A-Za-z0-9._~=:+-] (no ``user@host``: credentials never travel in a URL) and never empty, `.` or `..`; no query, fragment, percent-escape
+    or whitespace, at most 1024 characters. Trailing slashes are dropped, so one place has
+    one spelling and prefix checks compare whole segments.
+    """
+    if value == "":
+        return ""
+    match = _URL.fullmatch(value) if isinstance(value, str) and len(value) <= MAX_URL else None
+    segments = match.group(3).split("/") if match else []
+    if match is None or not all(
+        _URL_SEGMENT.fullmatch(s) and s not in (".", "..") for s in segments
+    ):
+        raise InvalidName(
+            f"invalid persistent URL {_shown(value)}: use scheme://bucket/prefix (or "
+            "file:///abs/dir), path segments from [A-Za-z0-9._~=:+-], no '.', '..' or empty "
+            "segment, no '?', '#', '%' or spaces, at most 1024 characters"
+        )
+    scheme, slash = match.group(1), match.group(2)
+    return f"{scheme}://{slash}{'/'.join(segments)}"

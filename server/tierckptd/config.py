@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierckpt.errors import InvalidName
+from tierckpt.names import check_persistent_url
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -138,6 +141,10 @@ class PersistentConfig:
     # Seconds a node's view of a namespace in the persistent tier may age before "the
     # newest" or a listing re-lists it (checkpoints other clusters drained meanwhile).
     relist_interval: float = 30.0
+    # URL prefixes a job may choose for its namespace (SetNamespace, the SageMaker
+    # compat's s3_tier_base_path): the URL must be one of them or lie under one, whole
+    # segments compared. Empty: only `url`. Same storage_options and credentials as `url`.
+    allowed_urls: tuple[str, ...] = field(default=(), metadata={"kind": "urls"})
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,8 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: object, default: obj
     where = f"[{section}] {f.name}"
     if f.metadata.get("kind") == "size":
         return parse_size(value, what=where)
+    if f.metadata.get("kind") == "urls":
+        return _urls(value, where)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
@@ -226,6 +235,16 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: object, default: obj
     if not isinstance(value, str):
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
+
+
+def _urls(value: object, where: str) -> tuple[str, ...]:
+    """A list of persistent-tier URL prefixes, normalized (`check_persistent_url`)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f'{where}: expected a list of URLs, e.g. ["s3://bucket/jobs"]')
+    try:
+        return tuple(check_persistent_url(v) for v in value)
+    except InvalidName as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 # Keys that existed once, with why they went: a clearer refusal than "unknown key".

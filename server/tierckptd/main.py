@@ -53,7 +53,8 @@ from tierckptd.peers.source import peer_sources
 from tierckptd.persistent.discovery import Discovery
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.source import PersistentSource
-from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.persistent.store import RetryPolicy
+from tierckptd.persistent.stores import Stores
 from tierckptd.restore import FileSource, Restorer
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
@@ -177,18 +178,17 @@ class Daemon:
                     channel_factory=channel_factory,
                 )
             )
-            remote_sources: list[FileSource] = []
-            persistent: PersistentTier | None = None
             discovery: Discovery | None = None
-            if cfg.persistent.url:
-                # Short retries per operation: the drainer reschedules the whole job.
-                persistent = PersistentTier.from_config(
-                    cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
-                )
-                remote_sources.append(PersistentSource(persistent))
+            # Short retries per operation: the drainer reschedules the whole job.
+            stores = Stores.from_config(
+                cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
+            )
 
             def sources_for(namespace: str, checkpoint_id: str, f: FileRecord) -> list[FileSource]:
-                return [*peer_sources(peer_client, f), *remote_sources]
+                """Peers, then the persistent tier the checkpoint drained to (its own)."""
+                tier = stores.tier(catalog.persistent_url(namespace, checkpoint_id))
+                persistent = [PersistentSource(tier)] if tier is not None else []
+                return [*peer_sources(peer_client, f), *persistent]
 
             restorer = Restorer(catalog, sources_for)
             cluster = Cluster(
@@ -198,19 +198,20 @@ class Daemon:
                 heal_interval=cfg.replication.heal_interval,
             )
             self.cluster = cluster
-            if persistent is not None:
+            if stores.enabled:
                 drainer = Drainer(
                     catalog,
-                    persistent,
+                    stores,
                     restore=restorer.ensure_local,
                     keep_last=cfg.retention.persistent_keep_last,
                     keep_every=cfg.retention.persistent_keep_every,
                 )
                 catalog.drain_every = cfg.persistent.every
+                catalog.default_persistent = stores.default is not None
                 catalog.on_committed = drainer.enqueue
                 self.drainer = drainer
                 discovery = Discovery(
-                    persistent, catalog, relist_interval=cfg.persistent.relist_interval
+                    stores, catalog, relist_interval=cfg.persistent.relist_interval
                 )
             health = Health()
             servers = start_servers(
@@ -223,6 +224,7 @@ class Daemon:
                 cluster=cluster,
                 access=access,
                 discovery=discovery,
+                persistent_urls=stores.check if stores.enabled else None,
             )
         except ConfigError as e:
             print(f"tierckptd: {e}", file=sys.stderr)

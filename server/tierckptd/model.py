@@ -90,6 +90,9 @@ class CheckpointRecord:
     # Committed with the "make this one durable" hint: due for the persistent tier
     # whatever `[persistent] every` says (kept in its manifest and published manifest).
     durable_requested: bool = False
+    # Where it drains: "" for `[persistent] url`, else the namespace's URL when it was
+    # committed (`tierckpt.names.check_persistent_url` grammar; policy checked at use).
+    persistent_url: str = ""
     files: dict[str, FileRecord] = field(default_factory=dict)
     # (rank -> bytes reserved and not yet charged by a committed file); WRITING only.
     reservations: dict[int, int] = field(default_factory=dict)
@@ -130,6 +133,7 @@ class CheckpointView:
     local_paths: dict[str, str]  # "" for a file this node does not hold
     tiers: tuple[str, ...] = ()
     durable_requested: bool = False
+    persistent_url: str = ""
 
 
 @dataclass(frozen=True)

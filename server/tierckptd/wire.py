@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterable
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
 from tierckpt.errors import InvalidArgument, InvalidName
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import (
+    check_checkpoint_id,
+    check_file_name,
+    check_namespace,
+    check_persistent_url,
+)
 from tierckpt.v1 import common_pb2
 
 from tierckptd.model import (
@@ -185,6 +190,7 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         tiers=list(view.tiers),
         pinned=view.pinned,
         durable_requested=view.durable_requested,
+        persistent_url=view.persistent_url,
     )
 
 
@@ -211,6 +217,9 @@ def record_from_info(
         pinned=False,  # a pin is this node's operator's decision, never a peer's
         # The coordinator's durable hint: this node drains its own files of it too.
         durable_requested=info.durable_requested,
+        # Syntax here; whether this node may drain there is the drain's check
+        # (`tierckptd.persistent.stores`), against its own `[persistent] allowed_urls`.
+        persistent_url=check_persistent_url(info.persistent_url),
     )
     total = 0
     for e in info.files:

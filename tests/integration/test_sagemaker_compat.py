@@ -2,12 +2,18 @@
 
 - `tierckpt import-sagemaker` on checkpoints in the seed's S3 layout (re-created by
   `tests.support.sagemaker_seed` from its documented writer: two ranks, tensors and
-  BYTE_IO items): stock `dcp.load` from the persistent URL and tierckpt restores (by id,
-  the newest, and the compat reader with ``step=None``) are bit-exact; the seed's AWS
+  BYTE_IO items): stock `dcp.load` from the persistent URL and tierckpt restores (the
+  compat reader with ``step=None`` on a daemon whose own ``[persistent] url`` is elsewhere:
+  it finds them under ``s3_tier_base_path``; then by id) are bit-exact; the seed's AWS
   packages are never imported.
 - The seed's README example with only its import line changed, on 2 gloo ranks against a
-  daemon whose ``[persistent] url`` is the job's ``s3_tier_base_path``: its ``save_to_s3``
-  steps land under that path, and the newest restores bit-exact with ``step=None``.
+  daemon whose ``[persistent] url`` is another prefix and whose ``allowed_urls`` admit the
+  job's ``s3_tier_base_path``: its ``save_to_s3`` steps land under that path (per-job, as
+  in the seed), nothing under the daemon's URL, and the newest restores bit-exact with
+  ``step=None``.
+- ``save_to_s3`` with a base path the daemon does not allow, or with no persistent tier:
+  `SageMakerS3TierError` from the save before anything is written, never a silently
+  dropped copy.
 """
 
 from __future__ import annotations
@@ -100,17 +106,8 @@ def test_import_sagemaker_then_stock_dcp_and_tierckpt_restore_bit_exact(
         dcp.load(state, checkpoint_id=f"{src}/{NS}/step_{step}")  # stock FsspecReader
         _assert_bit_exact(state, step)
 
-    daemon = DaemonProcess(
-        {"persistent": {"url": src, "storage_options": dict(s3.storage_options)}}, name="sm"
-    )
+    daemon = DaemonProcess(_config(s3, s3.url("cluster-default"), [src]), name="sm")
     try:
-        state = _template(10)
-        dcp.load(
-            state,
-            storage_reader=TieredStorageReader(NS, daemon=daemon.address),
-            checkpoint_id="step_10",
-        )
-        _assert_bit_exact(state, 10)
         reader = SageMakerTieredStorageReader(
             SageMakerCheckpointConfig(namespace=NS, world_size=2, s3_tier_base_path=src),
             daemon=daemon.address,
@@ -120,18 +117,35 @@ def test_import_sagemaker_then_stock_dcp_and_tierckpt_restore_bit_exact(
         assert reader.step == 20
         _assert_bit_exact(state, 20)
         assert set(reader.sources.values()) == {"fetched"}  # restored from S3, verified
+        state = _template(10)  # the namespace's URL is set on the daemon now: by id too
+        dcp.load(
+            state,
+            storage_reader=TieredStorageReader(NS, daemon=daemon.address),
+            checkpoint_id="step_10",
+        )
+        _assert_bit_exact(state, 10)
     finally:
         daemon.cleanup()
 
 
+def _config(s3: moto_s3.S3Bucket, url: str, allowed: list[str], every: int = 1) -> dict[str, Any]:
+    options = dict(s3.storage_options)
+    return {
+        "persistent": {
+            "url": url,
+            "storage_options": options,
+            "every": every,
+            "allowed_urls": allowed,
+        }
+    }
+
+
 def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> None:
-    base = s3.url("checkpoints")
-    daemon = DaemonProcess(
-        # every = 100: none of the 5 saves is due by `every`; save_to_s3 steps drain anyway
-        # (the commit's durable hint), the others stay in memory only.
-        {"persistent": {"url": base, "storage_options": dict(s3.storage_options), "every": 100}},
-        name="smx",
-    )
+    base = s3.url("jobs", "team-a")
+    # every = 100: none of the 5 saves is due by `every`; save_to_s3 steps drain anyway
+    # (the commit's durable hint), the others stay in memory only.
+    config = _config(s3, s3.url("cluster-default"), [s3.url("jobs")], every=100)
+    daemon = DaemonProcess(config, name="smx")
     try:
         env = {"TIERCKPT_DAEMON": daemon.address}
         results = run_job(
@@ -143,31 +157,39 @@ def test_seed_readme_example_with_the_import_changed(s3: moto_s3.S3Bucket) -> No
         assert restored == 4 and exact
         assert s3_steps == [0, 4]
     fs = s3.fs()
+    fs.invalidate_cache()
     for step in range(5):  # save_to_s3 steps, and only they, are under s3_tier_base_path
-        landed = fs.exists(f"{s3.name}/checkpoints/{NS}/step_{step}/.metadata")
+        landed = fs.exists(f"{s3.name}/jobs/team-a/{NS}/step_{step}/.metadata")
         assert landed == (step in (0, 4)), step
+    assert not fs.exists(f"{s3.name}/cluster-default/{NS}")  # not the daemon's own URL
 
 
 def test_save_to_s3_is_never_silently_dropped(s3: moto_s3.S3Bucket) -> None:
-    """A daemon draining elsewhere, or not at all: the save raises SageMakerS3TierError."""
-    config = SageMakerCheckpointConfig(
-        namespace=NS, world_size=1, s3_tier_base_path=s3.url("checkpoints"), save_to_s3=True
-    )
+    """A base path the daemon does not allow (a sibling prefix, a path trick), or a daemon
+    without a persistent tier: SageMakerS3TierError before anything is saved; without
+    save_to_s3 the same writer only warns, and saves to memory."""
     state = {"w": torch.arange(10.0)}
-    elsewhere = {
-        "persistent": {"url": s3.url("other"), "storage_options": s3.storage_options, "every": 100}
-    }
-    cases = ((elsewhere, 60.0, "not under s3_tier_base_path"), ({}, 1.0, "[persistent] url"))
-    for overrides, timeout, expected in cases:
+    allowing_jobs = _config(s3, s3.url("other"), [s3.url("jobs")], every=100)
+    cases = (
+        (allowing_jobs, s3.url("jobs-evil"), "allowed_urls"),
+        (allowing_jobs, s3.url("jobs") + "/../secret", "invalid persistent URL"),
+        (allowing_jobs, "s3://another-bucket/jobs", "allowed_urls"),
+        ({}, s3.url("jobs"), "no persistent tier"),
+    )
+    for overrides, base, expected in cases:
         daemon = DaemonProcess(overrides, name="sm3")
         try:
-            writer = SageMakerTieredStorageWriter(
-                config, step=5, daemon=daemon.address, s3_timeout_s=timeout
+            config = SageMakerCheckpointConfig(
+                namespace=NS, world_size=1, s3_tier_base_path=base, save_to_s3=True
             )
+            writer = SageMakerTieredStorageWriter(config, step=5, daemon=daemon.address)
             with pytest.raises(CheckpointException) as raised:
                 dcp.save(state, storage_writer=writer)
             ((failure, _),) = raised.value.failures.values()  # (exception, traceback)
             assert isinstance(failure, SageMakerS3TierError), failure
-            assert expected in str(failure)
+            assert expected in str(failure), failure
+            config.save_to_s3 = False
+            writer = SageMakerTieredStorageWriter(config, step=6, daemon=daemon.address)
+            dcp.save(state, storage_writer=writer)  # memory only: a warning, no error
         finally:
             daemon.cleanup()

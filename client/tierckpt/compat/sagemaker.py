@@ -23,15 +23,19 @@ Mapping (same signatures, same step rules):
 - ``world_size`` is validated and otherwise unused (tierckpt also loads at another world
   size); ``disk_tier_base_path``/``save_to_disk`` are dead in the seed and ignored here.
 
-The persistent tier is the daemon's (``[persistent] url``), not the client's.
+``s3_tier_base_path`` is per job, as in the seed: each writer and reader sets it as the
+namespace's persistent URL on its daemon (`DaemonClient.set_namespace`), and each
+checkpoint records it, so every node drains its files to ``<s3_tier_base_path>/
+<namespace>/step_N/`` (stock DCP layout) with the daemon's credentials. The daemon admits
+only URLs under its ``[persistent] allowed_urls``; a refused one raises
+`SageMakerS3TierError` from the save when ``save_to_s3`` is set, before anything is written
+(else a warning: nothing needs S3 yet). Constructors make no call: the URL is sent when DCP
+sets the writer up, and when the reader reads the metadata, on every rank. An empty ``s3_tier_base_path`` means the daemon's ``[persistent] url``.
 ``save_to_s3=True`` commits the checkpoint with tierckpt's per-checkpoint durable hint:
-the daemon drains it whatever its ``[persistent] every`` says (a daemon without a
-persistent tier refuses the commit: `SageMakerS3TierError`). The coordinator then waits
+the daemon drains it whatever its ``[persistent] every`` says. The coordinator then waits
 until the daemon reports it durable and checks that ``<s3_tier_base_path>/<namespace>/
-step_N/.metadata`` exists; a timeout, a failed drain, or a durable copy somewhere else
-(the daemon's URL differs from ``s3_tier_base_path``: tierckptd has no per-namespace URL
-yet) raises `SageMakerS3TierError` from the save. Errors keep their tierckpt cause
-(``__cause__``).
+step_N/.metadata`` exists; a timeout, a failed drain or a copy somewhere else raises
+`SageMakerS3TierError` from the save. Errors keep their tierckpt cause (``__cause__``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt.errors import InvalidName, NoPersistentTier, TierckptError
+from tierckpt.daemon_client import DaemonClient
+from tierckpt.errors import (
+    InvalidArgument,
+    InvalidName,
+    NoPersistentTier,
+    PermissionDenied,
+    TierckptError,
+)
 from tierckpt.names import METADATA_FILE, check_namespace
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.storage_writer import TieredStorageWriter
@@ -134,8 +145,8 @@ def _validated(config: SageMakerCheckpointConfig) -> SageMakerCheckpointConfig:
         )
     if config.s3_path_strategy is not None:
         raise SageMakerTieredStorageConfigError(
-            "s3_path_strategy is not supported by tierckpt: the daemon's [persistent] url "
-            "decides where durable checkpoints go; use s3_tier_base_path"
+            "s3_path_strategy is not supported by tierckpt: durable checkpoints go to "
+            "<s3_tier_base_path>/<namespace>/step_N; use s3_tier_base_path"
         )
     try:
         check_namespace(config.namespace)
@@ -166,6 +177,28 @@ def step_from(step: int, path: str | os.PathLike[str]) -> int:
 
 def _in_memory_error(e: TierckptError) -> SageMakerInMemoryTierError:
     return SageMakerInMemoryTierError(f"{type(e).__name__}: {e}")
+
+
+def _set_base_path(client: DaemonClient, config: SageMakerCheckpointConfig) -> None:
+    """Make ``s3_tier_base_path`` the namespace's persistent URL on this rank's daemon.
+    Refused (not allowed, no persistent tier): raise when this step needs S3, else warn."""
+    base = str(config.s3_tier_base_path or "")
+    try:
+        client.set_namespace(config.namespace, persistent_url=base)
+    except (PermissionDenied, InvalidArgument) as e:
+        if config.save_to_s3:
+            raise SageMakerS3TierError(
+                f"s3_tier_base_path {base!r} was refused by the daemon at {client.address}: {e}"
+            ) from e
+        logger.warning(
+            "s3_tier_base_path %r refused by the daemon (%s); checkpoints of %s that drain "
+            "go to its [persistent] url",
+            base,
+            e,
+            config.namespace,
+        )
+    except TierckptError as e:
+        raise _in_memory_error(e) from e
 
 
 class SageMakerTieredStorageWriter(TieredStorageWriter):
@@ -213,6 +246,7 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         super().reset(checkpoint_id_of_step(self.step))
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _set_base_path(self.client, self.checkpoint_config)  # every rank, before its Begin
         try:
             super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         except TierckptError as e:
@@ -229,8 +263,9 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
             super().finish(metadata, results)
         except NoPersistentTier as e:  # save_to_s3 with a daemon that has no S3 tier
             raise SageMakerS3TierError(
-                f"save_to_s3=True, but the daemon has no persistent tier: set its "
-                f"[persistent] url = {self.s3_base_path!r} ({e})"
+                f"save_to_s3=True, but the daemon has no persistent tier for "
+                f"{self.namespace}: set s3_tier_base_path under its [persistent] "
+                f"allowed_urls, or its [persistent] url ({e})"
             ) from e
         except TierckptError as e:
             raise _in_memory_error(e) from e
@@ -263,8 +298,9 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         self._check_location(what)
 
     def _check_location(self, what: str) -> None:
-        """The daemon drained it to its own ``[persistent] url``: it must be the job's
-        s3_tier_base_path (tierckptd has no per-namespace URL yet)."""
+        """Trust, but verify: the durable copy must be where the job said, under
+        s3_tier_base_path (the URL was set when the writer was made; a daemon restarted
+        since then, or another writer of the namespace, may have changed it)."""
         marker = f"{self.s3_checkpoint_dir}/{METADATA_FILE}"
         try:
             fs, path = fsspec.core.url_to_fs(marker)
@@ -283,9 +319,10 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         if not found:
             raise SageMakerS3TierError(
                 f"{what} is durable in the daemon's persistent tier, but not under "
-                f"s3_tier_base_path ({marker} does not exist): tierckptd writes to its "
-                "[persistent] url; set it to s3_tier_base_path (per-namespace URLs are not "
-                "supported yet)"
+                f"s3_tier_base_path ({marker} does not exist): the namespace's persistent "
+                "URL on the daemon differs (another process of the job set another "
+                "s3_tier_base_path, or the daemon restarted before the commit); give every "
+                "rank the same config"
             )
 
 
@@ -326,13 +363,16 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         if not steps:
             raise SageMakerTieredStorageError(
                 f"No checkpoints to read metadata: {self.namespace} has no step_N checkpoint "
-                f"in any tier of the daemon at {self.client.address}. It reads S3 from its own "
-                f"[persistent] url, not from s3_tier_base_path ({self.s3_base_path or 'unset'}); "
+                f"in any tier of the daemon at {self.client.address} (S3 was looked up under "
+                f"s3_tier_base_path {self.s3_base_path or 'unset: the daemon [persistent] url'}); "
                 "checkpoints the SageMaker client wrote need `tierckpt import-sagemaker` first"
             )
         return max(steps)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # Every rank reads the metadata first: its daemon then looks up S3 under the
+        # job's base path (a replacement node finds the job's durable checkpoints there).
+        _set_base_path(self.client, self.checkpoint_config)
         if self.step is None:
             self.step = self.newest_step()
             super().reset(checkpoint_id_of_step(self.step))

@@ -167,6 +167,7 @@ class CheckpointInfo(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
     DURABLE_REQUESTED_FIELD_NUMBER: _builtins.int
+    PERSISTENT_URL_FIELD_NUMBER: _builtins.int
     state: Global___CheckpointState.ValueType
     size_bytes: _builtins.int
     file_count: _builtins.int
@@ -178,6 +179,11 @@ class CheckpointInfo(_message.Message):
     durable_requested: _builtins.bool
     """Committed with CommitCheckpointRequest.durable: drained to the persistent tier
     whatever `[persistent] every` says (travels with the published manifest).
+    """
+    persistent_url: _builtins.str
+    """Where this checkpoint drains: "" for the daemon's `[persistent] url`, else the
+    namespace's own URL (SetNamespace) when it was committed; travels with the manifest
+    so every owner drains its files to the same place.
     """
     @_builtins.property
     def ref(self) -> Global___CheckpointRef: ...
@@ -201,10 +207,11 @@ class CheckpointInfo(_message.Message):
         tiers: _abc.Iterable[_builtins.str] | None = ...,
         pinned: _builtins.bool = ...,
         durable_requested: _builtins.bool = ...,
+        persistent_url: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,49 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SetNamespaceRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    PERSISTENT_URL_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    persistent_url: _builtins.str
+    """"" = the daemon's `[persistent] url`."""
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        persistent_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "persistent_url", b"persistent_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetNamespaceRequest: _TypeAlias = SetNamespaceRequest  # noqa: Y015
+
+@_typing.final
+class SetNamespaceResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PERSISTENT_URL_FIELD_NUMBER: _builtins.int
+    persistent_url: _builtins.str
+    """as normalized and recorded"""
+    def __init__(
+        self,
+        *,
+        persistent_url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["persistent_url", b"persistent_url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetNamespaceResponse: _TypeAlias = SetNamespaceResponse  # noqa: Y015
+
+@_typing.final
 class PinCheckpointRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -264,7 +307,8 @@ class CommitCheckpointRequest(_message.Message):
     durable: _builtins.bool
     """Drain this checkpoint to the persistent tier whatever `[persistent] every` says,
     and keep it in memory until it is durable there. FAILED_PRECONDITION when the
-    daemon has no persistent tier (`[persistent] url` unset).
+    daemon has no persistent tier for the namespace (no `[persistent] url` and no
+    SetNamespace URL).
     """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...

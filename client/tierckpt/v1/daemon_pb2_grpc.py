@@ -100,6 +100,11 @@ class DaemonServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
                 _registered_method=True)
+        self.SetNamespace = channel.unary_unary(
+                '/tierckpt.v1.DaemonService/SetNamespace',
+                request_serializer=tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServiceServicer:
@@ -198,6 +203,16 @@ class DaemonServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetNamespace(self, request, context):
+        """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
+        persistent URL the namespace's next commits drain to, which must lie under one of
+        the daemon's `[persistent] allowed_urls` (PERMISSION_DENIED otherwise). Idempotent;
+        a job sends it with each writer, so a restarted daemon learns it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +280,11 @@ def add_DaemonServiceServicer_to_server(servicer, server):
                     servicer.PinCheckpoint,
                     request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.SerializeToString,
+            ),
+            'SetNamespace': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNamespace,
+                    request_deserializer=tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +638,33 @@ class DaemonService:
             '/tierckpt.v1.DaemonService/PinCheckpoint',
             tierckpt_dot_v1_dot_daemon__pb2.PinCheckpointRequest.SerializeToString,
             tierckpt_dot_v1_dot_common__pb2.CheckpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNamespace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.DaemonService/SetNamespace',
+            tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceRequest.SerializeToString,
+            tierckpt_dot_v1_dot_daemon__pb2.SetNamespaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,12 @@ class DaemonServiceStub:
     """Exempts a committed checkpoint from retention in every tier of this node (and, on
     the node that holds its .metadata, from persistent retention), or lifts that.
     """
+    SetNamespace: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]
+    """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
+    persistent URL the namespace's next commits drain to, which must lie under one of
+    the daemon's `[persistent] allowed_urls` (PERMISSION_DENIED otherwise). Idempotent;
+    a job sends it with each writer, so a restarted daemon learns it again.
+    """
 
 @_typing.type_check_only
 class DaemonServiceAsyncStub(DaemonServiceStub):
@@ -100,6 +106,12 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     PinCheckpoint: _aio.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]  # type: ignore[assignment]
     """Exempts a committed checkpoint from retention in every tier of this node (and, on
     the node that holds its .metadata, from persistent retention), or lifts that.
+    """
+    SetNamespace: _aio.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]  # type: ignore[assignment]
+    """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
+    persistent URL the namespace's next commits drain to, which must lie under one of
+    the daemon's `[persistent] allowed_urls` (PERMISSION_DENIED otherwise). Idempotent;
+    a job sends it with each writer, so a restarted daemon learns it again.
     """
 
 class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -210,6 +222,18 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_common_pb2.CheckpointInfo, _abc.Awaitable[_common_pb2.CheckpointInfo]]:
         """Exempts a committed checkpoint from retention in every tier of this node (and, on
         the node that holds its .metadata, from persistent retention), or lifts that.
+        """
+
+    @_abc_1.abstractmethod
+    def SetNamespace(
+        self,
+        request: _daemon_pb2.SetNamespaceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_daemon_pb2.SetNamespaceResponse, _abc.Awaitable[_daemon_pb2.SetNamespaceResponse]]:
+        """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
+        persistent URL the namespace's next commits drain to, which must lie under one of
+        the daemon's `[persistent] allowed_urls` (PERMISSION_DENIED otherwise). Idempotent;
+        a job sends it with each writer, so a restarted daemon learns it again.
         """
 
 def add_DaemonServiceServicer_to_server(servicer: DaemonServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -65,6 +65,7 @@ from tierckptd.model import (
     coordinator_of,
 )
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 
 __all__ = ["MAX_FILES", "Catalog", "Sweeper", "VerifyResult", "listing"]
 
@@ -94,6 +95,7 @@ class Catalog(PeerState):
     # ---- lifecycle --------------------------------------------------------------------
     def begin(self, namespace: str, checkpoint_id: str, rank: int) -> None:
         """Open a save; idempotent for every rank. Committed ids are immutable."""
+        fault("save.begin")
         key = self._ref(namespace, checkpoint_id)
         with self._lock:
             rec = self._records.get(key)
@@ -119,6 +121,7 @@ class Catalog(PeerState):
 
     def reserve(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
         """Reserve `nbytes` more for (checkpoint, rank); returns the rank's reservation."""
+        fault("save.reserve")
         with self._lock:
             self._writing(namespace, checkpoint_id)  # a save is writing: prewarms stop
             if self.pool.pending and self._budget.short(nbytes, self._unwritten):
@@ -135,6 +138,7 @@ class Catalog(PeerState):
         self, namespace: str, checkpoint_id: str, name: str, rank: int
     ) -> tuple[str, int]:
         """Create (or recycle a warm segment for) one file; returns (path, preallocated)."""
+        fault("save.open_file")
         check_file_name(name)
         with self._lock:
             rec = self._writing(namespace, checkpoint_id)
@@ -178,6 +182,7 @@ class Catalog(PeerState):
         given) and nobody may still hold it open for writing: it is sealed read-only
         through its fd, so a committed file cannot change under its checksums.
         """
+        fault("save.commit_file")
         check_file_name(name)
         with self._lock:
             rec = self._writing(namespace, checkpoint_id)
@@ -227,6 +232,7 @@ class Catalog(PeerState):
                     )
 
             self.tier.seal_file(self.tier.file_path(namespace, checkpoint_id, name), same_size)
+            fault("save.commit_file.sealed")
             rec.reservations[rank] = reservation - size
             f.size = size
             f.checksums = checksums
@@ -252,11 +258,13 @@ class Catalog(PeerState):
         ignored: the caller asked for a copy that would never exist.
         """
         key = self._ref(namespace, checkpoint_id)
-        if durable and self.drain_every <= 0:
+        url = self.persistent_url(namespace)
+        if durable and (self.drain_every <= 0 or not (url or self.default_persistent)):
             raise NoPersistentTier(
                 f"{NO_PERSISTENT_TIER_PREFIX}cannot commit {namespace}/{checkpoint_id} with "
-                "durable=true: this daemon has no persistent tier; set `[persistent] url` in "
-                "its config, or commit without durable"
+                "durable=true: this daemon has no persistent tier for the namespace; set "
+                "`[persistent] url` in its config (or a namespace URL under `[persistent] "
+                "allowed_urls`), or commit without durable"
             )
         if len(required_files) > MAX_FILES:
             raise InvalidArgument(
@@ -302,13 +310,17 @@ class Catalog(PeerState):
                 state=State.COMMITTED,
                 committed_unix=self._wall(),
                 durable_requested=durable,
+                persistent_url=url,
             )
+            fault("commit.before_manifest")
             self._write_manifest(staged)
+            fault("commit.after_manifest")
             rec.files.update(added)
             rec.reservations.clear()
             rec.sequence, rec.state = staged.sequence, staged.state
             rec.committed_unix = staged.committed_unix
             rec.durable_requested = durable
+            rec.persistent_url = url
             self._track(rec)
             self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()

@@ -300,11 +300,17 @@ class PeerState(CatalogState):
     def set_replicas(
         self, namespace: str, checkpoint_id: str, name: str, replica_nodes: list[str]
     ) -> bool:
-        """Record the nodes (other than the owner) holding verified copies of a file."""
+        """Record the nodes (other than the owner) holding verified copies of a file.
+
+        Not for a checkpoint retention left in the persistent tier only: a peer that has
+        not evicted it yet would list itself, which makes the record a memory one again
+        (its pushes accepted, retention and `forget_persistent` skipping it) for good."""
         with self._lock:
             rec = self._records.get((namespace, checkpoint_id))
             f = rec.files.get(name) if rec is not None else None
             if rec is None or rec.state is not State.COMMITTED or f is None:
+                return False
+            if self._persistent_only(rec):
                 return False
             nodes = list(dict.fromkeys(replica_nodes))
             if f.held and f.owner_node != self.node_id and self.node_id not in nodes:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound
+from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, MemoryBudgetExceeded
 from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.units import format_size
 
@@ -30,10 +30,13 @@ from tierckptd.memory.pool import PREWARM_SEGMENT, WarmPool
 from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 
 __all__ = ["CatalogState", "listing"]
 
 logger = logging.getLogger("tierckptd.catalog")
+
+MAX_NAMESPACE_URLS = 65_536  # namespaces with their own persistent URL on one node
 
 
 def listing(names: list[str], shown: int = 5) -> str:
@@ -81,6 +84,10 @@ class CatalogState:
         # persistent tier), the checkpoints known to be durable there, and a callback
         # (called under the lock: it must only enqueue) for every new commit here.
         self.drain_every = 0
+        # Whether `[persistent] url` is set: without it only checkpoints committed in a
+        # namespace with its own URL (`set_persistent_url`) drain.
+        self.default_persistent = True
+        self._persistent_urls: dict[str, str] = {}  # namespace -> URL its commits record
         self._durable: set[Key] = set()
         self._drain_failed: dict[Key, bool] = {}  # shown as "drain-failed"; True: refused
         self.on_committed: Callable[[str, str], None] | None = None
@@ -272,6 +279,7 @@ class CatalogState:
         refused (hostile `.metadata`) never can be: it is no longer due."""
         return (
             self.drain_every > 0
+            and (self.default_persistent or rec.persistent_url != "")
             and (rec.durable_requested or rec.sequence % self.drain_every == 0)
             and not self._drain_failed.get(rec.key, False)
         )
@@ -305,6 +313,7 @@ class CatalogState:
             committed, self.memory_keep_last, self._holds
         ):
             rec = self._records[(namespace, checkpoint_id)]
+            fault("retention.evict")
             if rec.key in self._durable:
                 freed = self._keep_persistent_only(rec)
             else:
@@ -439,6 +448,33 @@ class CatalogState:
                 if r.state is State.COMMITTED and self._due(r) and r.key not in self._durable
             ]
             return [r.key for r in sorted(recs, key=lambda r: r.order)]
+
+    def set_persistent_url(self, namespace: str, url: str) -> None:
+        """Where the namespace's next commits here drain ("": `[persistent] url`). The
+        caller checked `url` against the policy (`persistent.stores.Stores.check`); held
+        in memory only: a job sets it with every writer, and each committed checkpoint
+        keeps its own URL in its manifest."""
+        with self._lock:
+            if url:
+                if namespace not in self._persistent_urls and len(self._persistent_urls) >= (
+                    MAX_NAMESPACE_URLS
+                ):
+                    raise MemoryBudgetExceeded(
+                        f"cannot set the persistent URL of {namespace}: {MAX_NAMESPACE_URLS} "
+                        "namespaces have one on this node"
+                    )
+                self._persistent_urls[namespace] = url
+            else:
+                self._persistent_urls.pop(namespace, None)
+
+    def persistent_url(self, namespace: str, checkpoint_id: str = "") -> str:
+        """The URL a checkpoint drains to (its record's), or without `checkpoint_id` (or
+        one this node does not know) the URL the namespace's next commit would record."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id)) if checkpoint_id else None
+            return (
+                rec.persistent_url if rec is not None else self._persistent_urls.get(namespace, "")
+            )
 
     def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
         with self._lock:

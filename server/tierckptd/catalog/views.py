@@ -79,4 +79,5 @@ def view_of(
         local_paths={f.name: paths.get(f.name, "") if f.held else "" for f in files},
         tiers=tuple(tiers),
         durable_requested=rec.durable_requested,
+        persistent_url=rec.persistent_url,
     )

@@ -25,6 +25,7 @@ from tierckptd.memory.manifest import ManifestError, read_manifest
 from tierckptd.memory.tier import MemoryTier
 from tierckptd.memory.verify import hash_rate, verify_files
 from tierckptd.model import CheckpointRecord, Key, State
+from tierckptd.ops.faults import fault
 
 __all__ = ["Adopted", "adopt"]
 
@@ -70,6 +71,7 @@ def _adopt_manifests(tier: MemoryTier) -> tuple[dict[Key, CheckpointRecord], set
                     problem = f"manifest describes {rec.namespace}/{rec.checkpoint_id}"
             except ManifestError as e:
                 problem = str(e)
+            fault("adopt.checkpoint")
             if not problem:
                 result = verify_files(tier, *key, rec.files.values(), seal=True, stop_at_first=True)
                 hashed += result.verified_bytes

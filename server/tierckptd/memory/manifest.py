@@ -17,7 +17,12 @@ from typing import Any
 
 from tierckpt.checksum import BlockChecksums
 from tierckpt.errors import MemoryBudgetExceeded
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import (
+    check_checkpoint_id,
+    check_file_name,
+    check_namespace,
+    check_persistent_url,
+)
 
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
@@ -112,6 +117,7 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "committed_unix": record.committed_unix,
         "pinned": record.pinned,
         "durable_requested": record.durable_requested,
+        "persistent_url": record.persistent_url,
         "node_id": record.node_id,
         "files": files,
     }
@@ -141,6 +147,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
             pinned=bool(doc["pinned"]),
             node_id=str(doc["node_id"]),
             durable_requested=_flag(doc, "durable_requested"),
+            persistent_url=check_persistent_url(doc.get("persistent_url", "")),
         )
         for f in doc["files"]:
             checksums = BlockChecksums(

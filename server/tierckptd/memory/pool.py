@@ -28,6 +28,7 @@ from pathlib import Path
 from tierckpt.units import format_size
 
 from tierckptd.memory.tier import WRITING_MODE, MemoryTier, UnsafePath, no_space
+from tierckptd.ops.faults import fault
 
 __all__ = [
     "POOL_MODE",
@@ -130,6 +131,7 @@ class WarmPool:
                 return None
             os.fchmod(fd, POOL_MODE)  # nobody opens a pooled segment but the daemon
             dest = self._segment_path(namespace)
+            fault("pool.recycle")
             os.rename(path, dest)
         finally:
             os.close(fd)
@@ -153,6 +155,7 @@ class WarmPool:
         if not stat.S_ISREG(os.lstat(seg.path).st_mode):
             seg.path.unlink()
             raise UnsafePath(f"pool segment {seg.path.name!r} is not a regular file")
+        fault("pool.reuse")
         os.rename(seg.path, dest)
         fd, _ = tier.open_regular(dest)
         try:

@@ -29,6 +29,7 @@ from tierckpt.errors import InvalidArgument
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 
 __all__ = [
     "Chunk",
@@ -244,6 +245,7 @@ def _push(servicer: Any) -> Callable[[Iterator[bytes], Any], Any]:
             def chunks() -> Iterator[Chunk]:
                 for raw in requests:
                     ticket.touch()
+                    fault("peer.receive.chunk")
                     try:
                         chunk = decode_chunk(raw)
                     except ValueError as e:

@@ -23,6 +23,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.membership import Membership
 from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_info, ref, to_info
@@ -169,6 +170,7 @@ class PeerClient:
     # ---- control calls ----------------------------------------------------------------
     def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
         """What `node` holds of a checkpoint (waits for a restarting peer's channel)."""
+        fault("peer.holdings", lambda: PeerCallError(node, "Holdings", "INJECTED"))
         stub = self._stub(node, "Holdings")
         try:
             resp: peer_pb2.HoldingsResponse = stub.Holdings(
@@ -186,6 +188,7 @@ class PeerClient:
 
     def publish(self, node: str, view: CheckpointView) -> None:
         """PublishCheckpoint: give `node` the manifest of a committed checkpoint."""
+        fault("peer.publish", lambda: PeerCallError(node, "PublishCheckpoint", "INJECTED"))
         stub = self._stub(node, "PublishCheckpoint")
         try:
             stub.PublishCheckpoint(
@@ -243,6 +246,7 @@ class PeerClient:
         try:
             for chunk in call:
                 watch.touch()
+                fault("peer.fetch.chunk", lambda: PeerCallError(node, "FetchFile", "INJECTED"))
                 if chunk.data:
                     yield chunk.offset, chunk.data
         except grpc.RpcError as e:
@@ -271,6 +275,7 @@ class PeerClient:
         def messages() -> Iterator[bytes | peer_pb2.FileChunk]:
             yield peer_pb2.FileChunk(header=header)
             for offset, data in pieces:
+                fault("peer.push.chunk")
                 yield encode_data_chunk(offset, bytes(data) if data else b"")
 
         try:

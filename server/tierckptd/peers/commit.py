@@ -18,6 +18,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.memory.incoming import restore_plan
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
 
 __all__ = ["Committer", "claims"]
@@ -104,6 +105,7 @@ class Committer:
             )
             remote = claims(namespace, checkpoint_id, held, missing)
         view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
+        fault("commit.before_publish")
         if peers:
 
             def unpublished(node: str, e: PeerCallError) -> None:

@@ -152,8 +152,17 @@ class Healer:
         try:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
+            with self._lock:  # deleted (retention, rm): its mark must not outlive it
+                self._marks.pop((namespace, checkpoint_id), None)
             return None
         if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE):
+            return None
+        if view.state is State.DURABLE and not any(
+            f.held or f.owner_node or f.replica_nodes for f in view.files
+        ):
+            # Retention let it go to the persistent tier only: no memory copy is wanted,
+            # so it is neither "lost" nor pushed back into a node that evicted it.
+            self._record(namespace, checkpoint_id, HealPlan(), self._k())
             return None
         me = self.node_id
         holdings: dict[str, Holdings] = {

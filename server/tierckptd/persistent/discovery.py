@@ -47,6 +47,7 @@ from tierckptd.model import Key
 from tierckptd.persistent.readback import check_stored_record
 from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.stores import Stores
 
 __all__ = [
     "INDEX_DIR",
@@ -134,9 +135,13 @@ def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> 
 # ---- adoption -------------------------------------------------------------------------
 
 
-def adopt_checkpoint(tier: PersistentTier, catalog: Catalog, key: Key, known: set[Key]) -> int:
+def adopt_checkpoint(
+    tier: PersistentTier, catalog: Catalog, key: Key, known: set[Key], url: str = ""
+) -> int:
     """Adopt one durable checkpoint from its bookkeeping manifest (no file held here);
-    1 if the catalog learnt it, 0 if it knew it (now marked durable) or cannot.
+    1 if the catalog learnt it, 0 if it knew it (now marked durable) or cannot. `url` is
+    what the record keeps as its persistent URL (`Stores.url_of(tier)`): where it was
+    found, not what the stored manifest claims.
 
     Raises:
         PersistentTierUnavailable: an outage.
@@ -153,6 +158,7 @@ def adopt_checkpoint(tier: PersistentTier, catalog: Catalog, key: Key, known: se
     if rec.key != key:
         raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
     check_stored_record(rec, time.time())
+    rec.persistent_url = url
     for f in rec.files.values():
         f.held = False
         f.owner_node = ""
@@ -164,7 +170,13 @@ def adopt_checkpoint(tier: PersistentTier, catalog: Catalog, key: Key, known: se
 
 
 def _adopt_ids(
-    tier: PersistentTier, catalog: Catalog, namespace: str, ids: set[str], *, verified: bool
+    tier: PersistentTier,
+    catalog: Catalog,
+    namespace: str,
+    ids: set[str],
+    *,
+    verified: bool,
+    url: str = "",
 ) -> int:
     adopted = 0
     known = set(catalog.committed_keys())
@@ -176,7 +188,7 @@ def _adopt_ids(
             # A listing is a hint (an index entry may outlive a .metadata deleted by
             # hand): only the commit marker makes a checkpoint durable.
             if verified or tier.is_durable(*key):
-                adopted += adopt_checkpoint(tier, catalog, key, known)
+                adopted += adopt_checkpoint(tier, catalog, key, known, url)
         except PersistentTierUnavailable:
             raise
         except Exception as e:
@@ -189,8 +201,9 @@ def _adopt_ids(
     return adopted
 
 
-def adopt_all(tier: PersistentTier, catalog: Catalog) -> int:
-    """Every durable checkpoint of every namespace (a replacement cluster at start).
+def adopt_all(tier: PersistentTier, catalog: Catalog, url: str = "") -> int:
+    """Every durable checkpoint of every namespace in `tier` (a replacement cluster at
+    start); `url` as in `adopt_checkpoint`.
 
     Raises:
         PersistentTierUnavailable: an outage.
@@ -198,7 +211,7 @@ def adopt_all(tier: PersistentTier, catalog: Catalog) -> int:
     adopted = 0
     for namespace in tier.list_namespaces():
         ids = durable_ids(tier, namespace, scan=True)  # .metadata keys: verified
-        adopted += _adopt_ids(tier, catalog, namespace, ids, verified=True)
+        adopted += _adopt_ids(tier, catalog, namespace, ids, verified=True, url=url)
     if adopted:
         logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))
     return adopted
@@ -210,7 +223,11 @@ def adopt_all(tier: PersistentTier, catalog: Catalog) -> int:
 class Discovery:
     """Learns checkpoints other clusters drained, when they are asked for (module doc).
 
+    A namespace is looked up in the tier its next commit would drain to (its own URL,
+    else ``[persistent] url``); "every namespace" lists the default tier's.
+
     Args:
+        stores: the daemon's persistent tiers (a bare tier: that one only).
         relist_interval: how old this node's view of a namespace may be before `refresh`
             lists it again (seconds; 0: every time).
         negative_ttl: how long "not durable" answers of `probe` are remembered.
@@ -219,7 +236,7 @@ class Discovery:
 
     def __init__(
         self,
-        tier: PersistentTier,
+        stores: Stores | PersistentTier,
         catalog: Catalog,
         *,
         relist_interval: float = 30.0,
@@ -227,30 +244,31 @@ class Discovery:
         max_negative: int = 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.tier = tier
+        self.stores = stores if isinstance(stores, Stores) else Stores(stores)
         self.catalog = catalog
         self.relist_interval = relist_interval
         self.negative_ttl = negative_ttl
         self.max_negative = max_negative
         self._clock = clock
         self._lock = threading.Lock()  # one S3 listing at a time
-        self._listed: dict[str, float] = {}  # namespace ("": all) -> when listed
-        self._negative: OrderedDict[Key, float] = OrderedDict()
+        # (namespace, its URL) -> when listed; ("", "") is every namespace of the default.
+        self._listed: dict[tuple[str, str], float] = {}
+        self._negative: OrderedDict[tuple[str, str, str], float] = OrderedDict()
         self._neg_lock = threading.Lock()
         self.probes = 0  # remote probes made (tests)
 
-    @property
-    def name(self) -> str:
-        return tier_label(self.tier.url)
+    def _tier_of(self, namespace: str) -> tuple[PersistentTier | None, str]:
+        url = self.catalog.persistent_url(namespace)
+        return self.stores.tier(url), url
 
-    def _unavailable(self, what: str, e: BaseException) -> TierUnavailable:
+    def _unavailable(self, tier: PersistentTier, what: str, e: BaseException) -> TierUnavailable:
         cause = describe_failure(e)
         return TierUnavailable(
-            f"{TIER_UNAVAILABLE_PREFIX}{self.name}: {what} could not be looked up in the "
-            f"persistent tier ({cause}); retry once it is reachable"
+            f"{TIER_UNAVAILABLE_PREFIX}{tier_label(tier.url)}: {what} could not be looked up "
+            f"in the persistent tier ({cause}); retry once it is reachable"
         )
 
-    def _negative_hit(self, key: Key) -> bool:
+    def _negative_hit(self, key: tuple[str, str, str]) -> bool:
         now = self._clock()
         with self._neg_lock:
             until = self._negative.get(key)
@@ -261,7 +279,7 @@ class Discovery:
             del self._negative[key]
             return False
 
-    def _remember_missing(self, key: Key) -> None:
+    def _remember_missing(self, key: tuple[str, str, str]) -> None:
         with self._neg_lock:
             self._negative[key] = self._clock() + self.negative_ttl
             self._negative.move_to_end(key)
@@ -276,62 +294,78 @@ class Discovery:
             TierUnavailable: the persistent tier could not be asked.
         """
         key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
-        if self._negative_hit(key):
+        tier, url = self._tier_of(namespace)
+        if tier is None:
+            return False
+        negative = (*key, url)
+        if self._negative_hit(negative):
             return False
         what = f"checkpoint {namespace}/{checkpoint_id}"
         self.probes += 1
         try:
-            if not self.tier.is_durable(*key):
-                self._remember_missing(key)
+            if not tier.is_durable(*key):
+                self._remember_missing(negative)
                 return False
             known = set(self.catalog.committed_keys())
-            adopted = adopt_checkpoint(self.tier, self.catalog, key, known)
+            adopted = adopt_checkpoint(tier, self.catalog, key, known, url)
         except TierckptError:
             raise
         except OSError as e:  # PersistentTierUnavailable, 403 (PermissionError), ...
-            raise self._unavailable(what, e) from None
+            raise self._unavailable(tier, what, e) from None
         except (ManifestError, ValueError) as e:
             logger.error("%s: not adopted from the persistent tier: %.300s", what, e)
-            self._remember_missing(key)
+            self._remember_missing(negative)
             return False
         if adopted:
-            logger.info("adopted %s from %s (asked for it)", what, self.name)
+            logger.info("adopted %s from %s (asked for it)", what, tier_label(tier.url))
         elif key not in known:
-            self._remember_missing(key)
+            self._remember_missing(negative)
             return False
         return True
 
     def mark_listed(self, namespace: str = "") -> None:
         """This node's view of `namespace` ("": every namespace) is fresh now."""
+        url = self.catalog.persistent_url(namespace) if namespace else ""
         with self._lock:
-            self._listed[namespace] = self._clock()
+            self._listed[(namespace, url)] = self._clock()
 
     def refresh(self, namespace: str = "", max_age: float | None = None) -> int:
         """Re-list `namespace` ("": every namespace) when this node's view is older than
         `max_age` (default `relist_interval`); returns checkpoints adopted. An outage is
-        logged, not raised: the caller answers from what this node knows."""
+        logged, not raised: the caller answers from what this node knows. A namespace
+        that changed its URL is listed afresh in the new one."""
         if namespace:
             check_namespace(namespace)
+        tier, url = self._tier_of(namespace) if namespace else (self.stores.default, "")
+        if tier is None:
+            return 0
         age = self.relist_interval if max_age is None else max_age
         with self._lock:
             now = self._clock()
-            last = max(self._listed.get(namespace, -1e18), self._listed.get("", -1e18))
+            last = self._listed.get((namespace, url), -1e18)
+            if not url:
+                last = max(last, self._listed.get(("", ""), -1e18))
             if now - last < age:
                 return 0
             try:
-                names = [namespace] if namespace else self.tier.list_namespaces()
+                names = [namespace] if namespace else tier.list_namespaces()
                 adopted = sum(
                     _adopt_ids(
-                        self.tier, self.catalog, ns, durable_ids(self.tier, ns), verified=False
+                        tier, self.catalog, ns, durable_ids(tier, ns), verified=False, url=url
                     )
                     for ns in names
                 )
             except OSError as e:  # an outage, a 403: answer from what this node knows
                 logger.warning(
-                    "cannot re-list %s in %s: %s", namespace or "the namespaces", self.name, e
+                    "cannot re-list %s in %s: %s",
+                    namespace or "the namespaces",
+                    tier_label(tier.url),
+                    e,
                 )
                 adopted = 0
-            self._listed[namespace] = self._clock()  # failed too: no hammering during outage
+            self._listed[(namespace, url)] = self._clock()  # failed too: no hammering
         if adopted:
-            logger.info("adopted %d checkpoint(s) from %s (re-listed)", adopted, self.name)
+            logger.info(
+                "adopted %d checkpoint(s) from %s (re-listed)", adopted, tier_label(tier.url)
+            )
         return adopted

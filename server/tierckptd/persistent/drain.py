@@ -1,7 +1,9 @@
 """The drain: committed checkpoints into the persistent tier, `.metadata` last.
 
-One `Drainer` per daemon (only when ``[persistent] url`` is set). Every committed
-checkpoint whose sequence is a multiple of ``[persistent] every`` is *due*. Each node
+One `Drainer` per daemon (when ``[persistent] url`` or ``allowed_urls`` is set). Every
+committed checkpoint whose sequence is a multiple of ``[persistent] every`` is *due*; it
+drains to the tier its manifest names (`persistent.stores`), and one whose URL this node
+does not allow is refused like a hostile `.metadata` (below). Each node
 uploads the data files it owns (verified reads of its memory tier, `max_concurrency` at a
 time, skipped when the marker already describes the same bytes, so a resumed drain does
 not upload twice). The node that owns `.metadata` then writes the bookkeeping a restore
@@ -61,9 +63,11 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
+from tierckptd.config_secrets import redact
 from tierckptd.jobs import Drain, JobQueue, StepAside
 from tierckptd.model import FileRecord, Key
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 from tierckptd.persistent.discovery import (
     MANIFEST_OBJECT,
     adopt_all,
@@ -75,6 +79,7 @@ from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.retention import persistent_evictions
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.stores import Stores
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "Restore", "fingerprint"]
 
@@ -114,7 +119,7 @@ class Drainer:
     def __init__(
         self,
         catalog: Catalog,
-        tier: PersistentTier,
+        stores: Stores | PersistentTier,
         restore: Restore | None = None,
         *,
         keep_last: int = 0,
@@ -126,7 +131,7 @@ class Drainer:
         failed_retry: float = 300.0,
     ) -> None:
         self.catalog = catalog
-        self.tier = tier
+        self.stores = stores if isinstance(stores, Stores) else Stores(stores)
         self.restore = restore
         self.node_id = catalog.node_id
         self.keep_last = keep_last
@@ -159,7 +164,7 @@ class Drainer:
         for key in keys:
             self.enqueue(*key)
         if keys:
-            logger.info("drain: %d committed checkpoints due for %s", len(keys), self.tier.url)
+            logger.info("drain: %d committed checkpoints due", len(keys))
         return len(keys)
 
     def pending(self) -> list[Key]:
@@ -313,6 +318,17 @@ class Drainer:
             self._refuse(key, e)
             raise
 
+    def _tier(self, namespace: str, checkpoint_id: str, url: str) -> PersistentTier:
+        tier = self.stores.tier(url)
+        if tier is None:
+            raise UnsafeMetadata(
+                f"{namespace}/{checkpoint_id} was committed to drain to "
+                f"{redact(url) or 'the default [persistent] url'}, which node {self.node_id} "
+                "does not have or allow; give every node the same [persistent] url and "
+                "allowed_urls"
+            )
+        return tier
+
     def _drain(self, namespace: str, checkpoint_id: str) -> bool:
         if self.catalog.is_durable(namespace, checkpoint_id):
             return True
@@ -320,7 +336,8 @@ class Drainer:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
             return True  # deleted meanwhile
-        if self.tier.is_durable(namespace, checkpoint_id):
+        tier = self._tier(namespace, checkpoint_id, view.persistent_url)
+        if tier.is_durable(namespace, checkpoint_id):
             self.catalog.mark_durable(namespace, checkpoint_id)
             return True
         files = {f.name: f for f in view.files}
@@ -338,7 +355,7 @@ class Drainer:
         committer = meta.owner_node == self.node_id or (not meta.owner_node and meta.held)
         metadata: bytes | None = None
         if mine:
-            uploaded = self.tier.uploaded(namespace, checkpoint_id)
+            uploaded = tier.uploaded(namespace, checkpoint_id)
             todo = [
                 f
                 for f in mine
@@ -348,29 +365,31 @@ class Drainer:
             ]
             if todo:
                 metadata, items = self._metadata(namespace, checkpoint_id)
-                self._upload(namespace, checkpoint_id, todo, items)
+                self._upload(tier, namespace, checkpoint_id, todo, items)
         if not committer:
             return False  # the owner of .metadata commits; the next attempt probes
         if metadata is None:
             metadata, _ = self._metadata(namespace, checkpoint_id)
-        self.tier.put_bookkeeping(
+        tier.put_bookkeeping(
             namespace,
             checkpoint_id,
             MANIFEST_OBJECT,
             json.dumps(self.catalog.manifest_document(namespace, checkpoint_id)).encode(),
         )
-        self.tier.put_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT, metadata)
+        tier.put_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT, metadata)
         try:
-            self.tier.upload_metadata_last(namespace, checkpoint_id, metadata)
+            fault("drain.metadata")
+            tier.upload_metadata_last(namespace, checkpoint_id, metadata)
         except CheckpointIncomplete as e:
             logger.debug("drain of %s/%s waits for other owners: %s", namespace, checkpoint_id, e)
             return False
+        fault("drain.after_metadata")
         self.catalog.mark_durable(namespace, checkpoint_id)
         try:  # after .metadata: a hint for other clusters' discovery, never a commit
-            write_index_entry(self.tier, namespace, checkpoint_id)
+            write_index_entry(tier, namespace, checkpoint_id)
         except (PersistentTierUnavailable, OSError) as e:
             logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
-        self._retain(namespace)
+        self._retain(tier, namespace)
         return True
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
@@ -392,15 +411,17 @@ class Drainer:
 
     def _upload(
         self,
+        tier: PersistentTier,
         namespace: str,
         checkpoint_id: str,
         todo: list[FileRecord],
         described: dict[str, DataFile],
     ) -> None:
-        items = described if self.tier.compression == "zstd" else {}
+        items = described if tier.compression == "zstd" else {}
         with ExitStack() as stack:
             uploads = []
             for f in todo:
+                fault("drain.upload")
                 _, path = self.catalog.file_view(namespace, checkpoint_id, f.name)
                 if not path:
                     continue  # evicted or dropped meanwhile
@@ -417,12 +438,12 @@ class Drainer:
                         fingerprint=fingerprint(f),
                     )
                 )
-            self.tier.upload_files(namespace, checkpoint_id, uploads)
+            tier.upload_files(namespace, checkpoint_id, uploads)
 
-    def _retain(self, namespace: str) -> None:
+    def _retain(self, tier: PersistentTier, namespace: str) -> None:
         if self.keep_last <= 0:
             return
-        durable = self.tier.list_durable(namespace)
+        durable = tier.list_durable(namespace)
         pinned = [v.checkpoint_id for v in self.catalog.list_checkpoints(namespace) if v.pinned]
         try:
             pinned.append(self.catalog.get(namespace).checkpoint_id)  # the newest, always
@@ -430,8 +451,8 @@ class Drainer:
             pass
         ordered = [(cid, i) for i, cid in enumerate(durable)]
         for cid in persistent_evictions(ordered, self.keep_last, self.keep_every, pinned):
-            remove_index_entry(self.tier, namespace, cid)  # first: never lists a partial one
-            self.tier.delete(namespace, cid)
+            remove_index_entry(tier, namespace, cid)  # first: never lists a partial one
+            tier.delete(namespace, cid)
             self.catalog.forget_persistent(namespace, cid)
             logger.info(
                 "evicted %s/%s from the persistent tier (persistent_keep_last=%d, "
@@ -452,7 +473,8 @@ class Drainer:
         """
         end = time.monotonic() + deadline
         self.stop(timeout=0)
-        self.tier.set_deadline(deadline)
+        for tier in self.stores.known():
+            tier.set_deadline(deadline)
         refused = self.catalog.drain_failed()
         newest: dict[str, Key] = {}
         for view in self.catalog.list_checkpoints():
@@ -496,4 +518,6 @@ class Drainer:
         (`discovery.adopt_all`: invalid names skipped, manifests range-checked, one bad
         key never stops the others). An outage raises PersistentTierUnavailable.
         """
-        return adopt_all(self.tier, self.catalog)
+        return sum(
+            adopt_all(tier, self.catalog, self.stores.url_of(tier)) for tier in self.stores.known()
+        )

@@ -57,6 +57,7 @@ from tierckpt.names import (
     step_of,
 )
 
+from tierckptd.ops.faults import fault
 from tierckptd.persistent.format import (
     DEFAULT_CHUNK_SIZE,
     FileIndex,
@@ -314,6 +315,7 @@ class PersistentTier:
             index=counter.index,
             fingerprint=fingerprint,
         )
+        fault("drain.marker")
         self.retrying(lambda: self.put_object(marker, uploaded.to_json()), f"{what} (marker)")
         logger.info(
             "uploaded %s: %d bytes as %d (%s) in %.2fs",

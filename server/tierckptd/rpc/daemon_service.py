@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointNotFound, PermissionDenied
+from tierckpt.names import check_namespace, check_persistent_url
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
@@ -46,6 +47,11 @@ class Discovery(Protocol):
     def refresh(self, namespace: str = "", max_age: float | None = None) -> int: ...
 
 
+PersistentUrls = Callable[[str], str]
+"""`tierckptd.persistent.stores.Stores.check`: a namespace URL as the daemon records it
+("" for `[persistent] url`); PermissionDenied when `[persistent] allowed_urls` excludes it."""
+
+
 def _internal_message(method: str) -> str:
     return f"{method} failed on the daemon with an internal error; the daemon log has the details"
 
@@ -60,8 +66,10 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         access: LocalAccess | None = None,
         restorer: LocalRestore | None = None,
         discovery: Discovery | None = None,
+        persistent_urls: PersistentUrls | None = None,
     ) -> None:
         self.catalog = catalog
+        self.persistent_urls = persistent_urls  # SetNamespace's policy; None: no tier
         self.discovery = discovery  # the persistent tier as a live source (C)
         # EnsureLocal's one restore chain: the cluster's (memory, peers, persistent tier as
         # main.py wires it); without one, only local copies are served.
@@ -101,6 +109,22 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         self._allow(context, "BeginCheckpoint", ref.namespace, begin=True)
         self.catalog.begin(ref.namespace, ref.checkpoint_id, request.rank)
         return daemon_pb2.BeginCheckpointResponse()
+
+    @rpc_method
+    def SetNamespace(
+        self, request: daemon_pb2.SetNamespaceRequest, context: Any
+    ) -> daemon_pb2.SetNamespaceResponse:
+        namespace = check_namespace(request.namespace)
+        self._allow(context, "SetNamespace", namespace, begin=True)
+        url = check_persistent_url(request.persistent_url)
+        if url and self.persistent_urls is None:
+            raise PermissionDenied(
+                f"cannot set the persistent URL of {namespace}: this daemon has no persistent "
+                "tier; an operator sets [persistent] url or allowed_urls in its config"
+            )
+        recorded = self.persistent_urls(url) if self.persistent_urls is not None else ""
+        self.catalog.set_persistent_url(namespace, recorded)
+        return daemon_pb2.SetNamespaceResponse(persistent_url=recorded)
 
     @rpc_method
     def ReserveSpace(
@@ -262,12 +286,15 @@ def add_daemon_service(
     cluster: Cluster | None = None,
     access: LocalAccess | None = None,
     discovery: Discovery | None = None,
+    persistent_urls: PersistentUrls | None = None,
 ) -> DaemonService:
     """Register DaemonService for `catalog` on a grpc server (never the peer server).
 
     The handlers take raw bytes (no grpc deserializer) and decode them in `_decoding`.
     """
-    servicer = DaemonService(catalog, cluster, access, discovery=discovery)
+    servicer = DaemonService(
+        catalog, cluster, access, discovery=discovery, persistent_urls=persistent_urls
+    )
     service = daemon_pb2.DESCRIPTOR.services_by_name["DaemonService"]
     handlers = {
         m.name: grpc.unary_unary_rpc_method_handler(

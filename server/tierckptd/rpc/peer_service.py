@@ -43,6 +43,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.model import FileRecord, State
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
 from tierckptd.peers.client import TRANSFER_TIMEOUT
 from tierckptd.peers.cluster import Cluster
@@ -338,6 +339,7 @@ class PeerService:
                 )
             )
             for offset, data in served.pieces:
+                fault("peer.serve.chunk")
                 yield encode_data_chunk(offset, data)
         except Exception as e:
             self.errors.abort(context, "FetchFile", e)

@@ -23,7 +23,7 @@ import grpc
 from tierckptd.catalog import Catalog
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.security import PeerServerSecurity
-from tierckptd.rpc.daemon_service import Discovery, add_daemon_service
+from tierckptd.rpc.daemon_service import Discovery, PersistentUrls, add_daemon_service
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import LocalAccess
 from tierckptd.rpc.local_login import LoginServer, login_path_for
@@ -165,6 +165,7 @@ def start_servers(
     cluster: Cluster | None = None,
     access: LocalAccess | None = None,
     discovery: Discovery | None = None,
+    persistent_urls: PersistentUrls | None = None,
 ) -> Servers:
     """Bind and start the servers; DaemonService on `local`, health on both, and what
     `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token).
@@ -181,7 +182,7 @@ def start_servers(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierckptd-rpc"),
         options=OPTIONS,
     )
-    add_daemon_service(catalog, local_server, cluster, access, discovery)
+    add_daemon_service(catalog, local_server, cluster, access, discovery, persistent_urls)
     health.add_to(local_server)
     if socket_path is not None:
         _bind_unix(local_server, grpc_local, socket_path)
