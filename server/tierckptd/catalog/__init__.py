@@ -104,7 +104,7 @@ class Catalog(PeerState):
                     f"checkpoint {namespace}/{checkpoint_id} is already committed on node "
                     f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
                 )
-            self._gone.discard(key)  # saved again after a delete: peers may publish it
+            self._gone.pop(key, None)  # saved again after a delete: peers may publish it
             if rec is None:
                 rec = CheckpointRecord(
                     namespace=namespace,

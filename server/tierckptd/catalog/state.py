@@ -37,6 +37,9 @@ __all__ = ["CatalogState", "listing"]
 logger = logging.getLogger("tierckptd.catalog")
 
 MAX_NAMESPACE_URLS = 65_536  # namespaces with their own persistent URL on one node
+# Deleted checkpoints remembered so a peer's late publish cannot bring them back; a peer
+# still holding one deleted this many deletions ago is long past its own retention.
+MAX_GONE = 65_536
 
 
 def listing(names: list[str], shown: int = 5) -> str:
@@ -79,7 +82,9 @@ class CatalogState:
         # here (a peer's healer must not push them back).
         self.replica_target = 0
         self._health: dict[Key, str] = {}
-        self._gone: set[Key] = set()
+        # Insertion-ordered and bounded (`MAX_GONE`, oldest dropped): one key per deletion,
+        # retention's included, would otherwise grow for the daemon's whole life.
+        self._gone: dict[Key, None] = {}
         # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
         # persistent tier), the checkpoints known to be durable there, and a callback
         # (called under the lock: it must only enqueue) for every new commit here.
@@ -266,7 +271,9 @@ class CatalogState:
         # adoption collects, never a manifest pointing at missing files.
         self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
         if rec.state is State.COMMITTED:
-            self._gone.add(rec.key)
+            self._gone[rec.key] = None
+            while len(self._gone) > MAX_GONE:
+                del self._gone[next(iter(self._gone))]
         self._health.pop(rec.key, None)
         self._durable.discard(rec.key)
         self._drain_failed.pop(rec.key, None)
