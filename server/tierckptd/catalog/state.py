@@ -94,6 +94,8 @@ class CatalogState:
         self.default_persistent = True
         self._persistent_urls: dict[str, str] = {}  # namespace -> URL its commits record
         self._durable: set[Key] = set()
+        # No longer due: superseded in the persistent tier (`retire`).
+        self._retired: set[Key] = set()
         self._drain_failed: dict[Key, bool] = {}  # shown as "drain-failed"; True: refused
         self.on_committed: Callable[[str, str], None] | None = None
         # Next-save prewarm (`prewarm.NextSaveWarmer.schedule`, called under the lock: it
@@ -276,6 +278,7 @@ class CatalogState:
                 del self._gone[next(iter(self._gone))]
         self._health.pop(rec.key, None)
         self._durable.discard(rec.key)
+        self._retired.discard(rec.key)
         self._drain_failed.pop(rec.key, None)
         return self._collect(rec)
 
@@ -289,6 +292,7 @@ class CatalogState:
             and (self.default_persistent or rec.persistent_url != "")
             and (rec.durable_requested or rec.sequence % self.drain_every == 0)
             and not self._drain_failed.get(rec.key, False)
+            and rec.key not in self._retired
         )
 
     def _holds(self, rec: CheckpointRecord) -> bool:
@@ -504,11 +508,39 @@ class CatalogState:
                 self._apply_retention(namespace)
             return True
 
+    def retire(self, namespace: str, checkpoint_id: str) -> None:
+        """The checkpoint is no longer due: enough newer ones are durable that persistent
+        retention deletes it (or already did, before this node learnt it was durable).
+        Memory retention may evict it like any checkpoint that is not due."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            if key in self._records and key not in self._retired:
+                self._retired.add(key)
+                self._apply_retention(namespace)
+
+    def persistent_only(self, namespace: str, url: str) -> list[str]:
+        """Ids of the namespace's durable checkpoints no node's memory holds, recorded
+        as drained to `url` (what a re-listing of that tier must still show)."""
+        with self._lock:
+            return sorted(
+                r.checkpoint_id
+                for r in self._records.values()
+                if r.namespace == namespace
+                and r.persistent_url == url
+                and r.key in self._durable
+                and self._persistent_only(r)
+            )
+
     def forget_persistent(self, namespace: str, checkpoint_id: str) -> None:
-        """The checkpoint was deleted from the persistent tier (its retention)."""
+        """The checkpoint was deleted from the persistent tier (its retention). Held
+        nowhere else: it is gone. Still in memory somewhere: it stays listed there, and is
+        retired, not due again (draining it back would only feed the same retention, and
+        a due checkpoint that is never durable is held in memory forever)."""
         key = (namespace, checkpoint_id)
         with self._lock:
             rec = self._records.get(key)
             if rec is not None and self._persistent_only(rec):
                 self._delete_committed(rec)
+            elif rec is not None:
+                self._retired.add(key)
             self._durable.discard(key)

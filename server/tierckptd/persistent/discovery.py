@@ -323,6 +323,22 @@ class Discovery:
             return False
         return True
 
+    def _forget_deleted(
+        self, tier: PersistentTier, namespace: str, ids: set[str], url: str
+    ) -> None:
+        """Drop what this node lists as held only in `tier` but the listing no longer
+        shows and `.metadata` confirms gone: another node's persistent retention (or an
+        operator) deleted it, and a listing must not offer what cannot be restored."""
+        for checkpoint_id in self.catalog.persistent_only(namespace, url):
+            if checkpoint_id not in ids and not tier.is_durable(namespace, checkpoint_id):
+                self.catalog.forget_persistent(namespace, checkpoint_id)
+                logger.info(
+                    "%s/%s is gone from %s: no longer listed here",
+                    namespace,
+                    checkpoint_id,
+                    tier_label(tier.url),
+                )
+
     def mark_listed(self, namespace: str = "") -> None:
         """This node's view of `namespace` ("": every namespace) is fresh now."""
         url = self.catalog.persistent_url(namespace) if namespace else ""
@@ -348,13 +364,11 @@ class Discovery:
             if now - last < age:
                 return 0
             try:
-                names = [namespace] if namespace else tier.list_namespaces()
-                adopted = sum(
-                    _adopt_ids(
-                        tier, self.catalog, ns, durable_ids(tier, ns), verified=False, url=url
-                    )
-                    for ns in names
-                )
+                adopted = 0
+                for ns in [namespace] if namespace else tier.list_namespaces():
+                    ids = durable_ids(tier, ns)
+                    adopted += _adopt_ids(tier, self.catalog, ns, ids, verified=False, url=url)
+                    self._forget_deleted(tier, ns, ids, url)
             except OSError as e:  # an outage, a 403: answer from what this node knows
                 logger.warning(
                     "cannot re-list %s in %s: %s",

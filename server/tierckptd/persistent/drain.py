@@ -78,7 +78,12 @@ from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.retention import persistent_evictions
 from tierckptd.persistent.source import METADATA_OBJECT
-from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.store import (
+    FileUpload,
+    PersistentTier,
+    PersistentTierUnavailable,
+    step_order,
+)
 from tierckptd.persistent.stores import Stores
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "Restore", "fingerprint"]
@@ -353,6 +358,8 @@ class Drainer:
             if f.name != METADATA_FILE and f.owner_node == self.node_id and f.held
         ]
         committer = meta.owner_node == self.node_id or (not meta.owner_node and meta.held)
+        if not committer and self._superseded(tier, namespace, checkpoint_id):
+            return True
         metadata: bytes | None = None
         if mine:
             uploaded = tier.uploaded(namespace, checkpoint_id)
@@ -390,6 +397,29 @@ class Drainer:
         except (PersistentTierUnavailable, OSError) as e:
             logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
         self._retain(tier, namespace)
+        return True
+
+    def _superseded(self, tier: PersistentTier, namespace: str, checkpoint_id: str) -> bool:
+        """Whether persistent retention deletes the checkpoint as soon as it is durable
+        (`keep_last` newer ones already are, and `keep_every` does not keep it); if so it
+        is retired (no longer due). The committer may have drained and deleted it before
+        this node probed: without this, this node would hold it in memory forever."""
+        if self.keep_last <= 0:
+            return False
+        durable = tier.list_durable(namespace)
+        ids = sorted({*durable, checkpoint_id}, key=step_order)
+        ordered = [(cid, i) for i, cid in enumerate(ids)]
+        if checkpoint_id not in persistent_evictions(ordered, self.keep_last, self.keep_every):
+            return False
+        self.catalog.retire(namespace, checkpoint_id)
+        logger.info(
+            "%s/%s: not drained here: %d newer checkpoints are durable, so persistent "
+            "retention (persistent_keep_last=%d) deletes it; memory retention may evict it",
+            namespace,
+            checkpoint_id,
+            len(ids) - 1 - ids.index(checkpoint_id),
+            self.keep_last,
+        )
         return True
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:

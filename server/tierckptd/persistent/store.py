@@ -535,7 +535,7 @@ class PersistentTier:
                 len(bad),
                 bad[0],
             )
-        return sorted(ids.difference(bad), key=_step_order)
+        return sorted(ids.difference(bad), key=step_order)
 
     def read_range(
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
@@ -592,6 +592,6 @@ def _valid_namespace(name: str) -> bool:
     return True
 
 
-def _step_order(checkpoint_id: str) -> tuple[int, int, str]:
+def step_order(checkpoint_id: str) -> tuple[int, int, str]:
     step = step_of(checkpoint_id)
     return (0, step, checkpoint_id) if step is not None else (1, 0, checkpoint_id)
