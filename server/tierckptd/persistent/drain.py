@@ -71,19 +71,13 @@ from tierckptd.ops.faults import fault
 from tierckptd.persistent.discovery import (
     MANIFEST_OBJECT,
     adopt_all,
-    remove_index_entry,
     write_index_entry,
 )
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.markers import fingerprint
-from tierckptd.persistent.retention import persistent_evictions
+from tierckptd.persistent.retention import PersistentRetention
 from tierckptd.persistent.source import METADATA_OBJECT
-from tierckptd.persistent.store import (
-    FileUpload,
-    PersistentTier,
-    PersistentTierUnavailable,
-    step_order,
-)
+from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent.stores import Stores
 
 __all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "Restore", "fingerprint"]
@@ -141,6 +135,7 @@ class Drainer:
         self.node_id = catalog.node_id
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.retention = PersistentRetention(catalog, keep_last, keep_every)
         self.poll = poll
         self.max_backoff = max_backoff
         self.max_failures = max_failures
@@ -358,7 +353,7 @@ class Drainer:
             if f.name != METADATA_FILE and f.owner_node == self.node_id and f.held
         ]
         committer = meta.owner_node == self.node_id or (not meta.owner_node and meta.held)
-        if not committer and self._superseded(tier, namespace, checkpoint_id):
+        if not committer and self.retention.superseded(tier, namespace, checkpoint_id):
             return True
         metadata: bytes | None = None
         if mine:
@@ -396,30 +391,7 @@ class Drainer:
             write_index_entry(tier, namespace, checkpoint_id)
         except (PersistentTierUnavailable, OSError) as e:
             logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
-        self._retain(tier, namespace)
-        return True
-
-    def _superseded(self, tier: PersistentTier, namespace: str, checkpoint_id: str) -> bool:
-        """Whether persistent retention deletes the checkpoint as soon as it is durable
-        (`keep_last` newer ones already are, and `keep_every` does not keep it); if so it
-        is retired (no longer due). The committer may have drained and deleted it before
-        this node probed: without this, this node would hold it in memory forever."""
-        if self.keep_last <= 0:
-            return False
-        durable = tier.list_durable(namespace)
-        ids = sorted({*durable, checkpoint_id}, key=step_order)
-        ordered = [(cid, i) for i, cid in enumerate(ids)]
-        if checkpoint_id not in persistent_evictions(ordered, self.keep_last, self.keep_every):
-            return False
-        self.catalog.retire(namespace, checkpoint_id)
-        logger.info(
-            "%s/%s: not drained here: %d newer checkpoints are durable, so persistent "
-            "retention (persistent_keep_last=%d) deletes it; memory retention may evict it",
-            namespace,
-            checkpoint_id,
-            len(ids) - 1 - ids.index(checkpoint_id),
-            self.keep_last,
-        )
+        self.retention.apply(tier, namespace)
         return True
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
@@ -469,29 +441,6 @@ class Drainer:
                     )
                 )
             tier.upload_files(namespace, checkpoint_id, uploads)
-
-    def _retain(self, tier: PersistentTier, namespace: str) -> None:
-        if self.keep_last <= 0:
-            return
-        durable = tier.list_durable(namespace)
-        pinned = [v.checkpoint_id for v in self.catalog.list_checkpoints(namespace) if v.pinned]
-        try:
-            pinned.append(self.catalog.get(namespace).checkpoint_id)  # the newest, always
-        except CheckpointNotFound:
-            pass
-        ordered = [(cid, i) for i, cid in enumerate(durable)]
-        for cid in persistent_evictions(ordered, self.keep_last, self.keep_every, pinned):
-            remove_index_entry(tier, namespace, cid)  # first: never lists a partial one
-            tier.delete(namespace, cid)
-            self.catalog.forget_persistent(namespace, cid)
-            logger.info(
-                "evicted %s/%s from the persistent tier (persistent_keep_last=%d, "
-                "persistent_keep_every=%d)",
-                namespace,
-                cid,
-                self.keep_last,
-                self.keep_every,
-            )
 
     # ---- shutdown -----------------------------------------------------------------------
     def emergency(self, deadline: float) -> bool:

@@ -1,19 +1,33 @@
-"""Retention policy of the persistent tier, as a pure function.
+"""Retention policy of the persistent tier: a pure function, and how a daemon applies it.
 
 Inputs are only checkpoints that are already durable (``.metadata`` in the persistent
 tier). Because the newest of them is never evicted, every eviction is of a checkpoint
 older than one that is durable: an older copy goes only after a newer one is safe. A
 checkpoint still draining is not durable, so it neither counts towards `keep_last` nor
 displaces anything until it lands.
+
+`PersistentRetention` applies it. Only the node that commits a checkpoint's `.metadata`
+deletes (right after it did, `apply`). Every other node may learn a checkpoint is durable
+after that node already retired it; `superseded` tells such a node, from the same pure
+policy over the tier's listing, that the checkpoint is no longer due, so it does not pin
+it in memory forever waiting for a durability it will never see.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
+from tierckpt.errors import CheckpointNotFound
 from tierckpt.names import step_of
 
-__all__ = ["persistent_evictions"]
+from tierckptd.catalog import Catalog
+from tierckptd.persistent.discovery import remove_index_entry
+from tierckptd.persistent.store import PersistentTier, step_order
+
+__all__ = ["PersistentRetention", "persistent_evictions"]
+
+logger = logging.getLogger(__name__)
 
 
 def persistent_evictions(
@@ -50,3 +64,60 @@ def persistent_evictions(
         evict.append(checkpoint_id)
     evict.reverse()
     return evict
+
+
+class PersistentRetention:
+    """``persistent_keep_last``/``persistent_keep_every`` for one daemon (module doc)."""
+
+    def __init__(self, catalog: Catalog, keep_last: int, keep_every: int) -> None:
+        self.catalog = catalog
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+
+    def apply(self, tier: PersistentTier, namespace: str) -> None:
+        """On the committer, after a commit: delete what the policy evicts (`.metadata`
+        first); the newest committed checkpoint and pinned ones are kept."""
+        if self.keep_last <= 0:
+            return
+        durable = tier.list_durable(namespace)
+        pinned = [v.checkpoint_id for v in self.catalog.list_checkpoints(namespace) if v.pinned]
+        try:
+            pinned.append(self.catalog.get(namespace).checkpoint_id)  # the newest, always
+        except CheckpointNotFound:
+            pass
+        ordered = [(cid, i) for i, cid in enumerate(durable)]
+        for cid in persistent_evictions(ordered, self.keep_last, self.keep_every, pinned):
+            remove_index_entry(tier, namespace, cid)  # first: never lists a partial one
+            tier.delete(namespace, cid)
+            self.catalog.forget_persistent(namespace, cid)
+            logger.info(
+                "evicted %s/%s from the persistent tier (persistent_keep_last=%d, "
+                "persistent_keep_every=%d)",
+                namespace,
+                cid,
+                self.keep_last,
+                self.keep_every,
+            )
+
+    def superseded(self, tier: PersistentTier, namespace: str, checkpoint_id: str) -> bool:
+        """Whether the policy deletes the checkpoint as soon as it is durable (`keep_last`
+        newer ones already are, and `keep_every` does not keep it); if so it is retired
+        (no longer due). For nodes that do not commit it: the committer may have drained
+        and deleted it before they probed it durable."""
+        if self.keep_last <= 0:
+            return False
+        durable = tier.list_durable(namespace)
+        ids = sorted({*durable, checkpoint_id}, key=step_order)
+        ordered = [(cid, i) for i, cid in enumerate(ids)]
+        if checkpoint_id not in persistent_evictions(ordered, self.keep_last, self.keep_every):
+            return False
+        self.catalog.retire(namespace, checkpoint_id)
+        logger.info(
+            "%s/%s: not drained here: %d newer checkpoints are durable, so persistent "
+            "retention (persistent_keep_last=%d) deletes it; memory retention may evict it",
+            namespace,
+            checkpoint_id,
+            len(ids) - 1 - ids.index(checkpoint_id),
+            self.keep_last,
+        )
+        return True
