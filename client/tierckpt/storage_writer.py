@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tierckpt.daemon_client import DaemonClient
-from tierckpt.errors import MemoryBudgetExceeded, TierckptError
+from tierckpt.errors import CheckpointIncomplete, MemoryBudgetExceeded, TierckptError
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.staging import stage_state_dict
@@ -241,7 +241,23 @@ class TieredStorageWriter(FileSystemWriter):
         except MemoryBudgetExceeded:
             self._abort_quietly()  # release the other ranks' reservations now, not at the GC
             raise
-        return super().write_data(plan, cast(SavePlanner, memo))
+        rank = self._target.rank
+
+        def all_written(done: Future[list[WriteResult]]) -> list[WriteResult]:
+            # torch's FileSystemWriter runs thread_count - 1 extra writer threads and drops
+            # their exceptions: the future then resolves without their items, and a
+            # .metadata without them would commit a checkpoint that cannot load.
+            results = done.value()
+            missing = len({i.index for i in plan.items} - {r.index for r in results})
+            if missing:
+                raise CheckpointIncomplete(
+                    f"save of {self.namespace}/{self._require_id()} on rank {rank}: {missing} "
+                    f"of {len(plan.items)} items were not written (a writer thread failed; "
+                    "its error is in this process's log); the checkpoint is not committed"
+                )
+            return results
+
+        return super().write_data(plan, cast(SavePlanner, memo)).then(all_written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
