@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -192,3 +193,89 @@ class Table:
         for label, num, den in ratios:
             out.append(f"  {label:<62} {self.seconds(den) / self.seconds(num):>6.2f}x")
         return "\n".join(out)
+
+
+def data_path_costs(directory: str, nbytes: int = 256 * MiB, repeat: int = 5) -> dict[str, float]:
+    """CPU seconds per GiB on one core of what a memory-tier save and load are made of.
+
+    Thread CPU time, not wall time: the cost of the work itself, hardly moved by other
+    jobs on a shared machine. A save is write(2) into a warm tmpfs file plus xxh3 of the
+    same bytes; a load is preadv from it plus xxh3; both are set beside a memcpy (torch
+    ``copy_`` between pre-touched tensors), so ``memcpy / (write + xxh3)`` bounds how
+    close to memcpy a save can get on the same cores (the same for a load)."""
+    import torch
+    import xxhash
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    s_view = memoryview(src.numpy()).cast("B")
+    d_view = memoryview(dst.numpy()).cast("B")
+    step = 4 * MiB
+    fd, path = tempfile.mkstemp(prefix="tierckpt-bench-costs-", dir=directory)
+    try:
+        os.pwrite(fd, s_view, 0)  # warm pages, as the pool's segments are
+
+        def write() -> None:
+            for at in range(0, nbytes, step):
+                os.pwrite(fd, s_view[at : at + step], at)
+
+        def read() -> None:
+            for at in range(0, nbytes, step):
+                os.preadv(fd, [d_view[at : at + step]], at)
+
+        def hash_() -> None:
+            for at in range(0, nbytes, MiB):
+                xxhash.xxh3_128_digest(s_view[at : at + MiB])
+
+        def cpu(fn: Callable[[], object]) -> float:
+            best = float("inf")
+            for _ in range(repeat):
+                start = time.thread_time()
+                fn()
+                best = min(best, time.thread_time() - start)
+            return best * GiB / nbytes
+
+        costs = {
+            "memcpy": cpu(lambda: dst.copy_(src)),
+            "write(2)": cpu(write),
+            "preadv": cpu(read),
+            "xxh3": cpu(hash_),
+        }
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        torch.set_num_threads(threads)
+    return costs
+
+
+def render_costs(costs: dict[str, float]) -> str:
+    """The per-byte costs of the save's and the load's work, beside a memcpy's."""
+    lines = ["\n## Data path, CPU seconds per GiB on one core (thread CPU time)"]
+    lines += [f"  {name:<10} {s:.3f} core-s/GiB  ({1 / s:.1f} GiB/s)" for name, s in costs.items()]
+    return "\n".join(lines)
+
+
+def render_bounds(costs: dict[str, float], scenarios: list[dict[str, Any]]) -> str:
+    """The best memcpy/save and memcpy/load each scenario's cores allow.
+
+    Made of ratios measured moments apart, so that a load on the machine cancels out:
+    per core, a memcpy costs ``memcpy / (write(2) + xxh3)`` of a save's CPU (resp.
+    preadv for a load); a save spreads perfectly over every core, while the scenario's
+    memcpy reference gains `speedup` over one thread (memory bandwidth caps it)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    lines = [f"\n## Estimated bounds from the data path's CPU cost ({cores} cores, no other cost)"]
+    for res in scenarios:
+        ratios = res["ratios"]
+        speedup = max(1.0, min(res["memcpy_1thread_s"]) / ratios["memcpy_ref_s"])
+        save = costs["memcpy"] / (costs["write(2)"] + costs["xxh3"]) * cores / speedup
+        load = costs["memcpy"] / (costs["preadv"] + costs["xxh3"]) * cores / speedup
+        lines.append(
+            f"  {res['title']:<22} memcpy/save <= {save:.2f} (measured "
+            f"{ratios['steady_memcpy_over_save']:.2f}); memcpy/load <= {load:.2f} "
+            f"(measured {ratios['load_memcpy_over_load']:.2f}); memcpy speedup on "
+            f"{cores} cores {speedup:.2f}"
+        )
+    return "\n".join(lines)

@@ -49,7 +49,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tierckpt  # noqa: E402
-from _harness import GiB, MiB, machine_facts, make_daemon, tmpfs_root  # noqa: E402
+from _harness import (  # noqa: E402
+    GiB,
+    MiB,
+    data_path_costs,
+    machine_facts,
+    make_daemon,
+    render_bounds,
+    render_costs,
+    tmpfs_root,
+)
 from _memory_report import render, summary  # noqa: E402
 from tierckpt import TieredStorageReader, TieredStorageWriter  # noqa: E402
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
@@ -519,6 +528,8 @@ def main(argv: list[str] | None = None) -> None:
     shm = tempfile.mkdtemp(prefix="tierckpt-bench-fsw-", dir=tmpfs_root())
     scenarios = []
     try:
+        costs = data_path_costs(shm, nbytes=(32 if args.quick else 256) * MiB)
+        print(render_costs(costs), flush=True)
         for world in (int(w) for w in args.worlds.split(",")):
             res = run_scenario(world, cfg, shm)
             print(render(res, cfg.saves), flush=True)
@@ -528,6 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     checks = summary(scenarios)
     facts["bench_seconds"] = round(time.perf_counter() - started, 1)
     print(checks["text"], flush=True)
+    print(render_bounds(costs, scenarios), flush=True)
     print(f"(bench took {facts['bench_seconds']} s)", flush=True)
     out = (
         Path(args.out)
@@ -541,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": dataclasses.asdict(cfg),
         "scenarios": scenarios,
         "done_when": checks["items"],
+        "data_path_core_s_per_gib": costs,
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
 

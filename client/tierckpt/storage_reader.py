@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import io
 import logging
@@ -49,6 +50,14 @@ __all__ = ["TieredStorageReader"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class _Started:
+    """One file's reads in flight: their futures, and the targets to commit after."""
+
+    jobs: list[CFuture[None]] = dataclasses.field(default_factory=list)
+    resolved: list[tuple[ReadItem, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def _is_direct(target: torch.Tensor) -> bool:
@@ -158,8 +167,13 @@ class TieredStorageReader(StorageReader):
             try:
                 return read(f)
             except ChecksumMismatch as e:
-                logger.warning("%s; asking tierckptd to repair it from a peer", e)
                 mismatch = e
+        return self._read_repaired(name, mismatch, read)
+
+    def _read_repaired(
+        self, name: str, mismatch: ChecksumMismatch, read: Callable[[VerifiedFile], T]
+    ) -> T:
+        logger.warning("%s; asking tierckptd to repair it from a peer", mismatch)
         try:
             repaired = self._open(name, repair=True)
         except TierUnavailable as e:
@@ -213,8 +227,11 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """One pool of `io_threads` streams each file's blocks into the destinations;
-        planner calls stay on this thread, in plan order."""
+        """One pool of `io_threads` streams every file's blocks into the destinations;
+        planner calls stay on this thread, in plan order.
+
+        All files are started before any is waited for, so the pool never drains
+        between files (nor idles while this thread parses the next file's framing)."""
         per_file: dict[str, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
@@ -222,9 +239,35 @@ class TieredStorageReader(StorageReader):
             max(1, self.io_threads), thread_name_prefix="tierckpt-read"
         ) as pool:
             self._fetch_missing(list(per_file), pool)
-            for name, items in per_file.items():
-                read = functools.partial(self._read_items, items=items, planner=planner, pool=pool)
-                self._with_repair(name, read)
+            started: list[tuple[str, VerifiedFile, _Started]] = []
+
+            def repair(name: str, f: VerifiedFile, mismatch: ChecksumMismatch) -> None:
+                f.close()  # none of its reads is running: wait_all waited for them
+                read = functools.partial(
+                    self._read_items, items=per_file[name], planner=planner, pool=pool
+                )
+                self._read_repaired(name, mismatch, read)
+
+            try:
+                for name, items in per_file.items():
+                    f = self._open(name)
+                    try:
+                        started.append((name, f, self._start_items(f, items, planner, pool)))
+                    except ChecksumMismatch as e:
+                        repair(name, f, e)
+                    except BaseException:
+                        f.close()
+                        raise
+                for name, f, job in started:
+                    try:
+                        self._finish_items(job, planner)
+                    except ChecksumMismatch as e:
+                        repair(name, f, e)
+            finally:
+                for _, f, job in started:
+                    with contextlib.suppress(Exception):
+                        wait_all(job.jobs)  # never leave a worker writing into a target
+                    f.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -246,22 +289,27 @@ class TieredStorageReader(StorageReader):
     def _read_items(
         self, f: VerifiedFile, items: list[ReadItem], planner: LoadPlanner, pool: ThreadPoolExecutor
     ) -> None:
-        """Read one file's items. Those read straight into their destination form one
-        batch of segments: blocks two items share are read and hashed once, and each of
-        the pool's threads streams runs of consecutive blocks. Items that need a landing
+        self._finish_items(self._start_items(f, items, planner, pool), planner)
+
+    def _start_items(
+        self, f: VerifiedFile, items: list[ReadItem], planner: LoadPlanner, pool: ThreadPoolExecutor
+    ) -> _Started:
+        """Start reading one file's items. Those read straight into their destination form
+        one batch of segments: blocks two items share are read and hashed once, and each
+        of the pool's threads streams runs of consecutive blocks. Items that need a landing
         buffer or torch.load are one job each beside it (so at most `io_threads` such
         buffers exist at a time)."""
-        segments: list[tuple[int, memoryview]] = []
-        jobs: list[CFuture[None]] = []
-        resolved: list[tuple[ReadItem, torch.Tensor]] = []
+        started = _Started()
         batched: set[MetadataIndex] = set()  # saved items in the batch: framing read once
+        segments: list[tuple[int, memoryview]] = []
+        jobs = started.jobs
         try:
             for item in items:
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(self._item_bytes(f, item)))
                     continue
                 target = planner.resolve_tensor(item).detach()
-                resolved.append((item, target))
+                started.resolved.append((item, target))
                 direct = self._direct_segments(f, item, target)
                 if direct is None:
                     jobs.append(pool.submit(self._read_staged, f, item, target))
@@ -277,8 +325,13 @@ class TieredStorageReader(StorageReader):
             with contextlib.suppress(Exception):
                 wait_all(jobs)  # never leave a worker writing into a target
             raise
-        wait_all(jobs)
-        for item, target in resolved:
+        return started
+
+    @staticmethod
+    def _finish_items(started: _Started, planner: LoadPlanner) -> None:
+        """Wait for a file's reads (all of them, also when one fails), then commit."""
+        wait_all(started.jobs)
+        for item, target in started.resolved:
             planner.commit_tensor(item, target)
 
     # --- one item -----------------------------------------------------------------------

@@ -61,6 +61,10 @@ def test_memory_tier_bench_quick_reports_every_ratio(tmp_path: Path) -> None:
             assert _finite_positive(values)
     verdicts = [item["verdict"] for item in record["done_when"]]
     assert len(verdicts) == 8 and set(verdicts) <= {"PASS", "MISS"}
+    costs = record["data_path_core_s_per_gib"]
+    assert set(costs) == {"memcpy", "write(2)", "preadv", "xxh3"}
+    assert _finite_positive(list(costs.values()))
+    assert "bounds from the data path" in proc.stdout
 
 
 @pytest.mark.timeout(60)
