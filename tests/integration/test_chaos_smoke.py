@@ -1,0 +1,49 @@
+"""The chaos runner still runs end to end (`bench/chaos.py --quick`) and the invariants
+hold for the injections the system survives today.
+
+A smoke only: 3 real daemons, moto S3, a 2-rank gloo job saving in a loop, one named
+fault point (kill -9 while a replica arrives), an S3 outage, a flipped byte in a memory
+copy and a kill -9 of a daemon, each followed by the runner's checks. Figures (time to
+heal, counts) belong to the bench; here only: nothing lost, nothing partial listed, the
+budget kept, every planned injection done. Listed-but-lost checkpoints (issue 12 point
+3) and load failures whose bytes are intact in S3 are reported by the runner, not
+asserted here: the quick plan is chosen so that it does not create the former.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(420)
+def test_chaos_quick_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    tail = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert out.exists(), f"no figures written (exit {proc.returncode}):\n{tail}"
+    figures = json.loads(out.read_text())
+    assert figures["lost"] == [], tail
+    assert figures["partial_listed"] == [], tail
+    assert figures["budget_violations"] == [], tail
+    assert proc.returncode == 0, tail
+    assert "invariants held" in proc.stdout
+
+    assert figures["injections"] == {"fault": 1, "s3_outage": 1, "bitflip": 1, "daemon_kill": 1}
+    assert figures["fault_points"] == {"peer.receive.chunk:kill": {"fired": 1}}, tail
+    assert figures["saves_completed"] > 0 and figures["loads_verified"] > 0
+    assert figures["repairs"]["flipped_bytes"] == figures["repairs"]["repaired"] == 1, tail
