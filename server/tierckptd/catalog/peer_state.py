@@ -263,7 +263,12 @@ class PeerState(CatalogState):
             held = dataclasses.replace(f, held=True, replica_nodes=replicas)
             installed = False
             try:
-                self.tier.seal_file(tmp)
+                try:
+                    self.tier.seal_file(tmp)
+                except FileNotFoundError:
+                    # Retention evicted the checkpoint while the copy arrived: its directory
+                    # went, this copy with it. Not held; the caller says so (never INTERNAL).
+                    return False
                 self.tier.install(tmp, final)
                 installed = True
                 self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: held}))
