@@ -25,6 +25,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 __all__ = ["DaemonProcess", "DaemonStartError", "kill_all_daemons", "toml_document"]
 
 READY_TIMEOUT = 30.0
+# The readiness probe's first connect is refused (no socket yet); gRPC's default reconnect
+# backoff (1 s, then 1.6x) would then hold every later probe until the next attempt, so a
+# daemon ready after 0.8 s was seen after 1 s or 2.6 s. Retry connecting every 50-100 ms.
+_PROBE_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 _STARTED: list[DaemonProcess] = []
 
 
@@ -150,7 +158,7 @@ class DaemonProcess:
     def wait_serving(self, timeout: float = READY_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         last_error = "no answer yet"
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.address, options=_PROBE_CHANNEL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:

@@ -8,6 +8,12 @@ back through per-rank pickle files, and any exception in a rank -- including a
 
 `start_job` returns a `DistJob` handle for fault injection: wait for a rank to reach a
 point (`wait_for_marker`), `kill_rank(r)` with SIGKILL, then `kill_all()`.
+
+Ranks start from a forkserver that has imported torch once (importing torch and its
+distributed packages is most of a spawned rank's start-up), so each rank is still a new
+process with its own interpreter state, but without the import. A rank gets the test
+process's environment as it is when the job starts, as a spawned one would.
+`TIERCKPT_TEST_START_METHOD=spawn` starts ranks the plain way.
 """
 
 from __future__ import annotations
@@ -27,6 +33,31 @@ from typing import Any
 import torch.multiprocessing as mp
 
 __all__ = ["DistJob", "JobTimeout", "RankContext", "RankFailed", "run_job", "start_job"]
+
+START_METHOD_ENV = "TIERCKPT_TEST_START_METHOD"
+# What the forkserver imports before it forks ranks: torch and the parts every rank
+# function uses. Only imports, no work (forking after `import torch` is what DataLoader's
+# fork workers do); no grpc or tierckpt, whose channels and pools must not cross a fork.
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch._dynamo",  # imported by FSDP2's first fully_shard: seconds per rank otherwise
+]
+
+
+def _start_method() -> str:
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'forkserver' or 'spawn'")
+    if method == "forkserver":
+        # Takes effect when the forkserver starts (the first job); later calls are no-ops.
+        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return method
 
 
 class RankFailed(AssertionError):
@@ -63,7 +94,12 @@ def _rank_entry(
     job_dir: str,
     args: tuple[Any, ...],
     use_pg: bool,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    # A forkserver's child inherits the forkserver's environment: take the test's.
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     # Everything that fails here is written to a file: torch's spawn wrapper only reports
     # `Exception`s, and DCP raises CheckpointException, a BaseException.
     import torch
@@ -120,22 +156,14 @@ class DistJob:
         self.timeout = timeout
         self.job_dir = tempfile.mkdtemp(prefix="tcjob", dir=tempfile.gettempdir())
         self._deadline = time.monotonic() + timeout
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
-        try:
-            self._context = mp.start_processes(
-                _rank_entry,
-                args=(fn, world_size, self.job_dir, args, use_pg),
-                nprocs=world_size,
-                join=False,
-                start_method="spawn",
-            )
-        finally:
-            for key, old in saved.items():
-                if old is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = old
+        environ = {**os.environ, **(env or {})}
+        self._context = mp.start_processes(
+            _rank_entry,
+            args=(fn, world_size, self.job_dir, args, use_pg, environ),
+            nprocs=world_size,
+            join=False,
+            start_method=_start_method(),
+        )
 
     @property
     def pids(self) -> list[int]:
