@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _exact import blank_like, check_exact
 
 from tests.support.backends import Nodes
 from tests.support.dist_job import RankContext
 
 __all__ = [
     "ChaosPlan",
-    "blank_like",
     "chaos_rank",
     "checkpoint_id",
     "expected_state",
@@ -71,13 +71,6 @@ def expected_state(index: int, world: int, rank_bytes: int) -> dict[str, Any]:
     return merged
 
 
-def blank_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"index": -1}
-        for k, v in state.items()
-    }
-
-
 def verifier_main(conn: Any, namespace: str, world: int, rank_bytes: int) -> None:
     """The driver's loader, in a process of its own (a stuck load is killed, not waited
     on): for each (checkpoint_id, where) received, load it into zeroed state with a new
@@ -105,17 +98,7 @@ def verifier_main(conn: Any, namespace: str, world: int, rank_bytes: int) -> Non
             else:
                 reader = TieredStorageReader(namespace, daemon=where)
                 dcp.load(target, checkpoint_id=checkpoint, storage_reader=reader)
-            checked = 0
-            for key, want in expected.items():
-                got = target[key]
-                if isinstance(want, torch.Tensor):
-                    if got.shape != want.shape or not torch.equal(
-                        got.view(torch.int32), want.view(torch.int32)
-                    ):
-                        raise AssertionError(f"tensor {key} differs from what was saved")
-                    checked += want.numel() * want.element_size()
-                elif got != want:
-                    raise AssertionError(f"{key} is {got!r}, saved {want!r}")
+            checked = check_exact(target, expected, checkpoint)
             conn.send(("ok", checked))
         except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
             conn.send(("fail", f"{type(e).__name__}: {e}"[:3000]))

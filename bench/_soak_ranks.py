@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _exact import blank_like, check_exact
 
 from tests.support.backends import Nodes
 from tests.support.dist_job import RankContext
@@ -54,41 +55,18 @@ def state_for(index: int, rank: int, rank_bytes: int) -> dict[str, Any]:
     return state
 
 
-def _blank_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"index": -1}
-        for k, v in state.items()
-    }
-
-
-def _check_exact(loaded: dict[str, Any], expected: dict[str, Any], what: str) -> int:
-    """Bit-exact (compared as int32 words, so even a NaN payload would count); returns bytes."""
-    checked = 0
-    for key, want in expected.items():
-        got = loaded[key]
-        if isinstance(want, torch.Tensor):
-            if got.shape != want.shape or not torch.equal(
-                got.view(torch.int32), want.view(torch.int32)
-            ):
-                raise AssertionError(f"{what}: tensor {key} differs from what was saved")
-            checked += want.numel() * want.element_size()
-        elif got != want:
-            raise AssertionError(f"{what}: {key} is {got!r}, saved {want!r}")
-    return checked
-
-
 def _load_and_check(plan: SoakPlan, backend: Nodes, rank: int, index: int, newest: bool) -> int:
     """Load checkpoint `index` (by id, or as the newest with checkpoint_id=None) into
     zeroed state with a new reader, and compare every byte with what was saved."""
     expected = state_for(index, rank, plan.rank_bytes)
-    target = _blank_like(expected)
+    target = blank_like(expected)
     dcp.load(
         target,
         checkpoint_id=None if newest else checkpoint_id(index),
         storage_reader=backend.reader(),
     )
     what = f"rank {rank} load of {'newest' if newest else checkpoint_id(index)}"
-    return _check_exact(target, expected, what)
+    return check_exact(target, expected, what)
 
 
 def _wait_resume(ctx: RankContext, index: int) -> None:
