@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.support.bench_run import run_bench, tail
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 def _finite_positive(values: list[float]) -> bool:
@@ -26,20 +24,8 @@ def _finite_positive(values: list[float]) -> bool:
 @pytest.mark.timeout(180)
 def test_memory_tier_bench_quick_reports_every_ratio(tmp_path: Path) -> None:
     out = tmp_path / "memory_tier.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_memory_tier.py"),
-            "--quick",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench_memory_tier.py", "--quick", "--out", str(out), timeout=170)
+    assert proc.returncode == 0, tail(proc)
     assert "Done-when" in proc.stdout
 
     record = json.loads(out.read_text())
@@ -71,14 +57,8 @@ def test_memory_tier_bench_quick_reports_every_ratio(tmp_path: Path) -> None:
 def test_routes_bench_quick_prints_every_ratio(tmp_path: Path) -> None:
     """Native, `tierckpt://` and stock routes each save, load bit-exact and get ratios."""
     out = tmp_path / "routes.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_routes.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_bench("bench_routes.py", "--quick", "--out", str(out), timeout=50)
+    assert proc.returncode == 0, tail(proc)
     for route in ("native", "tierckpt://", "stock"):
         assert route in proc.stdout
     assert "stock/route" in proc.stdout and "memcpy/route" in proc.stdout

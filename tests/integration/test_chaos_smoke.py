@@ -13,37 +13,29 @@ asserted here: the quick plan is chosen so that it does not create the former.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.support.bench_run import run_bench, tail
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(420)
 def test_chaos_quick_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    tail = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert out.exists(), f"no figures written (exit {proc.returncode}):\n{tail}"
+    proc = run_bench("chaos.py", "--quick", "--json", str(out), timeout=400)
+    report = tail(proc)
+    assert out.exists(), f"no figures written {report}"
     figures = json.loads(out.read_text())
-    assert figures["lost"] == [], tail
-    assert figures["partial_listed"] == [], tail
-    assert figures["budget_violations"] == [], tail
-    assert proc.returncode == 0, tail
+    assert figures["lost"] == [], report
+    assert figures["partial_listed"] == [], report
+    assert figures["budget_violations"] == [], report
+    assert proc.returncode == 0, report
     assert "invariants held" in proc.stdout
 
     assert figures["injections"] == {"fault": 1, "s3_outage": 1, "bitflip": 1, "daemon_kill": 1}
-    assert figures["fault_points"] == {"peer.receive.chunk:kill": {"fired": 1}}, tail
+    assert figures["fault_points"] == {"peer.receive.chunk:kill": {"fired": 1}}, report
     assert figures["saves_completed"] > 0 and figures["loads_verified"] > 0
-    assert figures["repairs"]["flipped_bytes"] == figures["repairs"]["repaired"] == 1, tail
+    assert figures["repairs"]["flipped_bytes"] == figures["repairs"]["repaired"] == 1, report

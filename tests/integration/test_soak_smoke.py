@@ -11,34 +11,20 @@ noise: the full 1,000-save run reports them (README "Soak").
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.support.bench_run import run_bench, tail
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(240)
 def test_soak_quick_keeps_fds_threads_and_memory_tier_flat(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "soak.py"),
-            "--quick",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_bench("soak.py", "--quick", "--out", str(out), timeout=230)
+    assert out.exists(), tail(proc)
     record = json.loads(out.read_text())
     config = record["config"]
 
@@ -55,4 +41,4 @@ def test_soak_quick_keeps_fds_threads_and_memory_tier_flat(tmp_path: Path) -> No
         assert verdicts[f"{node} threads flat"], summary["figures"][node]["threads"]
     assert not summary["problems"], "\n".join(f"save {s}: {m}" for s, m in summary["problems"])
     assert "RSS slope not judged" in proc.stdout
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
