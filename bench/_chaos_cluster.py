@@ -25,7 +25,13 @@ from tierckptd.ops.faults import ENV as FAULT_ENV
 
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import DistJob, start_job
-from tests.support.moto_s3 import BUCKET, FAST_FAIL_CONFIG, MotoServer
+from tests.support.moto_s3 import (
+    AWS_UNSET,
+    BUCKET,
+    FAST_FAIL_CONFIG,
+    MotoServer,
+    aws_environment,
+)
 from tests.support.ports import free_ports
 
 __all__ = ["NS", "WORLD", "ChaosCluster", "durable", "replicated"]
@@ -96,16 +102,9 @@ class ChaosCluster:
         self.final_sample = 20  # the final sweep: the newest this many, as many at random
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
         self.moto = MotoServer()
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", FAULT_ENV):
+        for name in (*AWS_UNSET, FAULT_ENV):
             os.environ.pop(name, None)
-        os.environ.update(
-            AWS_ACCESS_KEY_ID="testing",
-            AWS_SECRET_ACCESS_KEY="testing",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_CONFIG_FILE=os.devnull,
-            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-            AWS_ENDPOINT_URL_S3=self.moto.endpoint_url,
-        )
+        os.environ.update(aws_environment(self.moto.endpoint_url))
         options = {"endpoint_url": self.moto.endpoint_url, "config_kwargs": FAST_FAIL_CONFIG}
         s3fs.S3FileSystem(**options).mkdir(BUCKET)
         ports = free_ports(2 * NODES)

@@ -123,21 +123,20 @@ class Soak:
     def _start_s3(self, stack: ExitStack) -> dict[str, Any]:
         import logging
 
-        from tests.support.moto_s3 import BUCKET, FAST_FAIL_CONFIG, MotoServer
+        from tests.support.moto_s3 import (
+            AWS_UNSET,
+            BUCKET,
+            FAST_FAIL_CONFIG,
+            MotoServer,
+            aws_environment,
+        )
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
         server = MotoServer()
         stack.callback(server.stop)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        for name in AWS_UNSET:
             os.environ.pop(name, None)
-        os.environ.update(
-            AWS_ACCESS_KEY_ID="testing",
-            AWS_SECRET_ACCESS_KEY="testing",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_CONFIG_FILE=os.devnull,
-            AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-            AWS_ENDPOINT_URL_S3=server.endpoint_url,
-        )
+        os.environ.update(aws_environment(server.endpoint_url))
         options = {"endpoint_url": server.endpoint_url, "config_kwargs": dict(FAST_FAIL_CONFIG)}
         import s3fs
 

@@ -100,16 +100,30 @@ def moto_server() -> Iterator[MotoServer]:
     server.stop()
 
 
+# Variables that would point boto at a real account: unset while a moto server stands in.
+AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+def aws_environment(endpoint_url: str) -> dict[str, str]:
+    """Fake credentials, no config files, and the moto endpoint for every S3 client in
+    this process and its children (stock ``dcp.load`` of an ``s3://`` URL included);
+    unset `AWS_UNSET` beside it."""
+    return {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_ENDPOINT_URL_S3": endpoint_url,
+    }
+
+
 @pytest.fixture
 def s3(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+    for name in AWS_UNSET:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint_url)
+    for name, value in aws_environment(moto_server.endpoint_url).items():
+        monkeypatch.setenv(name, value)
     moto_server.restart()  # in case the previous test left it stopped
     moto_server.reset()
     s3fs.S3FileSystem.clear_instance_cache()
