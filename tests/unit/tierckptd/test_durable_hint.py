@@ -73,8 +73,9 @@ def saved(tmp_path: Path) -> SavedCheckpoint:
     return save_checkpoint(tmp_path / "hot")
 
 
-def _node(make_catalog: MakeCatalog, every: int) -> Catalog:
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=1)
+def _node(make_catalog: MakeCatalog, every: int, keep_last: int = 1) -> Catalog:
+    """A 64 MiB node draining every `every`-th checkpoint, keeping `keep_last` in memory."""
+    catalog = make_catalog(budget=64 << 20, memory_keep_last=keep_last)
     catalog.drain_every = every
     return catalog
 

@@ -21,7 +21,7 @@ from tierckptd.wire import record_from_info, to_info
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
 
 from .conftest import MakeCatalog
-from .test_durable_hint import NS, _save
+from .test_durable_hint import NS, _node, _save
 
 FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
@@ -109,8 +109,7 @@ def test_each_checkpoint_drains_to_the_url_it_was_committed_with(
 ) -> None:
     jobs = f"file://{tmp_path}/jobs"
     stores = _stores(tmp_path, jobs)
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=4)
-    catalog.drain_every = 1
+    catalog = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(catalog, stores, poll=0.01)
     _save(catalog, "step-1", saved)  # no namespace URL: the default
     catalog.set_persistent_url(NS, stores.check(jobs + "/team-a"))
@@ -138,8 +137,7 @@ def test_a_url_this_node_does_not_allow_is_refused_not_drained(
 ) -> None:
     """A peer's manifest naming a URL outside this node's allowed_urls: the drain refuses
     it (drain-failed, no longer due, nothing written), it never writes there."""
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=4)
-    catalog.drain_every = 1
+    catalog = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(catalog, _stores(tmp_path, f"file://{tmp_path}/jobs"), poll=0.01)
     catalog.set_persistent_url(NS, f"file://{tmp_path}/elsewhere")  # as a peer's would
     _save(catalog, "step-1", saved)
@@ -153,8 +151,7 @@ def test_a_url_this_node_does_not_allow_is_refused_not_drained(
 def test_durable_hint_needs_a_tier_for_the_namespace(
     make_catalog: MakeCatalog, saved: SavedCheckpoint, tmp_path: Path
 ) -> None:
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=4)
-    catalog.drain_every = 1
+    catalog = _node(make_catalog, every=1, keep_last=4)
     catalog.default_persistent = False  # allowed_urls only, no [persistent] url
     with pytest.raises(NoPersistentTier, match="allowed_urls"):
         _save(catalog, "step-1", saved, durable=True)

@@ -22,7 +22,7 @@ from tierckptd.wire import record_from_info, to_info
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
 
 from .conftest import MakeCatalog
-from .test_durable_hint import FAST, NS, _save
+from .test_durable_hint import FAST, NS, _node, _save
 
 
 @pytest.fixture
@@ -40,8 +40,7 @@ def test_a_peer_checkpoint_deleted_before_this_node_saw_it_durable_is_retired(
     store: PersistentTier,
     saved: SavedCheckpoint,
 ) -> None:
-    node = make_catalog(budget=64 << 20, memory_keep_last=4)
-    node.drain_every = 1
+    node = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(node, store, keep_last=1)
     _save(node, "step-3", saved)
     assert drainer.drain(NS, "step-3")  # this node committed step-3: durable
@@ -64,8 +63,7 @@ def test_the_committer_is_not_retired_and_the_newest_never_is(
     store: PersistentTier,
     saved: SavedCheckpoint,
 ) -> None:
-    node = make_catalog(budget=64 << 20, memory_keep_last=4)
-    node.drain_every = 1
+    node = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(node, store, keep_last=1)
     _save(node, "step-1", saved)
     _save(node, "step-2", saved)
@@ -80,8 +78,7 @@ def test_a_listing_forgets_what_another_node_deleted_from_the_tier(
     store: PersistentTier,
     saved: SavedCheckpoint,
 ) -> None:
-    node = make_catalog(budget=64 << 20, memory_keep_last=1)
-    node.drain_every = 1
+    node = _node(make_catalog, every=1, keep_last=1)
     drainer = Drainer(node, store)
     for cid in ("step-1", "step-2"):
         _save(node, cid, saved)
