@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 from tierckpt.errors import CheckpointNotFound, PermissionDenied
-from tierckpt.names import check_namespace, check_persistent_url
+from tierckpt.names import check_namespace
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
@@ -116,13 +116,15 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> daemon_pb2.SetNamespaceResponse:
         namespace = check_namespace(request.namespace)
         self._allow(context, "SetNamespace", namespace, begin=True)
-        url = check_persistent_url(request.persistent_url)
-        if url and self.persistent_urls is None:
+        if self.persistent_urls is not None:
+            recorded = self.persistent_urls(request.persistent_url)  # validates, normalizes
+        elif request.persistent_url:
             raise PermissionDenied(
                 f"cannot set the persistent URL of {namespace}: this daemon has no persistent "
                 "tier; an operator sets [persistent] url or allowed_urls in its config"
             )
-        recorded = self.persistent_urls(url) if self.persistent_urls is not None else ""
+        else:
+            recorded = ""
         self.catalog.set_persistent_url(namespace, recorded)
         return daemon_pb2.SetNamespaceResponse(persistent_url=recorded)
 
