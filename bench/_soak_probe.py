@@ -72,6 +72,7 @@ class NodeSample:
     data_dirs: list[str]
     manifests: int
     stray: list[str] = field(default_factory=list)  # incoming/temp files at quiescence
+    moved: bool = False  # the daemon's accounting changed while the sample was taken
 
 
 def _holders(info: CheckpointInfo) -> set[str]:
@@ -123,6 +124,10 @@ def sample_node(
     dirs = _names(data)
     on_disk, stray = _files_under(data)
     manifests = sum(name.endswith(".json") for name in _names(manifests_dir))
+    # The status, the listing and the walk are not one snapshot: a retention eviction or
+    # a copy landing between them would look like a leak. Read the totals again after.
+    after = client.status()
+    moved = (after.used_bytes, after.reserved_bytes) != (status.used_bytes, status.reserved_bytes)
     sample = NodeSample(
         node=node,
         proc=proc_figures(pid),
@@ -137,6 +142,7 @@ def sample_node(
         data_dirs=dirs,
         manifests=manifests,
         stray=stray,
+        moved=moved,
     )
     return sample, rows
 

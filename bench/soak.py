@@ -206,6 +206,8 @@ class Soak:
                 out.append(f"{s.node} reserved {s.reserved}, prewarm pending {s.prewarm_pending}")
             if s.stray:
                 out.append(f"{s.node} has incoming/temp files: {s.stray[:5]}")
+            if s.moved:
+                out.append(f"{s.node}'s used/reserved bytes changed while it was sampled")
             for info in listed:
                 due = a.persistent_every > 0 and info.sequence % a.persistent_every == 0
                 if due and info.checkpoint_id in kept and info.state != "DURABLE":

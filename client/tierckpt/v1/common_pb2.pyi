@@ -37,6 +37,10 @@ class _CheckpointStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Check
     ABORTED: _CheckpointState.ValueType  # 5
     """a save that never finished; its files are being collected"""
     DELETED: _CheckpointState.ValueType  # 6
+    LOST: _CheckpointState.ValueType  # 7
+    """Some file has no copy left on any tier: every node that held one answered without
+    it and the persistent tier does not hold it. Never loaded, never the newest.
+    """
 
 class CheckpointState(_CheckpointState, metaclass=_CheckpointStateEnumTypeWrapper):
     """Lifecycle of a checkpoint; see DESIGN.md "Lifecycle of a checkpoint"."""
@@ -53,6 +57,10 @@ DURABLE: CheckpointState.ValueType  # 4
 ABORTED: CheckpointState.ValueType  # 5
 """a save that never finished; its files are being collected"""
 DELETED: CheckpointState.ValueType  # 6
+LOST: CheckpointState.ValueType  # 7
+"""Some file has no copy left on any tier: every node that held one answered without
+it and the persistent tier does not hold it. Never loaded, never the newest.
+"""
 Global___CheckpointState: _TypeAlias = CheckpointState  # noqa: Y015
 
 @_typing.final
@@ -168,6 +176,7 @@ class CheckpointInfo(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     DURABLE_REQUESTED_FIELD_NUMBER: _builtins.int
     PERSISTENT_URL_FIELD_NUMBER: _builtins.int
+    LOST_FILES_FIELD_NUMBER: _builtins.int
     state: Global___CheckpointState.ValueType
     size_bytes: _builtins.int
     file_count: _builtins.int
@@ -193,6 +202,10 @@ class CheckpointInfo(_message.Message):
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """tiers holding a copy: "memory", later "peer", "persistent" """
 
+    @_builtins.property
+    def lost_files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With state LOST: the files no tier holds any more."""
+
     def __init__(
         self,
         *,
@@ -208,10 +221,11 @@ class CheckpointInfo(_message.Message):
         pinned: _builtins.bool = ...,
         durable_requested: _builtins.bool = ...,
         persistent_url: _builtins.str = ...,
+        lost_files: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from tierckpt.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,75 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _MarkKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MarkKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MarkKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MARK_KIND_UNSPECIFIED: _MarkKind.ValueType  # 0
+    MARK_DELETED: _MarkKind.ValueType  # 1
+    """removed from every tier; never published, adopted or listed again"""
+    MARK_PINNED: _MarkKind.ValueType  # 2
+    """exempt from memory and persistent retention on every node"""
+    MARK_UNPINNED: _MarkKind.ValueType  # 3
+
+class MarkKind(_MarkKind, metaclass=_MarkKindEnumTypeWrapper): ...
+
+MARK_KIND_UNSPECIFIED: MarkKind.ValueType  # 0
+MARK_DELETED: MarkKind.ValueType  # 1
+"""removed from every tier; never published, adopted or listed again"""
+MARK_PINNED: MarkKind.ValueType  # 2
+"""exempt from memory and persistent retention on every node"""
+MARK_UNPINNED: MarkKind.ValueType  # 3
+Global___MarkKind: _TypeAlias = MarkKind  # noqa: Y015
+
+@_typing.final
+class CheckpointMark(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    STAMP_UNIX_FIELD_NUMBER: _builtins.int
+    ORIGIN_NODE_FIELD_NUMBER: _builtins.int
+    kind: Global___MarkKind.ValueType
+    stamp_unix: _builtins.float
+    """when the origin applied it; the newest mark wins"""
+    origin_node: _builtins.str
+    """the node a user asked (ties break by node id)"""
+    @_builtins.property
+    def ref(self) -> _common_pb2.CheckpointRef: ...
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.CheckpointRef | None = ...,
+        kind: Global___MarkKind.ValueType = ...,
+        stamp_unix: _builtins.float = ...,
+        origin_node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "origin_node", b"origin_node", "ref", b"ref", "stamp_unix", b"stamp_unix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointMark: _TypeAlias = CheckpointMark  # noqa: Y015
+
+@_typing.final
+class ApplyMarkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApplyMarkResponse: _TypeAlias = ApplyMarkResponse  # noqa: Y015
 
 @_typing.final
 class HoldingsResponse(_message.Message):
@@ -212,16 +282,23 @@ class ListManifestsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
+    STARTING_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """"" = every namespace"""
+    starting: _builtins.bool
+    """The caller has just started (a restart or a replacement node): the answering node
+    heals every checkpoint the caller holds files of at once, so a copy lost with the
+    caller's memory is re-made (or the checkpoint shown LOST) within seconds.
+    """
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
+        starting: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "starting", b"starting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,16 +309,22 @@ class ListManifestsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    MARKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.CheckpointInfo]: ...
+    @_builtins.property
+    def marks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointMark]:
+        """the cluster operations this node knows of"""
+
     def __init__(
         self,
         *,
         checkpoints: _abc.Iterable[_common_pb2.CheckpointInfo] | None = ...,
+        marks: _abc.Iterable[Global___CheckpointMark] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "marks", b"marks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

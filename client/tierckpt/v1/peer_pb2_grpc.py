@@ -65,6 +65,11 @@ class PeerServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.ListManifestsRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ListManifestsResponse.FromString,
                 _registered_method=True)
+        self.ApplyMark = channel.unary_unary(
+                '/tierckpt.v1.PeerService/ApplyMark',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -116,6 +121,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyMark(self, request, context):
+        """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
+        the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
+        down when it happened learns it on return.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +162,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ListManifests,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ListManifestsRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.ListManifestsResponse.SerializeToString,
+            ),
+            'ApplyMark': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyMark,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +331,33 @@ class PeerService:
             '/tierckpt.v1.PeerService/ListManifests',
             tierckpt_dot_v1_dot_peer__pb2.ListManifestsRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.ListManifestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyMark(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.PeerService/ApplyMark',
+            tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,11 @@ class PeerServiceStub:
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]
     """Checkpoints this node knows (committed, with manifests), newest last."""
+    ApplyMark: _grpc.UnaryUnaryMultiCallable[_peer_pb2.CheckpointMark, _peer_pb2.ApplyMarkResponse]
+    """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
+    the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
+    down when it happened learns it on return.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -78,6 +83,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _aio.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]  # type: ignore[assignment]
     """Checkpoints this node knows (committed, with manifests), newest last."""
+    ApplyMark: _aio.UnaryUnaryMultiCallable[_peer_pb2.CheckpointMark, _peer_pb2.ApplyMarkResponse]  # type: ignore[assignment]
+    """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
+    the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
+    down when it happened learns it on return.
+    """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -135,5 +145,16 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.ListManifestsResponse, _abc.Awaitable[_peer_pb2.ListManifestsResponse]]:
         """Checkpoints this node knows (committed, with manifests), newest last."""
+
+    @_abc_1.abstractmethod
+    def ApplyMark(
+        self,
+        request: _peer_pb2.CheckpointMark,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.ApplyMarkResponse, _abc.Awaitable[_peer_pb2.ApplyMarkResponse]]:
+        """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
+        the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
+        down when it happened learns it on return.
+        """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
