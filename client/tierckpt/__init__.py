@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tierckpt.errors import (
     CheckpointExists,
     CheckpointIncomplete,
+    CheckpointLost,
     CheckpointNotFound,
     ChecksumMismatch,
     DaemonTimeout,
@@ -42,6 +43,7 @@ logging.getLogger("tierckpt").addHandler(logging.NullHandler())
 __all__ = [
     "CheckpointExists",
     "CheckpointIncomplete",
+    "CheckpointLost",
     "CheckpointNotFound",
     "ChecksumMismatch",
     "DaemonTimeout",

@@ -55,6 +55,13 @@ def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
     print(json.dumps(_json_safe(payload), indent=2, allow_nan=False) if args.json else text)
 
 
+def _lost_note(c: CheckpointInfo, shown: int = 5) -> str:
+    """Why a LOST checkpoint cannot be loaded: the files with no copy left."""
+    more = len(c.lost_files) - shown
+    files = ", ".join(c.lost_files[:shown]) + (f" and {more} more" if more > 0 else "")
+    return f"{c.checkpoint_id} is LOST: no copy of {files} is left on any tier; it cannot be loaded"
+
+
 def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
     rows = client.list_checkpoints(check_namespace(args.namespace), include_uncommitted=args.all)
     lines = [f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5}  {'CREATED':<19}  TIERS"]
@@ -63,6 +70,7 @@ def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
         f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
         for c in rows
     ]
+    lines += [_lost_note(c) for c in rows if c.state == "LOST"]
     _emit(args, [c.to_json() for c in rows], "\n".join(lines))
     return 0
 
@@ -246,12 +254,16 @@ def _parser() -> argparse.ArgumentParser:
     pull.add_argument("namespace")
     pull.add_argument("id")
     pull.add_argument("dest")
-    rm = add("rm", "delete a checkpoint from the daemon")
+    rm = add(
+        "rm",
+        "delete a checkpoint from every node's memory and from the persistent tier "
+        "(a node that is down learns it on return)",
+    )
     rm.add_argument("namespace")
     rm.add_argument("id")
     for name, help_text in (
-        ("pin", "exempt a checkpoint from retention on this node"),
-        ("unpin", "let retention evict a pinned checkpoint again"),
+        ("pin", "exempt a checkpoint from memory and persistent retention on every node"),
+        ("unpin", "let retention evict a pinned checkpoint again, on every node"),
     ):
         pin = add(name, help_text)
         pin.add_argument("namespace")

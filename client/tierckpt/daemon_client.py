@@ -66,6 +66,7 @@ class CheckpointInfo:
     files: tuple[FileEntry, ...] = field(default=())
     durable_requested: bool = False  # committed with the "make this one durable" hint
     persistent_url: str = ""  # where it drains; "" is the daemon's `[persistent] url`
+    lost_files: tuple[str, ...] = ()  # state LOST: the files no tier holds any more
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -86,6 +87,7 @@ class CheckpointInfo:
             "sequence": self.sequence,
             "tiers": list(self.tiers),
             "pinned": self.pinned,
+            "lost_files": list(self.lost_files),
         }
 
 
@@ -157,6 +159,7 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         files=tuple(_file_from_wire(f) for f in info.files),
         durable_requested=info.durable_requested,
         persistent_url=info.persistent_url,
+        lost_files=tuple(info.lost_files),
     )
 
 
@@ -307,6 +310,8 @@ class DaemonClient:
         ]
 
     def delete_checkpoint(self, namespace: str, checkpoint_id: str) -> int:
+        """Delete a checkpoint from every node and the persistent tier (`tierckpt rm`);
+        the bytes freed on this node."""
         return int(
             self._call(self._service().DeleteCheckpoint, _ref(namespace, checkpoint_id)).freed_bytes
         )
@@ -314,7 +319,8 @@ class DaemonClient:
     def pin_checkpoint(
         self, namespace: str, checkpoint_id: str, pinned: bool = True
     ) -> CheckpointInfo:
-        """Exempt a checkpoint from retention on this node (or lift that with pinned=False)."""
+        """Exempt a checkpoint from retention on every node and in the persistent tier (or
+        lift that with pinned=False)."""
         req = daemon_pb2.PinCheckpointRequest(ref=_ref(namespace, checkpoint_id), pinned=pinned)
         return _info_from_wire(self._call(self._service().PinCheckpoint, req))
 

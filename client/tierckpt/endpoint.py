@@ -183,6 +183,14 @@ def open_channel(address: str) -> grpc.Channel:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.service_config", _SERVICE_CONFIG),
             ("grpc.enable_retries", 1),
+            # A restarted daemon (systemd, a kill -9) is back within a second or two: retry
+            # the connection at most every second, not gRPC's default of up to 120 s, and
+            # keep this channel's reconnect backoff its own (channels to one address share
+            # it by default, so a new client would inherit an old one's long wait).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.use_local_subchannel_pool", 1),
         ],
     )
     path = login_path(address)

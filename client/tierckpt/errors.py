@@ -12,6 +12,7 @@ import grpc
 __all__ = [
     "CheckpointExists",
     "CheckpointIncomplete",
+    "CheckpointLost",
     "CheckpointNotFound",
     "ChecksumMismatch",
     "DaemonTimeout",
@@ -63,6 +64,20 @@ class CheckpointExists(TierckptError, FileExistsError):
 
 class CheckpointNotFound(TierckptError, FileNotFoundError):
     code = grpc.StatusCode.NOT_FOUND
+
+
+class CheckpointLost(CheckpointNotFound):
+    """A committed checkpoint some file of which has no copy left on any tier: every node
+    that held one answered without it and the persistent tier does not hold it (it is
+    listed LOST). Not a checksum error: no copy was found at all. Load an older one
+    (`checkpoint_id=None` picks the newest complete one). Travels as DATA_LOSS with a
+    message starting with `CHECKPOINT_LOST_PREFIX`; a `CheckpointNotFound` to callers
+    that only ask whether it can be had."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+CHECKPOINT_LOST_PREFIX = "checkpoint lost: "
 
 
 class MemoryBudgetExceeded(TierckptError, MemoryError):
@@ -136,4 +151,6 @@ def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
         NO_PERSISTENT_TIER_PREFIX
     ):
         return NoPersistentTier(message)
+    if code == grpc.StatusCode.DATA_LOSS and message.startswith(CHECKPOINT_LOST_PREFIX):
+        return CheckpointLost(message)
     return _BY_CODE.get(code, TierckptError)(message)

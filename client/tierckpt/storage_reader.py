@@ -36,7 +36,9 @@ from torch.futures import Future
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
 from tierckpt.dcp_metadata import load_metadata
 from tierckpt.errors import (
+    CHECKPOINT_LOST_PREFIX,
     CheckpointIncomplete,
+    CheckpointLost,
     ChecksumMismatch,
     TierckptError,
     TierUnavailable,
@@ -79,6 +81,27 @@ def _writable_view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def _lost_message(info: CheckpointInfo) -> str:
+    """Why a LOST checkpoint cannot be loaded: its files with no copy left, and the nodes
+    that held them (each answered without them) and the persistent tier (not there)."""
+    lost = list(info.lost_files)
+    holders: dict[str, None] = {}
+    for name in lost:
+        try:
+            entry = info.file(name)
+        except KeyError:
+            continue
+        holders.update(dict.fromkeys(n for n in (entry.owner_node, *entry.replica_nodes) if n))
+    shown = ", ".join(lost[:10]) + (f" and {len(lost) - 10} more" if len(lost) > 10 else "")
+    return (
+        f"{CHECKPOINT_LOST_PREFIX}{info.namespace}/{info.checkpoint_id} is LOST: no copy of "
+        f"{shown or 'some file'} is left on any tier (tried nodes "
+        f"{', '.join(holders) or 'none'}: each answered without it; the persistent tier does "
+        "not hold the checkpoint); load an older checkpoint (checkpoint_id=None picks the "
+        "newest complete one)"
+    )
+
+
 class TieredStorageReader(StorageReader):
     """A DCP `StorageReader` that restores from the local tierckptd.
 
@@ -90,8 +113,9 @@ class TieredStorageReader(StorageReader):
             GIL); a few more than cores cost nothing, as kernel page copies stall on memory.
 
     ``dcp.load(sd, checkpoint_id=None, storage_reader=...)`` loads the newest committed
-    checkpoint of the namespace; every rank must resolve the same one, which the
-    coordinator checks.
+    checkpoint of the namespace that is not LOST (it logs which, and warns about newer
+    LOST ones: `lost_newer`); every rank must resolve the same one, which the
+    coordinator checks. Loading a LOST checkpoint raises `CheckpointLost`.
     """
 
     def __init__(self, namespace: str, *, daemon: str | None = None, io_threads: int = 4) -> None:
@@ -106,6 +130,9 @@ class TieredStorageReader(StorageReader):
         # "fetched" (made local by the daemon from another tier), "repaired" (a corrupt
         # local copy replaced). For logs and demos.
         self.sources: dict[str, str] = {}
+        # Checkpoints newer than the one a `checkpoint_id=None` load picked, skipped
+        # because they are LOST (some file has no copy on any tier).
+        self.lost_newer: tuple[str, ...] = ()
         self.storage_data: dict[Any, Any] = {}
         self.load_id = dcp_filesystem._generate_uuid()
         self._extensions = ExtensionRegistry()
@@ -122,6 +149,7 @@ class TieredStorageReader(StorageReader):
         self._info = None
         self._fetched = {}
         self.sources = {}
+        self.lost_newer = ()
         self._requested_id = check_checkpoint_id(str(checkpoint_id)) if checkpoint_id else None
         self.load_id = dcp_filesystem._generate_uuid()
 
@@ -138,8 +166,38 @@ class TieredStorageReader(StorageReader):
 
     def _checkpoint(self) -> CheckpointInfo:
         if self._info is None:
-            self._info = self.client.get_checkpoint(self.namespace, self._requested_id)
+            info = self.client.get_checkpoint(self.namespace, self._requested_id)
+            if info.state == "LOST" and METADATA_FILE in info.lost_files:
+                raise CheckpointLost(_lost_message(info))
+            if self._requested_id is None:
+                self._say_newest(info)
+            self._info = info
         return self._info
+
+    def _say_newest(self, info: CheckpointInfo) -> None:
+        """Log which checkpoint a `checkpoint_id=None` load restores, and warn about the
+        newer ones it skipped because they are LOST."""
+        try:
+            rows = self.client.list_checkpoints(self.namespace)
+        except TierckptError as e:  # only for the log line: the load goes on
+            logger.info("restoring %s/%s, the newest (%s)", info.namespace, info.checkpoint_id, e)
+            return
+        order = (info.committed_unix, info.sequence)
+        lost = [c for c in rows if c.state == "LOST" and (c.committed_unix, c.sequence) > order]
+        self.lost_newer = tuple(c.checkpoint_id for c in lost)
+        if lost:
+            logger.warning(
+                "restoring %s/%s, the newest complete checkpoint: the newer %s LOST (no copy "
+                "of some file on any tier: %s)",
+                info.namespace,
+                info.checkpoint_id,
+                ", ".join(self.lost_newer) + (" is" if len(lost) == 1 else " are"),
+                "; ".join(f"{c.checkpoint_id}: {', '.join(c.lost_files[:5])}" for c in lost[:5]),
+            )
+        else:
+            logger.info(
+                "restoring %s/%s, the newest checkpoint", info.namespace, info.checkpoint_id
+            )
 
     def _open(self, name: str, *, repair: bool = False) -> VerifiedFile:
         """A verified local copy of `name`. A file this node lacks (a replacement node, a
@@ -179,6 +237,8 @@ class TieredStorageReader(StorageReader):
         except TierUnavailable as e:
             # A tier that may hold a valid copy is down: retryable, not data loss.
             raise TierUnavailable(f"{e} (the local copy failed verification: {mismatch})") from e
+        except CheckpointLost:
+            raise  # no copy anywhere, not a checksum error
         except TierckptError as e:
             raise ChecksumMismatch(f"{mismatch}; no valid copy could be fetched: {e}") from e
         with repaired as f:
@@ -199,6 +259,11 @@ class TieredStorageReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        info = self._checkpoint()
+        if info.state == "LOST":
+            # Here, not in read_metadata: DCP keeps this error's type (it flattens a
+            # read_metadata error into an AssertionError's message).
+            raise CheckpointLost(_lost_message(info))
         if metadata.storage_data is None:
             raise CheckpointIncomplete(
                 f"{self.namespace}/{self.checkpoint_id}: .metadata has no storage_data"

@@ -115,6 +115,11 @@ class MemoryConfig:
     prewarm_next: bool = True
     prewarm_next_max: int = field(default=0, metadata=SIZE)
     abandon_after: float = 900.0
+    # The background scrubber re-hashes every memory copy against its checksums at most
+    # this many bytes per second (0: off), so a flipped bit is found and repaired from
+    # another copy before anyone reads it; a pass starts scrub_interval s after the last.
+    scrub_rate: int = field(default=64 * 1024**2, metadata=SIZE)
+    scrub_interval: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,9 @@ class PersistentConfig:
     # Seconds a node's view of a namespace in the persistent tier may age before "the
     # newest" or a listing re-lists it (checkpoints other clusters drained meanwhile).
     relist_interval: float = 30.0
+    # Seconds an unreachable owner of a file (or the coordinator) is waited for before the
+    # first live holder of a replica drains that file (or commits .metadata) instead.
+    owner_grace: float = 30.0
     # URL prefixes a job may choose for its namespace (SetNamespace, the SageMaker
     # compat's s3_tier_base_path): the URL must be one of them or lie under one, whole
     # segments compared. Empty: only `url`. Same storage_options and credentials as `url`.
@@ -307,6 +315,12 @@ def _validate(config: Config) -> None:
         )
     if config.persistent.every < 1:
         raise ConfigError("[persistent] every must be >= 1 (drain every Nth committed checkpoint)")
+    grace = config.persistent.owner_grace
+    if not (math.isfinite(grace) and grace >= 0):
+        raise ConfigError(
+            "[persistent] owner_grace must be a finite number of seconds >= 0 (how long an "
+            "unreachable owner is waited for before a replica holder drains its files)"
+        )
     if logging.getLevelName(config.log.level.upper()) not in (10, 20, 30, 40, 50):
         raise ConfigError(
             f"[log] level = {config.log.level!r}; valid: DEBUG, INFO, WARNING, ERROR, CRITICAL"

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import os
 import select
 import signal
 import sys
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from types import FrameType
 
@@ -37,8 +39,9 @@ from tierckptd.config import (
     load_config,
 )
 from tierckptd.config_secrets import config_changes, config_file_warnings, redact
-from tierckptd.jobs import JobQueue
+from tierckptd.jobs import JobQueue, StepAside
 from tierckptd.memory.capacity import budget_warnings
+from tierckptd.memory.scrubber import Scrubber
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
 from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
@@ -52,6 +55,8 @@ from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
 from tierckptd.peers.source import peer_sources
 from tierckptd.persistent.discovery import Discovery
 from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
+from tierckptd.persistent.retention import remove_checkpoint
 from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import RetryPolicy
 from tierckptd.persistent.stores import Stores
@@ -98,6 +103,25 @@ def setup_logging(config: Config) -> None:
         if not any(isinstance(f, _QuietBelowInfo) for f in handler.filters):
             handler.addFilter(_QuietBelowInfo())
     set_log_level(config.log.level)
+
+
+def _peer_holdings(client: PeerClient) -> PeerLookup:
+    """The drain's view of the peers: what each holds of a checkpoint (None: no answer),
+    so a replica holder drains the files of an owner that is gone."""
+
+    def lookup(
+        namespace: str, checkpoint_id: str, nodes: Collection[str]
+    ) -> dict[str, PeerHolding | None]:
+        asked = [n for n in client.peer_ids if n in nodes]
+        found = client.each(
+            lambda node: client.holdings(node, namespace, checkpoint_id), nodes=asked
+        )
+        return {
+            node: None if (h := found.get(node)) is None else PeerHolding(h.known, h.names)
+            for node in asked
+        }
+
+    return lookup
 
 
 class Daemon:
@@ -205,9 +229,12 @@ class Daemon:
                     restore=restorer.ensure_local,
                     keep_last=cfg.retention.persistent_keep_last,
                     keep_every=cfg.retention.persistent_keep_every,
+                    peers=_peer_holdings(peer_client) if cfg.peers else None,
+                    owner_grace=cfg.persistent.owner_grace,
                 )
                 catalog.drain_every = cfg.persistent.every
                 catalog.default_persistent = stores.default is not None
+                cluster.ops.unstore = functools.partial(remove_checkpoint, stores)  # rm
                 catalog.on_committed = drainer.enqueue
                 self.drainer = drainer
                 discovery = Discovery(
@@ -237,6 +264,14 @@ class Daemon:
         # A replacement node (empty memory tier) learns the checkpoints peers know before
         # READY, so GetCheckpoint/ls work at once; the peer listener already answers.
         cluster.pull_manifests()
+        # Files of saves committed while this daemon was down (orphans) are kept once they
+        # verify against a pulled manifest; the sweeper asks the peers about the others.
+        catalog.resolve_unfinished = cluster.resolve_unfinished
+        catalog.salvage_orphans()
+        if cluster.peer_ids:
+            threading.Thread(
+                target=cluster.republish_own, name="tierckptd-republish", daemon=True
+            ).start()
         cluster.start()
         if self.drainer is not None:
             try:
@@ -265,6 +300,7 @@ class Daemon:
         sweeper = Sweeper(catalog)
         sweeper.start()
         warmer = self._start_warmer(catalog)
+        scrubber = self._start_scrubber(catalog, tier, cluster)
         if cfg.memory.prewarm:
             threading.Thread(
                 target=catalog.prewarm,
@@ -277,6 +313,8 @@ class Daemon:
             if self._emergency and self.drainer is not None:
                 self.drainer.emergency(cfg.persistent.shutdown_deadline)
         finally:
+            if scrubber is not None:
+                scrubber.stop()
             if warmer is not None:
                 warmer[0].stop()
                 warmer[1].stop()
@@ -285,6 +323,25 @@ class Daemon:
             cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
+
+    def _start_scrubber(
+        self, catalog: Catalog, tier: MemoryTier, cluster: Cluster
+    ) -> Scrubber | None:
+        """`[memory] scrub_rate`: re-hash the memory copies in the background; a corrupt
+        one goes the way of one found while served (dropped, repaired from a peer)."""
+        memory = self.config.memory
+        if memory.scrub_rate <= 0:
+            return None
+        scrubber = Scrubber(
+            catalog,
+            tier,
+            rate=memory.scrub_rate,
+            interval=memory.scrub_interval,
+            on_corrupt=cluster.corrupt,
+            step_aside=lambda stop: StepAside(catalog.saving, stop=stop).wait,
+        )
+        scrubber.start()
+        return scrubber
 
     def _start_warmer(self, catalog: Catalog) -> tuple[NextSaveWarmer, JobQueue[str]] | None:
         """`[memory] prewarm_next`: after each commit, warm the namespace's next save's

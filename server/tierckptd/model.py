@@ -50,6 +50,9 @@ class State(enum.Enum):
     REPLICATED = "REPLICATED"  # a view of a COMMITTED record: every file has k extra copies
     ABORTED = "ABORTED"
     DURABLE = "DURABLE"  # a view of a COMMITTED record whose .metadata is in the persistent tier
+    # A view of a COMMITTED record some file of which has no copy left on any tier (the
+    # healer's finding); never loaded, never the newest. Heals back if a copy reappears.
+    LOST = "LOST"
 
 
 @dataclass
@@ -134,6 +137,7 @@ class CheckpointView:
     tiers: tuple[str, ...] = ()
     durable_requested: bool = False
     persistent_url: str = ""
+    lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ error naming every source tried and why:
 
 - DATA_LOSS (`ChecksumMismatch`) only when every copy found was corrupt;
 - UNAVAILABLE (`TierUnavailable`) when some tier could not be asked (it may hold one);
-- NOT_FOUND (`CheckpointNotFound`) when nobody had it.
+- DATA_LOSS (`CheckpointLost`, "checkpoint lost: ...") when every source answered
+  without it: no copy is left anywhere, which is not a checksum error.
 
 `FileSource` is the one small interface every tier implements. Its contract (enforced by
 `tests/conformance/`): `chunks` yields the file's original bytes as (offset, data)
@@ -36,7 +37,9 @@ from typing import Protocol, runtime_checkable
 
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import (
+    CHECKPOINT_LOST_PREFIX,
     TIER_UNAVAILABLE_PREFIX,
+    CheckpointLost,
     CheckpointNotFound,
     ChecksumMismatch,
     InvalidArgument,
@@ -115,7 +118,8 @@ class Attempt:
 
 def final_error(what: str, attempts: Sequence[Attempt]) -> Exception:
     """The one error for a file no source could give: UNAVAILABLE if a tier could not be
-    asked, else DATA_LOSS if a copy was found and every one was corrupt, else NOT_FOUND."""
+    asked, else DATA_LOSS if a copy was found and every one was corrupt, else DATA_LOSS
+    as `CheckpointLost`: every source answered without it."""
     tried = "; ".join(str(a) for a in attempts) or "no source to ask"
     outcomes = {a.outcome for a in attempts}
     if Outcome.UNAVAILABLE in outcomes:
@@ -126,7 +130,10 @@ def final_error(what: str, attempts: Sequence[Attempt]) -> Exception:
         )
     if Outcome.CORRUPT in outcomes:
         return ChecksumMismatch(f"every copy of {what} found is corrupt (tried {tried})")
-    return CheckpointNotFound(f"no copy of {what} on any tier (tried {tried})")
+    return CheckpointLost(
+        f"{CHECKPOINT_LOST_PREFIX}no copy of {what} is left on any tier (tried {tried}); "
+        "load an older checkpoint (checkpoint_id=None picks the newest complete one)"
+    )
 
 
 class Restorer:
@@ -212,6 +219,7 @@ class Restorer:
                         name,
                         source.chunks(namespace, checkpoint_id, f),
                         what=f"{what} from {source.name}",
+                        restored=True,
                     )
                 except CheckpointNotFound as e:
                     attempts.append(Attempt(source.name, Outcome.MISSING, str(e)))

@@ -65,6 +65,7 @@ _STATE = {
     "REPLICATED": common_pb2.REPLICATED,
     "ABORTED": common_pb2.ABORTED,
     "DURABLE": common_pb2.DURABLE,
+    "LOST": common_pb2.LOST,
 }
 
 
@@ -191,6 +192,7 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         pinned=view.pinned,
         durable_requested=view.durable_requested,
         persistent_url=view.persistent_url,
+        lost_files=list(view.lost_files),
     )
 
 
@@ -199,7 +201,8 @@ def record_from_info(
 ) -> CheckpointRecord:
     """A published cluster manifest as a committed record (no file held yet), validated
     field by field (InvalidArgument). A peer's pin is not taken over: pinned records are
-    exempt from retention, so only this node's operator pins here."""
+    exempt from retention, so only this node's operator pins here; nor is its state or
+    `lost_files` (LOST is each node's own finding, `peers.healer`)."""
     namespace, checkpoint_id = check_ref(info.ref)
     what = f"manifest of {namespace}/{checkpoint_id}"
     if info.sequence > MAX_SEQUENCE:

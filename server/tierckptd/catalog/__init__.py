@@ -13,9 +13,10 @@ The class is built in three layers, one module each: `state.CatalogState` (recor
 lock, budget, pool, views, collection, memory retention and the persistent tier's
 marks), `peer_state.PeerState` (what peers change: publish, incoming copies, replica
 lists, dropped copies) and `Catalog` here (the save lifecycle, queries, background work,
-restart adoption). Helpers: `budget.Budget` (C, R, P and the one admission check),
-`views.view_of`, `retention` (pure policy), and in memory/: `pool.WarmPool`,
-`adoption.adopt`, `verify.verify_files`.
+restart adoption), with `unfinished.UnfinishedSaves` between the last two (saves whose
+coordinator may have committed them: the sweep and restart orphans). Helpers:
+`budget.Budget` (C, R, P and the one admission check), `views.view_of`, `retention`
+(pure policy), and in memory/: `pool.WarmPool`, `adoption.adopt`, `verify.verify_files`.
 
 Lock order (outermost first; never take an earlier one while holding a later one):
 
@@ -48,9 +49,9 @@ from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd import __version__
-from tierckptd.catalog.peer_state import PeerState
 from tierckptd.catalog.state import listing
 from tierckptd.catalog.sweeper import Sweeper
+from tierckptd.catalog.unfinished import UnfinishedSaves
 from tierckptd.memory.adoption import Adopted, adopt
 from tierckptd.memory.verify import VerifyResult, hash_rate, verify_files
 from tierckptd.model import (
@@ -59,7 +60,6 @@ from tierckptd.model import (
     CheckpointRecord,
     CheckpointView,
     FileRecord,
-    Key,
     NodeStatusView,
     State,
     coordinator_of,
@@ -72,7 +72,7 @@ __all__ = ["MAX_FILES", "Catalog", "Sweeper", "VerifyResult", "listing"]
 logger = logging.getLogger(__name__)
 
 
-class Catalog(PeerState):
+class Catalog(UnfinishedSaves):
     """Lifecycle and budget of the checkpoints in one memory tier (thread-safe)."""
 
     # ---- accounting -------------------------------------------------------------------
@@ -460,19 +460,6 @@ class Catalog(PeerState):
                 for r in self._records.values()
             )
 
-    def sweep(self) -> list[Key]:
-        """Abort WRITING saves idle longer than abandon_after (a rank died mid-save)."""
-        now = self._clock()
-        with self._lock:
-            stale = [
-                r
-                for r in self._records.values()
-                if r.state is State.WRITING and now - r.last_activity > self.abandon_after
-            ]
-            for rec in stale:
-                self._abort(rec, f"no activity for {now - rec.last_activity:.0f} s")
-            return [r.key for r in stale]
-
     # ---- adoption -----------------------------------------------------------------------
     def adopt(self) -> None:
         """Re-adopt the memory tier left by a previous daemon (restart or kill -9).
@@ -493,7 +480,8 @@ class Catalog(PeerState):
         }
         with self._lock:
             self._records = records
-            self._budget.reset(adopted.quarantined_bytes)
+            self._budget.reset(adopted.quarantined_bytes + adopted.orphan_bytes)
+            self.keep_orphans(adopted.orphans)
             for rec in records.values():
                 self._track(rec)
             for key, nbytes in charged.items():

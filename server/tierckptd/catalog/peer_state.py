@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierckpt.errors import (
@@ -16,12 +17,15 @@ from tierckpt.errors import (
     TierckptError,
 )
 from tierckpt.names import METADATA_FILE
+from tierckpt.units import format_size
 
-from tierckptd.catalog.state import CatalogState, listing
+from tierckptd.catalog.state import MAX_GONE, CatalogState, listing
+from tierckptd.catalog.views import Health
 from tierckptd.model import (
     MAX_REPLICAS,
     MAX_SEQUENCE,
     CheckpointRecord,
+    CheckpointView,
     FileRecord,
     Key,
     State,
@@ -32,6 +36,12 @@ from tierckptd.ops import metrics
 __all__ = ["PeerState"]
 
 logger = logging.getLogger("tierckptd.catalog")
+
+# A checkpoint committed (by its coordinator's clock) up to this many seconds after it was
+# deleted (by the deleting node's clock) is taken for the deleted one: node clocks
+# disagree a little, and a deleted checkpoint must never come back. Saving it again
+# under the same id is taken once it is committed later than that.
+DELETE_SKEW = 60.0
 
 
 def _key_name(key: Key) -> str:
@@ -49,8 +59,17 @@ def _summary(f: FileRecord) -> str:
     return f.checksums.summary() if f.checksums is not None else "none"
 
 
+def _no_pins(namespace: str) -> dict[str, bool]:
+    return {}
+
+
 class PeerState(CatalogState):
     """What peers (and the other tiers' copies) change in the catalog."""
+
+    # The cluster pin marks of a namespace (checkpoint id -> pinned; peers/operations.py),
+    # applied to a manifest that arrives after them. Called under the lock: it takes only
+    # the mark journal's lock.
+    pin_marks: Callable[[str], dict[str, bool]] = staticmethod(_no_pins)
 
     # ---- peer tier ----------------------------------------------------------------------
     def local_committed_files(self, namespace: str, checkpoint_id: str) -> dict[str, FileRecord]:
@@ -102,8 +121,9 @@ class PeerState(CatalogState):
         """
         key = self._ref(published.namespace, published.checkpoint_id)
         with self._lock:
-            if key in self._gone:
-                return False
+            gone = self._gone.get(key)
+            if gone is not None and published.committed_unix <= gone + DELETE_SKEW:
+                return False  # deleted here (or by a cluster rm) after it was committed
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
                 self._merge_published(rec, published)
@@ -143,6 +163,7 @@ class PeerState(CatalogState):
                 last_activity=self._clock(),
                 created_unix=min(published.created_unix, now),
                 committed_unix=min(published.committed_unix, now),
+                pinned=self.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
             )
             charge = _manifest_estimate(new) if coordinator_of(new.files) != self.node_id else 0
             if charge:
@@ -207,15 +228,20 @@ class PeerState(CatalogState):
             path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
             return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
 
-    def start_incoming(self, namespace: str, checkpoint_id: str, name: str) -> Path | None:
+    def start_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
+    ) -> Path | None:
         """Make room for a copy of a file arriving from a peer; None if already held.
 
         The bytes count as reserved until `finish_incoming`; a copy that does not fit the
-        budget is refused (RESOURCE_EXHAUSTED) before any byte is written.
+        budget is refused (RESOURCE_EXHAUSTED) before any byte is written. `restored`: a
+        reader's copy (see `finish_incoming`).
         """
         with self._lock:
             self.pool.wait_for(name)  # a segment being preallocated for this very file
             rec = self._committed(namespace, checkpoint_id)
+            if restored:
+                self._landed[rec.key] = self._clock()
             f = rec.files.get(name)
             if f is None:
                 raise CheckpointNotFound(
@@ -246,9 +272,18 @@ class PeerState(CatalogState):
             return path
 
     def finish_incoming(
-        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        tmp: Path,
+        ok: bool,
+        *,
+        restored: bool = False,
     ) -> bool:
-        """Install (ok) or drop a received copy; True when it is now held here."""
+        """Install (ok) or drop a received copy; True when it is now held here.
+        `restored` (a reader's copy) exempts the checkpoint from memory retention for
+        `LANDED_GRACE` s: the reader opens the file next."""
         with self._lock:
             self._budget.finish_incoming((namespace, checkpoint_id, name))
             rec = self._records.get((namespace, checkpoint_id))
@@ -277,6 +312,8 @@ class PeerState(CatalogState):
                 raise
             f.held, f.replica_nodes = True, replicas
             self._track(rec)
+            if restored:
+                self._landed[rec.key] = self._clock()
             return True
 
     def drop_local_copy(self, namespace: str, checkpoint_id: str, name: str) -> bool:
@@ -330,12 +367,80 @@ class PeerState(CatalogState):
         with self._lock:
             return len(self._health)
 
-    def set_health(self, namespace: str, checkpoint_id: str, mark: str) -> None:
-        """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers."""
+    def set_health(
+        self, namespace: str, checkpoint_id: str, mark: str, lost: Sequence[str] = ()
+    ) -> None:
+        """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers;
+        with "lost", the files no node holds: the checkpoint is then shown LOST (unless
+        durable), never picked as the newest (`views.is_lost`)."""
         with self._lock:
             if (namespace, checkpoint_id) not in self._records:
                 return
             if mark:
-                self._health[(namespace, checkpoint_id)] = mark
+                self._health[(namespace, checkpoint_id)] = Health(mark, tuple(sorted(lost)))
             else:
                 self._health.pop((namespace, checkpoint_id), None)
+
+    # ---- cluster marks (peers/operations.py) ------------------------------------------
+    def remove_marked(
+        self, namespace: str, checkpoint_id: str, stamp: float
+    ) -> tuple[int, str] | None:
+        """A cluster rm stamped `stamp` (its origin's clock): delete the checkpoint if it
+        was committed by then, and refuse a later publish or adoption of it. A save of it
+        writing here now is a re-save after the rm: left alone. Returns (bytes freed, its
+        persistent URL) when a committed checkpoint was deleted here, else None."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.WRITING:
+                return None
+            self._gone[key] = max(self._gone.pop(key, 0.0), stamp)
+            while len(self._gone) > MAX_GONE:
+                del self._gone[next(iter(self._gone))]
+            if rec is None or rec.state is not State.COMMITTED:
+                return None
+            if rec.committed_unix > stamp + DELETE_SKEW:
+                return None  # committed again after the rm
+            url = rec.persistent_url
+            freed = self._delete_committed(rec)
+            logger.info(
+                "deleted %s/%s (a cluster rm), %s freed",
+                namespace,
+                checkpoint_id,
+                format_size(freed),
+            )
+            return freed, url
+
+    def apply_pin(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView | None:
+        """A cluster pin or unpin: persisted in the manifest, then in memory; None when
+        this node does not have the checkpoint committed (the mark waits in the journal
+        for its manifest: `pin_marks`)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is not State.COMMITTED:
+                return None
+            if rec.pinned != pinned:
+                self._write_manifest(dataclasses.replace(rec, pinned=pinned))
+                rec.pinned = pinned
+                logger.info("%s %s/%s", "pinned" if pinned else "unpinned", *key)
+            return self._view(rec)
+
+    def knows(self, namespace: str, checkpoint_id: str) -> bool:
+        """Whether this node has the checkpoint (committed or being written)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            return rec is not None and rec.state is not State.ABORTED
+
+    def pinned_ids(self, namespace: str) -> set[str]:
+        """Ids of the namespace's checkpoints pinned here or by a cluster pin mark not
+        yet applied (persistent retention keeps them all)."""
+        marks = self.pin_marks(namespace)
+        with self._lock:
+            pinned = {
+                r.checkpoint_id
+                for r in self._records.values()
+                if r.namespace == namespace and r.state is State.COMMITTED and r.pinned
+            }
+        return {c for c in pinned | set(marks) if marks.get(c, True)}

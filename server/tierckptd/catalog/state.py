@@ -23,7 +23,7 @@ from tierckpt.units import format_size
 from tierckptd.catalog.budget import Budget
 from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, shortfall
 from tierckptd.catalog.retention import evictions_by_coordinator
-from tierckptd.catalog.views import view_of
+from tierckptd.catalog.views import Health, all_lost, is_lost, view_of
 from tierckptd.memory.manifest import to_json as manifest_to_json
 from tierckptd.memory.manifest import write_manifest
 from tierckptd.memory.pool import PREWARM_SEGMENT, WarmPool
@@ -40,6 +40,8 @@ MAX_NAMESPACE_URLS = 65_536  # namespaces with their own persistent URL on one n
 # Deleted checkpoints remembered so a peer's late publish cannot bring them back; a peer
 # still holding one deleted this many deletions ago is long past its own retention.
 MAX_GONE = 65_536
+# Seconds a checkpoint a copy just arrived into is exempt from memory retention.
+LANDED_GRACE = 60.0
 
 
 def listing(names: list[str], shown: int = 5) -> str:
@@ -50,6 +52,9 @@ def listing(names: list[str], shown: int = 5) -> str:
 
 class CatalogState:
     """Records, lock, budget and pool of one memory tier, and the shared steps."""
+
+    # A drain made a deleted checkpoint durable (peers/operations.py; only enqueues).
+    on_gone_durable: Callable[[str, str], None] | None = None
 
     def __init__(
         self,
@@ -81,10 +86,12 @@ class CatalogState:
         # marks set by the healer ("under-replicated", "lost"), and checkpoints deleted
         # here (a peer's healer must not push them back).
         self.replica_target = 0
-        self._health: dict[Key, str] = {}
+        self._health: dict[Key, Health] = {}  # the healer's marks (`views.Health`)
         # Insertion-ordered and bounded (`MAX_GONE`, oldest dropped): one key per deletion,
-        # retention's included, would otherwise grow for the daemon's whole life.
-        self._gone: dict[Key, None] = {}
+        # retention's included, would otherwise grow for the daemon's whole life. Value:
+        # the deletion's stamp; a publish of one committed by then is refused (peer_state).
+        self._gone: dict[Key, float] = {}
+        self._landed: dict[Key, float] = {}  # when a reader's copy arrived (`_landing`)
         # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
         # persistent tier), the checkpoints known to be durable there, and a callback
         # (called under the lock: it must only enqueue) for every new commit here.
@@ -143,16 +150,24 @@ class CatalogState:
     def _ref(namespace: str, checkpoint_id: str) -> Key:
         return check_namespace(namespace), check_checkpoint_id(checkpoint_id)
 
+    def _is_lost(self, rec: CheckpointRecord) -> bool:
+        """Shown LOST (`views.is_lost`): never the newest, never loaded."""
+        return is_lost(self._health.get(rec.key), rec.key in self._durable)
+
     def _newest(self, namespace: str) -> CheckpointRecord | None:
+        """The namespace's newest committed checkpoint that is not LOST."""
         committed = [
             r
             for r in self._records.values()
-            if r.namespace == namespace and r.state is State.COMMITTED
+            if r.namespace == namespace and r.state is State.COMMITTED and not self._is_lost(r)
         ]
         return max(committed, key=lambda r: r.order, default=None)
 
     def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
         newest = self._newest(namespace)
+        lost = [r for r in self._records.values() if r.namespace == namespace]
+        if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
+            return all_lost(namespace, self.node_id, [r for r in lost if self._is_lost(r)])
         tail = (
             f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
             if newest
@@ -187,11 +202,13 @@ class CatalogState:
         return rec
 
     def _view(self, rec: CheckpointRecord) -> CheckpointView:
+        health = self._health.get(rec.key, Health(""))
         return view_of(
             rec,
             node_id=self.node_id,
             replica_target=self.replica_target,
-            mark=self._health.get(rec.key, ""),
+            mark=health.mark,
+            lost=health.lost,
             durable=rec.key in self._durable,
             drain_failed=rec.key in self._drain_failed,
             paths={
@@ -251,6 +268,7 @@ class CatalogState:
         freed = self._release_files(rec)
         if self._records.pop(rec.key, None) is not None:
             self._budget.forget(rec.key)
+        self._landed.pop(rec.key, None)
         self._budget.trim_pool()
         return freed
 
@@ -273,7 +291,7 @@ class CatalogState:
         # adoption collects, never a manifest pointing at missing files.
         self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
         if rec.state is State.COMMITTED:
-            self._gone[rec.key] = None
+            self._gone[rec.key] = max(self._gone.pop(rec.key, 0.0), self._wall())
             while len(self._gone) > MAX_GONE:
                 del self._gone[next(iter(self._gone))]
         self._health.pop(rec.key, None)
@@ -298,7 +316,20 @@ class CatalogState:
     def _holds(self, rec: CheckpointRecord) -> bool:
         """Whether retention must keep `rec` in memory: pinned, or (invariant 6) due for
         the persistent tier and not durable there yet, whatever memory_keep_last says."""
-        return rec.pinned or (self._due(rec) and rec.key not in self._durable)
+        if rec.pinned or (self._due(rec) and rec.key not in self._durable):
+            return True
+        return self._landing(rec)
+
+    def _landing(self, rec: CheckpointRecord) -> bool:
+        """Whether a reader's copy of one of `rec`'s files started or arrived moments
+        ago: a restore of an older checkpoint makes it memory-held again, and
+        evicting it then would pull the files from under the reader (it is evicted at a
+        later commit)."""
+        landed = self._landed.get(rec.key)
+        if landed is not None and self._clock() - landed > LANDED_GRACE:
+            del self._landed[rec.key]
+            landed = None
+        return landed is not None
 
     def _persistent_only(self, rec: CheckpointRecord) -> bool:
         """A durable checkpoint no node's memory holds any more (listed, restorable)."""
@@ -498,6 +529,8 @@ class CatalogState:
         with self._lock:
             rec = self._records.get(key)
             if rec is None or rec.state is not State.COMMITTED:
+                if key in self._gone and self.on_gone_durable is not None:
+                    self.on_gone_durable(namespace, checkpoint_id)  # a drain beat an rm
                 return False
             # Durable and drain-failed exclude each other: clear the mark in the same
             # step, so no view shows both (the drainer's own bookkeeping follows).

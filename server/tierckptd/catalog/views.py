@@ -1,18 +1,51 @@
 """What a client sees of a checkpoint: a pure function of its record and annotations.
 
 The derived states live here: a COMMITTED record is shown REPLICATED when every file has
-`replica_target` extra copies and the healer has no mark on it, and DURABLE when its
-`.metadata` is in the persistent tier; `tiers` says where its bytes can be had.
+`replica_target` extra copies and the healer has no mark on it, DURABLE when its
+`.metadata` is in the persistent tier, and LOST when the healer found a file with no copy
+left anywhere and the persistent tier does not hold it (DURABLE wins: it is restorable);
+`tiers` says where its bytes can be had.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from tierckpt.errors import CHECKPOINT_LOST_PREFIX, CheckpointLost
 
 from tierckptd.model import CheckpointRecord, CheckpointView, State
 
-__all__ = ["view_of"]
+__all__ = ["LOST", "UNDER", "Health", "all_lost", "is_lost", "view_of"]
+
+LOST = "lost"
+UNDER = "under-replicated"
+
+
+class Health(NamedTuple):
+    """The healer's last finding on a checkpoint: its mark ("lost", "under-replicated")
+    and, when lost, the files no node holds."""
+
+    mark: str
+    lost: tuple[str, ...] = ()
+
+
+def is_lost(health: Health | None, durable: bool) -> bool:
+    """Whether a committed checkpoint is shown LOST: the healer found a file with no
+    copy on any node, and the persistent tier does not hold the checkpoint."""
+    return health is not None and health.mark == LOST and bool(health.lost) and not durable
+
+
+def all_lost(namespace: str, node_id: str, lost: Sequence[CheckpointRecord]) -> CheckpointLost:
+    """The answer to "the newest checkpoint of `namespace`" when every committed one is
+    LOST (`lost`): none can be loaded, which is not "there is none"."""
+    ids = [r.checkpoint_id for r in sorted(lost, key=lambda r: r.order, reverse=True)]
+    shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    return CheckpointLost(
+        f"{CHECKPOINT_LOST_PREFIX}no complete checkpoint of {namespace} on node {node_id}: "
+        f"every committed one is LOST (a file of each has no copy on any tier): {shown}"
+    )
 
 
 def view_of(
@@ -21,16 +54,17 @@ def view_of(
     node_id: str,
     replica_target: int = 0,
     mark: str = "",
+    lost: Sequence[str] = (),
     durable: bool = False,
     drain_failed: bool = False,
     paths: Mapping[str, str] | None = None,
 ) -> CheckpointView:
     """An immutable view of `rec` (copied: it may leave the catalog lock).
 
-    `mark` is the healer's finding ("under-replicated", "lost"), `durable` whether the
-    persistent tier holds it, `drain_failed` whether the drain gave up on it, and `paths`
-    the local path of each file this node holds (a held file missing from it, and every
-    file not held, gets "").
+    `mark` is the healer's finding ("under-replicated", "lost") and `lost` the files no
+    node holds (with "lost"), `durable` whether the persistent tier holds it,
+    `drain_failed` whether the drain gave up on it, and `paths` the local path of each
+    file this node holds (a held file missing from it, and every file not held, gets "").
     """
     paths = paths or {}
     files = tuple(
@@ -48,6 +82,9 @@ def view_of(
         and all(len(set(f.replica_nodes) - {f.owner_node}) >= replica_target for f in files)
     ):
         state = State.REPLICATED
+    lost_files: tuple[str, ...] = ()
+    if committed and is_lost(Health(mark, tuple(lost)), durable):
+        state, lost_files = State.LOST, tuple(sorted(lost))
     if durable:
         state = State.DURABLE
     tiers: list[str] = []
@@ -80,4 +117,5 @@ def view_of(
         tiers=tuple(tiers),
         durable_requested=rec.durable_requested,
         persistent_url=rec.persistent_url,
+        lost_files=lost_files,
     )

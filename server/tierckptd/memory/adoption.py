@@ -2,9 +2,12 @@
 
 `adopt(tier)` scans the manifests, verifies every held file against its manifest,
 quarantines checkpoints that fail (their manifest is renamed ``*.json.corrupt``, their
-files kept for inspection), and collects leftovers: unfinished saves (a data dir without
-a manifest), interrupted transfers, manifest tmp files, and anything the layout does not
-allow (links, bad names), removed without being followed. It returns plain records; the
+files kept for inspection), and collects leftovers: interrupted transfers, manifest tmp
+files, and anything the layout does not allow (links, bad names), removed without being
+followed. A data dir without a manifest is an unfinished save *here*, but its coordinator
+may have committed it while this daemon was down (the publish never arrived): its files
+are kept as orphans until the peers' manifests are pulled (`Catalog.salvage_orphans`
+verifies the ones a manifest names and collects the rest). It returns plain records; the
 catalog installs them. Runs before the daemon serves, so it needs no lock.
 """
 
@@ -14,11 +17,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt.errors import InvalidName
-from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd.memory.manifest import ManifestError, read_manifest
@@ -34,17 +37,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Adopted:
-    """Checkpoints whose files all verified (COMMITTED), and the bytes of the files of
-    quarantined ones (kept on disk, so they count against the budget)."""
+    """Checkpoints whose files all verified (COMMITTED), the bytes of the files of
+    quarantined ones (kept on disk, so they count against the budget), and the files of
+    unfinished saves (orphans: name -> size per checkpoint, also on disk)."""
 
     records: dict[Key, CheckpointRecord]
     quarantined_bytes: int
+    orphans: dict[Key, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def orphan_bytes(self) -> int:
+        return sum(sum(files.values()) for files in self.orphans.values())
 
 
 def adopt(tier: MemoryTier) -> Adopted:
     """Scan, verify, quarantine and collect (see the module docstring)."""
     adopted, quarantined = _adopt_manifests(tier)
-    return Adopted(adopted, _collect_data(tier, adopted, quarantined))
+    orphans: dict[Key, dict[str, int]] = {}
+    return Adopted(adopted, _collect_data(tier, adopted, quarantined, orphans), orphans)
 
 
 def _adopt_manifests(tier: MemoryTier) -> tuple[dict[Key, CheckpointRecord], set[Key]]:
@@ -99,10 +109,14 @@ def _adopt_manifests(tier: MemoryTier) -> tuple[dict[Key, CheckpointRecord], set
 
 
 def _collect_data(
-    tier: MemoryTier, adopted: dict[Key, CheckpointRecord], quarantined: set[Key]
+    tier: MemoryTier,
+    adopted: dict[Key, CheckpointRecord],
+    quarantined: set[Key],
+    orphans: dict[Key, dict[str, int]],
 ) -> int:
-    """Remove data dirs without a manifest and files an adopted manifest does not hold;
-    returns the bytes of quarantined checkpoints' files."""
+    """Remove files an adopted manifest does not hold and record the files of data dirs
+    without a manifest in `orphans` (empty dirs go); returns the bytes of quarantined
+    checkpoints' files."""
     quarantined_bytes = 0
     for ns_entry in _layout_dirs(tier, tier.data_root, check_namespace):
         for ckpt_entry in _layout_dirs(tier, Path(ns_entry.path), check_checkpoint_id):
@@ -110,27 +124,40 @@ def _collect_data(
             held = (
                 {f.name for f in adopted[key].files.values() if f.held} if key in adopted else set()
             )
-            sizes = []
+            sizes: dict[str, int] = {}
             for entry in tier.entries(Path(ckpt_entry.path)):
                 if not entry.is_file(follow_symlinks=False):
                     tier.remove_entry(entry, "not a regular file")
-                elif key in adopted and entry.name not in held:
-                    os.unlink(entry.path)  # an interrupted peer transfer
+                elif entry.name not in held and (key in adopted or _unfinished(entry.name)):
+                    os.unlink(entry.path)  # an interrupted peer transfer or write
                 else:
-                    sizes.append(entry.stat(follow_symlinks=False).st_size)
+                    sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
             if key in adopted:
                 continue
             if key in quarantined:
-                quarantined_bytes += sum(sizes)
+                quarantined_bytes += sum(sizes.values())
                 continue
-            logger.warning(
-                "collecting unfinished save %s/%s: %d files, %s",
+            if not sizes:
+                tier.remove_checkpoint_dir(*key)
+                continue
+            logger.info(
+                "unfinished save %s/%s: %d files, %s, kept until the peers' manifests say "
+                "whether its coordinator committed it",
                 *key,
                 len(sizes),
-                format_size(sum(sizes)),
+                format_size(sum(sizes.values())),
             )
-            tier.remove_checkpoint_dir(*key)
+            orphans[key] = sizes
     return quarantined_bytes
+
+
+def _unfinished(name: str) -> bool:
+    """A copy still arriving (`.NAME.incoming`) or a name no DCP file has."""
+    try:
+        check_file_name(name)
+    except InvalidName:
+        return True
+    return name.endswith(".incoming") and name.startswith(".")
 
 
 def _layout_dirs(

@@ -29,10 +29,19 @@ class Landing(Protocol):
         self, namespace: str, checkpoint_id: str, name: str
     ) -> tuple[FileRecord, str]: ...
 
-    def start_incoming(self, namespace: str, checkpoint_id: str, name: str) -> Path | None: ...
+    def start_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
+    ) -> Path | None: ...
 
     def finish_incoming(
-        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        tmp: Path,
+        ok: bool,
+        *,
+        restored: bool = False,
     ) -> bool: ...
 
 
@@ -90,14 +99,16 @@ def install_copy(
     pieces: Iterable[tuple[int, BytesLike]],
     *,
     what: str,
+    restored: bool = False,
 ) -> int:
     """Store a copy of a committed file arriving as (offset, bytes) pieces from another
     tier (a peer's stream, the persistent tier): budget-checked, written into a warm
     segment when one fits, every block verified, installed only when complete.
+    `restored`: a reader asked for it (kept a while even outside memory retention).
     Returns the bytes taken (0 when the file was already held)."""
     f, _ = catalog.file_view(namespace, checkpoint_id, name)
     assert f.checksums is not None
-    tmp = catalog.start_incoming(namespace, checkpoint_id, name)
+    tmp = catalog.start_incoming(namespace, checkpoint_id, name, restored=restored)
     if tmp is None:
         return 0
     ok = False
@@ -111,7 +122,7 @@ def install_copy(
             incoming.close()
         ok = True
     finally:
-        held = catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok)
+        held = catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok, restored=restored)
     if not held:
         raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
     return f.size

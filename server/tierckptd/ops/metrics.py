@@ -24,7 +24,12 @@ __all__ = [
     "MALFORMED_REQUESTS",
     "RECYCLED_BYTES",
     "REJECTED_SAVES",
+    "REPAIRED_COPIES",
     "REPLICATED_BYTES",
+    "SCRUBBED_BYTES",
+    "SCRUB_LAST_PASS",
+    "TRIMMED_BYTES",
+    "TRIMMED_COPIES",
     "REFUSED_METADATA",
     "DRAIN_FAILED",
     "PEER_REFUSED",
@@ -77,6 +82,24 @@ CORRUPT_COPIES = Counter(
     "tierckpt_corrupt_copies", "Local copies that failed verification and were replaced", ["where"]
 )
 REPLICATED_BYTES = Counter("tierckpt_replicated_bytes", "Bytes pushed to buddies")
+REPAIRED_COPIES = Counter(
+    "tierckpt_repaired_copies",
+    "Local copies found corrupt (served, pushed, scrubbed) replaced by a verified copy",
+)
+SCRUBBED_BYTES = Counter(
+    "tierckpt_scrubbed_bytes",
+    "Bytes of memory copies the background scrubber re-hashed against their checksums "
+    '(corrupt ones found: tierckpt_corrupt_copies_total{where="scrubbed"})',
+)
+SCRUB_LAST_PASS = Gauge(
+    "tierckpt_scrub_last_pass_unix",
+    "When the scrubber last finished a full pass over the memory copies (0: never)",
+)
+TRIMMED_COPIES = Counter(
+    "tierckpt_trimmed_copies",
+    "Surplus replicas (more than k extra copies of a file) this node dropped",
+)
+TRIMMED_BYTES = Counter("tierckpt_trimmed_bytes", "Bytes of surplus replicas this node dropped")
 FETCHED_BYTES = Counter("tierckpt_fetched_bytes", "Bytes fetched from peers into this node")
 UNDER_REPLICATED = Gauge(
     "tierckpt_under_replicated_checkpoints",

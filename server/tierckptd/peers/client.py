@@ -18,13 +18,14 @@ from typing import TypeVar
 
 import grpc
 from tierckpt.checksum import BytesLike
-from tierckpt.errors import TierckptError
+from tierckpt.errors import InvalidArgument, TierckptError
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
 from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
+from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
 from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_info, ref, to_info
 
@@ -36,6 +37,8 @@ __all__ = [
     "Manifests",
     "PeerCallError",
     "PeerClient",
+    "mark_from_wire",
+    "mark_to_wire",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,6 +127,33 @@ class StallWatch:
                 return
 
 
+_KINDS = {
+    MarkKind.DELETED: peer_pb2.MARK_DELETED,
+    MarkKind.PINNED: peer_pb2.MARK_PINNED,
+    MarkKind.UNPINNED: peer_pb2.MARK_UNPINNED,
+}
+_FROM_WIRE = {wire: kind for kind, wire in _KINDS.items()}
+
+
+def mark_to_wire(mark: Mark) -> peer_pb2.CheckpointMark:
+    return peer_pb2.CheckpointMark(
+        ref=ref(mark.namespace, mark.checkpoint_id),
+        kind=_KINDS[mark.kind],
+        stamp_unix=mark.stamp,
+        origin_node=mark.origin,
+    )
+
+
+def mark_from_wire(m: peer_pb2.CheckpointMark, *, now: float) -> Mark:
+    """A peer's mark, validated (`marks.check_mark`): InvalidName / InvalidArgument."""
+    kind = _FROM_WIRE.get(m.kind)
+    if kind is None:
+        raise InvalidArgument(f"unknown mark kind {int(m.kind)}: expected rm, pin or unpin")
+    return check_mark(
+        m.ref.namespace, m.ref.checkpoint_id, kind, m.stamp_unix, m.origin_node, now=now
+    )
+
+
 class PeerClient:
     """Every RPC to the peers of one `Membership` (see the module docstring).
 
@@ -135,6 +165,9 @@ class PeerClient:
         self.membership = membership
         self.node_id = membership.node_id
         self.fetch_stall = fetch_stall
+        # Cluster marks a peer's ListManifests answer carried (validated), by node: set
+        # by `Cluster` to its `operations.ClusterOps.learn`.
+        self.on_marks: Callable[[str, list[Mark]], None] | None = None
 
     @property
     def peer_ids(self) -> list[str]:
@@ -210,14 +243,21 @@ class PeerClient:
             raise _error(node, "UpdateReplicas", e) from None
 
     def list_manifests(
-        self, node: str, namespace: str = "", *, wait_for_ready: bool = True
+        self,
+        node: str,
+        namespace: str = "",
+        *,
+        wait_for_ready: bool = True,
+        starting: bool = False,
     ) -> Manifests:
         """The committed checkpoints `node` knows (of `namespace`, or all), validated one
-        by one."""
+        by one; `starting`: this node has just started (the peer heals at once). The
+        cluster marks in the answer go to `on_marks` before this returns, so a deleted
+        checkpoint is refused before any record is adopted."""
         stub = self._stub(node, "ListManifests")
         try:
             resp = stub.ListManifests(
-                peer_pb2.ListManifestsRequest(namespace=namespace),
+                peer_pb2.ListManifestsRequest(namespace=namespace, starting=starting),
                 timeout=CONTROL_TIMEOUT,
                 wait_for_ready=wait_for_ready,
             )
@@ -225,12 +265,30 @@ class PeerClient:
             raise _error(node, "ListManifests", e) from None
         records: list[CheckpointRecord] = []
         refused: list[str] = []
+        marks: list[Mark] = []
+        for m in resp.marks[:MAX_MARKS]:
+            try:
+                marks.append(mark_from_wire(m, now=time.time()))
+            except TierckptError as e:
+                refused.append(bounded(str(e)))
+        if marks and self.on_marks is not None:
+            self.on_marks(node, marks)
         for info in resp.checkpoints:
             try:
                 records.append(record_from_info(info))
             except TierckptError as e:
                 refused.append(bounded(str(e)))
         return Manifests(records, refused)
+
+    def apply_mark(self, node: str, mark: Mark) -> None:
+        """ApplyMark: tell `node` of a cluster rm, pin or unpin this node made (a peer
+        down for CONTROL_TIMEOUT is retried later by the caller)."""
+        fault("peer.apply_mark", lambda: PeerCallError(node, "ApplyMark", "INJECTED"))
+        stub = self._stub(node, "ApplyMark")
+        try:
+            stub.ApplyMark(mark_to_wire(mark), timeout=CONTROL_TIMEOUT, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise _error(node, "ApplyMark", e) from None
 
     # ---- transfers --------------------------------------------------------------------
     def fetch(

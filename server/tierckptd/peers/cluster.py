@@ -3,16 +3,16 @@ pushed to or served from this node.
 
 `Cluster` composes the parts (each in its own module) and runs the background work on
 one `JobQueue`: `Heal` after a commit or a publish and every `heal_interval` seconds for
-every committed checkpoint; `Repair` of a copy found corrupt while it was served or
-pushed. A restore (EnsureLocal, a repair, the drain's `.metadata`) goes through
+every committed checkpoint; `Repair` of a copy found corrupt while it was served,
+pushed or scrubbed. A restore (EnsureLocal, a repair, the drain's `.metadata`) goes through
 `restore.Restorer`, whose per-file lock a pushed copy (`receive`) takes too.
 
 No consensus: the DCP coordinator's daemon decides a commit and publishes the cluster
 manifest (`peers/commit.py`); each file records its owner and replica nodes, and the
 node responsible for a file (its owner, or the first reachable holder when the owner
-lost it) keeps k copies (`peers/healer.py`). Deletions are local to a node (`tierckpt
-rm`, retention); a node that deleted a checkpoint refuses pushes and publishes of it
-until it restarts.
+lost it) keeps k copies (`peers/healer.py`). `tierckpt rm`, `pin` and `unpin` reach
+every node (`peers/operations.py`: marks, journaled, re-sent, carried in ListManifests);
+retention's deletions are local to a node, which refuses publishes of what it deleted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.unfinished import Resolution
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import Heal, JobQueue, Repair
 from tierckptd.memory.incoming import install_copy
@@ -36,7 +37,9 @@ from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerClient
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer
+from tierckptd.peers.marks import Mark
 from tierckptd.peers.membership import ChannelFactory, Membership
+from tierckptd.peers.operations import ClusterOps
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -101,6 +104,15 @@ class Cluster:
         self._stop = threading.Event()
         self.jobs: JobQueue[Job] = JobQueue(self._run, name="tierckptd-replicator")
         self.committer = Committer(catalog, client, self._queue_heal)
+        # Cluster rm / pin / unpin (peers/operations.py); the journal is re-applied now,
+        # after the memory tier was adopted and before any peer is heard.
+        self.ops = ClusterOps(
+            catalog,
+            client,
+            members=lambda: self.members,
+            manifest_from=self.committer.manifest_from,
+        )
+        self.ops.replay()
         self.healer = Healer(
             catalog,
             client,
@@ -135,6 +147,7 @@ class Cluster:
     # ---- background work --------------------------------------------------------------
     def start(self) -> None:
         self.jobs.start()
+        self.ops.start()
         if self.heal_interval > 0:
             self._heal_thread = threading.Thread(
                 target=self._heal_loop, name="tierckptd-healer", daemon=True
@@ -144,6 +157,7 @@ class Cluster:
     def stop(self) -> None:
         self._stop.set()
         self.jobs.stop()
+        self.ops.stop()
         if self._heal_thread is not None:
             self._heal_thread.join(timeout=5.0)
         self.membership.close()
@@ -157,6 +171,7 @@ class Cluster:
                 self.healer.heal(job.namespace, job.checkpoint_id)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
+                metrics.REPAIRED_COPIES.inc()
         except CheckpointNotFound:
             pass  # deleted or evicted meanwhile
         except TierckptError as e:
@@ -189,6 +204,29 @@ class Cluster:
 
     def pull_manifests(self) -> int:
         return self.committer.pull_manifests()
+
+    def resolve_unfinished(self, namespace: str, checkpoint_id: str) -> Resolution:
+        return self.committer.resolve_unfinished(namespace, checkpoint_id)
+
+    def republish_own(self) -> int:
+        return self.committer.republish_own()
+
+    # ---- cluster rm / pin / unpin -------------------------------------------------------
+    def remove(self, namespace: str, checkpoint_id: str) -> int:
+        """`tierckpt rm` on every node and the persistent tier (`ClusterOps.remove`)."""
+        return self.ops.remove(namespace, checkpoint_id)
+
+    def pin(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView:
+        """`tierckpt pin` / `unpin` on every node (`ClusterOps.pin`)."""
+        return self.ops.pin(namespace, checkpoint_id, pinned)
+
+    def apply_mark(self, mark: Mark) -> bool:
+        """A peer's ApplyMark (the servicer checked it is the mark's origin)."""
+        return self.ops.receive(mark)
+
+    def marks(self, namespace: str = "") -> list[Mark]:
+        """The marks this node serves in ListManifests."""
+        return self.ops.marks(namespace)
 
     # ---- copies pushed here, copies served --------------------------------------------
     def receive(

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, TierckptError
 
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.unfinished import Resolution
 from tierckptd.memory.incoming import restore_plan
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, coordinator_of
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
-from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
+from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 
 __all__ = ["Committer", "claims"]
 
@@ -147,15 +148,23 @@ class Committer:
         raise CheckpointNotFound(f"node {node} does not know {namespace}/{checkpoint_id}")
 
     def pull_manifests(self) -> int:
-        """Adopt committed checkpoints peers know and this node does not (a replacement
-        node that came back empty); returns how many were new."""
+        """At start: adopt committed checkpoints peers know and this node does not (a
+        replacement node that came back empty); returns how many were new.
+
+        The peers are told this node is starting, so they heal at once every checkpoint
+        it owned or held copies of, and this node heals the ones it adopted: a file lost
+        with this node's memory is copied again, or its checkpoint listed LOST on every
+        node, within seconds rather than at the next heal round."""
         known = set(self.catalog.committed_keys())
         adopted: list[CheckpointRecord] = []
 
         def unanswered(node: str, e: PeerCallError) -> None:
             logger.info("no manifests from %s: %s", node, e.code)
 
-        for node, got in self.client.each(self.client.list_manifests, on_error=unanswered).items():
+        def manifests(node: str) -> Manifests:
+            return self.client.list_manifests(node, starting=True)
+
+        for node, got in self.client.each(manifests, on_error=unanswered).items():
             refused = list(got.refused)
             for rec in got.records:
                 try:
@@ -172,6 +181,8 @@ class Committer:
             logger.info(
                 "adopted %d checkpoints from peers' manifests (no local files)", len(adopted)
             )
+            for rec in adopted:
+                self._heal(rec.namespace, rec.checkpoint_id)
             plan = restore_plan(self.node_id, adopted)
             if plan and self.catalog.recycle:
                 threading.Thread(
@@ -181,3 +192,58 @@ class Committer:
                     daemon=True,
                 ).start()
         return len(adopted)
+
+    # ---- saves this node may have missed the commit of ---------------------------------
+    def resolve_unfinished(self, namespace: str, checkpoint_id: str) -> Resolution:
+        """Whether a save this node still sees unfinished was committed by its
+        coordinator: "published" (a peer's manifest of it is adopted now), "absent"
+        (every peer answered without it) or "unknown" (some peer did not answer)."""
+        answered = True
+
+        def unanswered(node: str, e: PeerCallError) -> None:
+            nonlocal answered
+            answered = False
+            logger.info(
+                "%s did not say whether it knows %s/%s: %s", node, namespace, checkpoint_id, e.code
+            )
+
+        got = self.client.each(
+            lambda node: self.client.list_manifests(node, namespace, wait_for_ready=False),
+            on_error=unanswered,
+        )
+        for node, manifests in got.items():
+            for rec in manifests.records:
+                if rec.key != (namespace, checkpoint_id) or coordinator_of(rec.files) != node:
+                    continue
+                if self.catalog.publish(rec):
+                    logger.warning(
+                        "%s/%s: the publish of its commit never reached this node; adopted "
+                        "the manifest from %s (its coordinator) instead",
+                        namespace,
+                        checkpoint_id,
+                        node,
+                    )
+                    self._heal(namespace, checkpoint_id)
+                    return "published"
+        return "unknown" if not answered else "absent"
+
+    def republish_own(self) -> int:
+        """Publish again every committed checkpoint this node coordinates (after a
+        restart: a crash between the manifest and its publish left the peers holding
+        the files of a save they think unfinished); publishing is idempotent. Returns
+        how many were sent."""
+        sent = 0
+        for namespace, checkpoint_id in self.catalog.committed_keys():
+            try:
+                view = self.catalog.get(namespace, checkpoint_id)
+            except CheckpointNotFound:
+                continue
+            if coordinator_of({f.name: f for f in view.files}) != self.node_id:
+                continue
+
+            def publish(node: str, v: CheckpointView = view) -> None:
+                self.client.publish(node, v)
+
+            self.client.each(publish)
+            sent += 1
+        return sent

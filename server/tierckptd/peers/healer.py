@@ -9,36 +9,51 @@ broadcasts them, and keeps the health marks.
 
 The node responsible for a file pushes it: its owner, or, when the owner lost it, the
 first reachable holder in the file's replica order. Nobody else pushes that file.
+
+A file no reachable node holds is "lost" only when every node that held it (its owner
+and its replica nodes) answered without it and the persistent tier does not hold the
+checkpoint: the checkpoint is then listed LOST on every node (each node's healer finds
+it) until a copy reappears. A holder that did not answer may come back: the file is
+only under-replicated then.
+
+Pushing one copy is `peers/push.py`; dropping this node's surplus copies (more than k
+extra) is planned by `peers/trim.py`. A DURABLE checkpoint whose owner answered holding
+none of it (retention let it go to the persistent tier there) is not pushed for: the
+persistent tier serves those files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tierckpt.errors import CheckpointNotFound
 from tierckpt.units import format_size
 
 from tierckptd.catalog import Catalog
-from tierckptd.jobs import StepAside
+from tierckptd.catalog.views import LOST, UNDER
 from tierckptd.model import CheckpointView, FileRecord, Key, State
 from tierckptd.ops import metrics
-from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
+from tierckptd.peers.client import Holdings, PeerClient
 from tierckptd.peers.placement import Member, file_key, preference
+from tierckptd.peers.push import HEARTBEAT, OnCorrupt, Pusher
+from tierckptd.peers.trim import plan_trim
 
-__all__ = ["HEARTBEAT", "FilePush", "HealPlan", "Healer", "plan_heal", "responsible"]
+__all__ = [
+    "HEARTBEAT",
+    "FilePush",
+    "HealPlan",
+    "Healer",
+    "OnCorrupt",
+    "let_go",
+    "plan_heal",
+    "responsible",
+]
 
 logger = logging.getLogger(__name__)
-
-# A push stepping aside sends an empty chunk this often, so the receiver's watchdog
-# (peer_service.STALL_TIMEOUT) sees a live stream.
-HEARTBEAT = 2.0
-
-LOST = "lost"
-UNDER = "under-replicated"
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,11 @@ def plan_heal(
 
     `holdings`: every reachable node (this one included) and what it holds, in the
     order holders are listed; a node missing from it is unreachable and gets nothing.
+    A node that answered without knowing the checkpoint holds none of it (it was
+    wiped, or retention let the checkpoint go there).
     """
     reachable = list(holdings)
+    durable = view.state is State.DURABLE  # the persistent tier holds every file
     pushes: list[FilePush] = []
     replicas: dict[str, list[str]] = {}
     lost: list[str] = []
@@ -92,7 +110,11 @@ def plan_heal(
     for f in view.files:
         holders = [n for n in reachable if f.name in holdings[n].names]
         if not holders:
-            lost.append(f.name)
+            claimed = {f.owner_node, *f.replica_nodes} - {""}
+            if durable or not claimed <= set(reachable):
+                under.append(f.name)  # restorable from the persistent tier, or may come back
+            else:
+                lost.append(f.name)  # every node that held it answered without it
             continue
         recorded = list(f.replica_nodes)
         if me in holders and responsible(f, holders, me):
@@ -116,7 +138,16 @@ def plan_heal(
     return HealPlan(tuple(pushes), replicas, tuple(lost), tuple(under))
 
 
-OnCorrupt = Callable[[str, str, str, str, str], None]
+def let_go(view: CheckpointView, holdings: Mapping[str, Holdings], me: str) -> CheckpointView:
+    """`view` without the files of a DURABLE checkpoint whose owner answered that it
+    knows the checkpoint but holds none of it: retention let it go to the persistent
+    tier there (or the copy was lost, and the persistent tier has it). Nobody pushes
+    them back nor counts them under-replicated."""
+    if view.state is not State.DURABLE:
+        return view
+    gone = {n for n, h in holdings.items() if n != me and h.known and not h.names}
+    files = tuple(f for f in view.files if f.owner_node not in gone)
+    return view if len(files) == len(view.files) else dataclasses.replace(view, files=files)
 
 
 class Healer:
@@ -139,8 +170,10 @@ class Healer:
         self._members = members
         self._on_corrupt = on_corrupt
         self._stop = stop
+        self._pusher = Pusher(catalog, client, on_corrupt, stop=stop)
         self._lock = threading.Lock()
         self._marks: dict[Key, str] = {}
+        self._lost: dict[Key, tuple[str, ...]] = {}  # the files of a "lost" mark
 
     def mark(self, namespace: str, checkpoint_id: str) -> str:
         """The health mark the last heal of a checkpoint left ("" when healthy)."""
@@ -154,8 +187,9 @@ class Healer:
         except CheckpointNotFound:
             with self._lock:  # deleted (retention, rm): its mark must not outlive it
                 self._marks.pop((namespace, checkpoint_id), None)
+                self._lost.pop((namespace, checkpoint_id), None)
             return None
-        if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE):
+        if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE, State.LOST):
             return None
         if view.state is State.DURABLE and not any(
             f.held or f.owner_node or f.replica_nodes for f in view.files
@@ -171,6 +205,7 @@ class Healer:
         holdings.update(
             self.client.each(lambda node: self.client.holdings(node, namespace, checkpoint_id))
         )
+        view = let_go(view, holdings, me)
         members, k = self._members(), self._k()
         plan = plan_heal(view, holdings, members, k, me)
         if plan.pushes:
@@ -180,16 +215,44 @@ class Healer:
                 for node in p.targets:
                     if got >= p.need:
                         break
-                    if self._push(node, view, files[p.name], holdings[node].known):
+                    if self._pusher.refusing((namespace, checkpoint_id), node):
+                        continue
+                    if self._pusher.push(node, view, files[p.name], holdings[node].known):
                         had = holdings[node]
                         holdings[node] = Holdings(True, had.names | {p.name}, had.files)
                         got += 1
             plan = plan_heal(view, holdings, members, k, me)
+        trims = plan_trim(view, holdings, members, k, me)
         for name, replicas in plan.replicas.items():
-            self.catalog.set_replicas(namespace, checkpoint_id, name, replicas)
-            self.broadcast_replicas(namespace, checkpoint_id, name, replicas)
+            if name not in trims:
+                self.catalog.set_replicas(namespace, checkpoint_id, name, replicas)
+                self.broadcast_replicas(namespace, checkpoint_id, name, replicas)
+        for name, kept in trims.items():
+            self._trim(view, name, kept, k)
         self._record(namespace, checkpoint_id, plan, k)
         return plan
+
+    def _trim(self, view: CheckpointView, name: str, kept: list[str], k: int) -> None:
+        """Drop this node's surplus copy of `name` (peers/trim.py) and tell the peers
+        which nodes keep one."""
+        namespace, checkpoint_id = view.namespace, view.checkpoint_id
+        if not self.catalog.drop_local_copy(namespace, checkpoint_id, name):
+            return
+        size = next(f.size for f in view.files if f.name == name)
+        metrics.TRIMMED_COPIES.inc()
+        metrics.TRIMMED_BYTES.inc(size)
+        logger.info(
+            "%s/%s/%s: dropped the surplus copy on node %s (%s); %d extra copies kept, on %s",
+            namespace,
+            checkpoint_id,
+            name,
+            self.node_id,
+            format_size(size),
+            k,
+            ", ".join(kept) or "the owner only",
+        )
+        self.catalog.set_replicas(namespace, checkpoint_id, name, kept)
+        self.broadcast_replicas(namespace, checkpoint_id, name, kept)
 
     def broadcast_replicas(
         self, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
@@ -200,18 +263,24 @@ class Healer:
 
     def _record(self, namespace: str, checkpoint_id: str, plan: HealPlan, k: int) -> None:
         mark = plan.mark
+        key = (namespace, checkpoint_id)
         with self._lock:
-            previous = self._marks.get((namespace, checkpoint_id), "")
+            previous = self._marks.get(key, ""), self._lost.get(key, ())
             if mark:
-                self._marks[(namespace, checkpoint_id)] = mark
+                self._marks[key] = mark
             else:
-                self._marks.pop((namespace, checkpoint_id), None)
-        self.catalog.set_health(namespace, checkpoint_id, mark)
-        if mark != previous:
+                self._marks.pop(key, None)
+            if plan.lost:
+                self._lost[key] = plan.lost
+            else:
+                self._lost.pop(key, None)
+        self.catalog.set_health(namespace, checkpoint_id, mark, plan.lost)
+        if (mark, plan.lost) != previous:
             if plan.lost:
                 logger.error(
-                    "%s/%s: no reachable node holds a valid copy of %s; these files cannot "
-                    "be restored until a holder comes back",
+                    "%s/%s is LOST: every node that held %s answered without it and the "
+                    "persistent tier does not hold the checkpoint; it is never loaded nor "
+                    "picked as the newest until a copy comes back",
                     namespace,
                     checkpoint_id,
                     ", ".join(plan.lost),
@@ -230,53 +299,3 @@ class Healer:
                     "%s/%s: every file has %d extra copies again", namespace, checkpoint_id, k
                 )
         metrics.UNDER_REPLICATED.set(self.catalog.unhealthy_count())
-
-    def _push(self, node: str, view: CheckpointView, f: FileRecord, knows: bool) -> bool:
-        what = f"{view.namespace}/{view.checkpoint_id}/{f.name}"
-        if not knows:
-            try:
-                self.client.publish(node, view)
-            except PeerCallError as e:
-                logger.warning(
-                    "cannot publish %s/%s to %s: %s",
-                    view.namespace,
-                    view.checkpoint_id,
-                    node,
-                    e.cause,
-                )
-                return False
-        path = view.local_paths.get(f.name, "")
-        if not path or f.checksums is None:
-            return False
-        try:
-            self.client.push(node, view.namespace, view.checkpoint_id, f, self._read(path, f))
-        except PeerCallError as e:
-            if e.code == "DATA_LOSS":
-                ok, reason = self.catalog.tier.verify_file(Path(path), f.size, f.checksums)
-                if not ok:
-                    self._on_corrupt(view.namespace, view.checkpoint_id, f.name, reason, "pushed")
-            logger.warning("push of %s to %s failed: %s", what, node, e.cause)
-            return False
-        except FileNotFoundError:
-            return False
-        metrics.REPLICATED_BYTES.inc(f.size)
-        logger.info("replicated %s to %s (%s)", what, node, format_size(f.size))
-        return True
-
-    def _read(self, path: str, f: FileRecord) -> Iterator[tuple[int, bytes]]:
-        """The file's bytes in checksum blocks, unverified (the receiver verifies);
-        stepping aside between blocks while a save writes, with heartbeats."""
-        assert f.checksums is not None
-        step = f.checksums.block_size
-        aside = StepAside(self.catalog.saving, stop=self._stop)
-        with open(path, "rb", buffering=0) as fh:
-            pos = 0
-            while pos < f.size:
-                # Between blocks: a save may start mid-file.
-                while aside.wait(HEARTBEAT):
-                    yield pos, b""  # still here
-                data = fh.read(min(step, f.size - pos))
-                if not data:
-                    return
-                yield pos, data
-                pos += len(data)

@@ -4,28 +4,32 @@ One `Drainer` per daemon (when ``[persistent] url`` or ``allowed_urls`` is set).
 committed checkpoint whose sequence is a multiple of ``[persistent] every`` is *due*; it
 drains to the tier its manifest names (`persistent.stores`), and one whose URL this node
 does not allow is refused like a hostile `.metadata` (below). Each node
-uploads the data files it owns (verified reads of its memory tier, `max_concurrency` at a
-time, skipped when the marker already describes the same bytes, so a resumed drain does
-not upload twice). The node that owns `.metadata` then writes the bookkeeping a restore
-needs (the checkpoint's manifest: original sizes and block checksums, and the original
-`.metadata`) and commits with `PersistentTier.upload_metadata_last`, which refuses until
-every owner's files are there; it simply retries later. Other nodes poll `is_durable`.
+uploads the data files it is responsible for (verified reads of its memory tier,
+`max_concurrency` at a time, skipped when the marker already describes the same bytes, so
+a resumed drain does not upload twice). The committing node then writes the bookkeeping a
+restore needs (the checkpoint's manifest: original sizes and block checksums, and the
+original `.metadata`) and commits with `PersistentTier.upload_metadata_last`, which
+refuses until every data file is there; it simply retries later. Other nodes poll
+`is_durable`.
 
 Failures never lose anything: a checkpoint that is due and not durable is pinned in
 memory (`Catalog._apply_retention`), and the job is retried with backoff. A restarted
-daemon rebuilds the queue from its manifests (`resume`). On SIGTERM `emergency` drains
-the newest committed checkpoint within a deadline: it stops the background worker first
-and sets the tier's deadline (`PersistentTier.set_deadline`), so every remote call, the
-worker's in-flight one included, gives up by then even with S3 down.
+daemon rebuilds the queue from its manifests (`resume`). On SIGTERM `emergency` uploads
+every file this node holds (owner or replica) of the newest checkpoint it holds in each
+namespace, and commits it if it can, within a deadline: it stops the background worker
+first and sets the tier's deadline (`PersistentTier.set_deadline`), so every remote call,
+the worker's in-flight one included, gives up by then even with S3 down.
 
-Giving up (audit M7). An attempt ends durable, waiting (another node commits, or other
-owners still upload) or failed. Waits and failures back off exponentially from `poll` to
-`max_backoff`. After `max_failures` failures in a row, or `max_wait` seconds without
-becoming durable, the checkpoint is *drain-failed*: "drain-failed" in its tiers (`tierckpt
-ls`), counted by the ``tierckpt_drain_failed_checkpoints`` gauge, and retried only every
-`failed_retry` seconds, so an outage still recovers by itself while a checkpoint that never
-drains costs one probe every few minutes. It stays pinned in memory: invariant 6, an
-outage delays durability but never loses it.
+Who uploads which file and who commits (`drain_plan`): a file's owner, or, once the owner
+is gone (answered without it, unreachable past `owner_grace`), the first live holder in
+its replica order; `.metadata` is committed by the coordinator, or, once it is gone, by
+the first live holder of `.metadata`. `peers` (wired in main.py) asks the peers what they
+hold; without it each node drains only its own files.
+
+Giving up (audit M7, `drain_backoff`): waits and failures back off exponentially; after
+`max_failures` failures in a row, or `max_wait` seconds without becoming durable, the
+checkpoint is *drain-failed* and retried only every `failed_retry` seconds. It stays
+pinned in memory: invariant 6, an outage delays durability but never loses it.
 
 `.metadata` is decoded with the allow-list (`tierckpt.dcp_metadata`), never unpickled. One
 it refuses (a hostile or unparsable pickle), or a checkpoint with no `.metadata`, can never
@@ -49,7 +53,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -73,6 +76,16 @@ from tierckptd.persistent.discovery import (
     adopt_all,
     write_index_entry,
 )
+from tierckptd.persistent.drain_backoff import DrainBackoff
+from tierckptd.persistent.drain_plan import (
+    Liveness,
+    Outcome,
+    PeerLookup,
+    Presence,
+    is_current,
+    plan_drain,
+)
+from tierckptd.persistent.emergency import emergency_drain
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.retention import PersistentRetention
@@ -80,7 +93,15 @@ from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent.stores import Stores
 
-__all__ = ["MANIFEST_OBJECT", "METADATA_OBJECT", "Drainer", "Restore", "fingerprint"]
+__all__ = [
+    "MANIFEST_OBJECT",
+    "METADATA_OBJECT",
+    "Drainer",
+    "Outcome",
+    "PeerLookup",
+    "Restore",
+    "fingerprint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +129,11 @@ class Drainer:
     """Background drain of due checkpoints; one worker thread, jobs retried with backoff.
 
     Args:
-        poll: the first delay after a waiting or failed attempt; doubles each time.
-        max_backoff: the longest delay between attempts of a checkpoint not drain-failed.
-        max_failures: failed attempts in a row after which it is drain-failed.
-        max_wait: seconds without becoming durable after which it is drain-failed.
-        failed_retry: the delay between attempts of a drain-failed checkpoint.
+        peers: asks every configured peer what it holds of a checkpoint (main.py wires
+            the peer client); None: each node drains only its own files.
+        owner_grace: seconds an unreachable owner (or coordinator) is waited for before
+            a replica holder drains its files (or commits) instead.
+        poll, max_backoff, max_failures, max_wait, failed_retry: see `DrainBackoff`.
     """
 
     def __init__(
@@ -123,6 +144,8 @@ class Drainer:
         *,
         keep_last: int = 0,
         keep_every: int = 0,
+        peers: PeerLookup | None = None,
+        owner_grace: float = 30.0,
         poll: float = 0.5,
         max_backoff: float = 10.0,
         max_failures: int = 8,
@@ -136,19 +159,18 @@ class Drainer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.retention = PersistentRetention(catalog, keep_last, keep_every)
+        self.peers = peers
+        self.liveness = Liveness(owner_grace)
         self.poll = poll
-        self.max_backoff = max_backoff
-        self.max_failures = max_failures
-        self.max_wait = max_wait
-        self.failed_retry = failed_retry
-        self._cv = threading.Condition()  # guards the counters below
+        self.backoff = DrainBackoff(
+            catalog,
+            poll=poll,
+            max_backoff=max_backoff,
+            max_failures=max_failures,
+            max_wait=max_wait,
+            failed_retry=failed_retry,
+        )
         self._queue: JobQueue[Drain] = JobQueue(self._job, name="tierckptd-drain")
-        # Per checkpoint, since its last success: unsuccessful attempts in a row (the
-        # backoff), failed ones in a row, when the first one was; and the ones given up on.
-        self._tries: dict[Key, int] = {}
-        self._failures: dict[Key, int] = {}
-        self._since: dict[Key, float] = {}
-        self._failing: set[Key] = set()
         self._drain_lock = threading.Lock()
         metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
 
@@ -188,7 +210,7 @@ class Drainer:
             return None  # refused (logged, counted and marked by drain): never retried
         except PersistentTierUnavailable as e:
             logger.warning("persistent tier drain of %s/%s delayed: %s", *key, e)
-            return self._unsuccessful(key, e)
+            return self.backoff.unsuccessful(key, e)
         except Exception as e:
             logger.warning(
                 "persistent tier drain of %s/%s failed: %s: %.300s",
@@ -197,95 +219,18 @@ class Drainer:
                 e,
                 exc_info=not isinstance(e, TierckptError | OSError),  # a bug: the traceback
             )
-            return self._unsuccessful(key, e)
+            return self.backoff.unsuccessful(key, e)
         if done:
-            self._succeeded(key)
+            self.backoff.succeeded(key)
             return None
-        return self._unsuccessful(key, None)
-
-    # ---- giving up ----------------------------------------------------------------------
-    def _unsuccessful(self, key: Key, error: Exception | None) -> float:
-        """Count a waiting (`error` None) or failed attempt; the delay before the next."""
-        now = time.monotonic()
-        with self._cv:
-            tries = self._tries[key] = self._tries.get(key, 0) + 1
-            since = self._since.setdefault(key, now)
-            if error is None:
-                self._failures.pop(key, None)  # the tier answered
-                failures = 0
-            else:
-                failures = self._failures[key] = self._failures.get(key, 0) + 1
-            failing = key in self._failing
-        if not failing:
-            if failures >= self.max_failures:
-                why = (
-                    f"failed {failures} times in a row (last: {type(error).__name__}: "
-                    f"{str(error)[:300]})"
-                )
-                self._give_up(key, why)
-                failing = True
-            elif now - since >= self.max_wait:
-                why = (
-                    f"is not durable after {now - since:.0f}s of waiting (for other nodes' "
-                    "uploads, or for the node that owns .metadata to commit it)"
-                )
-                self._give_up(key, why)
-                failing = True
-        if failing:
-            return self.failed_retry
-        return float(min(self.max_backoff, self.poll * 2.0 ** min(tries - 1, 30)))
-
-    def _give_up(self, key: Key, why: str) -> None:
-        with self._cv:
-            self._failing.add(key)
-        self.catalog.set_drain_failed(*key, True)
-        logger.error(
-            "persistent tier drain of %s/%s %s; marked drain-failed (see tierckpt ls) and "
-            "retried every %.0fs; it stays in memory until it is durable. Fix the cause "
-            "(the persistent tier's reachability, credentials, or the other nodes); "
-            "Drainer.retry_failed() (SIGHUP) retries at once",
-            *key,
-            why,
-            self.failed_retry,
-        )
-
-    def _succeeded(self, key: Key) -> None:
-        with self._cv:
-            for counter in (self._tries, self._failures, self._since):
-                counter.pop(key, None)
-            recovered = key in self._failing
-            self._failing.discard(key)
-        if recovered:
-            self.catalog.set_drain_failed(*key, False)
-            logger.info("persistent tier drain of %s/%s recovered: it is durable", *key)
-
-    def _refuse(self, key: Key, error: UnsafeMetadata) -> None:
-        """A `.metadata` that can never drain: drain-failed at once, no longer due."""
-        metrics.REFUSED_METADATA.labels(where="drain").inc()
-        with self._cv:
-            for counter in (self._tries, self._failures, self._since):
-                counter.pop(key, None)
-            self._failing.discard(key)
-        self.catalog.set_drain_failed(*key, True, refused=True)
-        logger.error(
-            "persistent tier drain of %s/%s refused: %s. The checkpoint is not drained and "
-            "is marked drain-failed (see tierckpt ls); it is not retried and memory "
-            "retention may evict it. Delete it (tierckpt rm %s %s) or save it again",
-            *key,
-            error,
-            *key,
-        )
+        return self.backoff.unsuccessful(key, None)
 
     def retry_failed(self) -> int:
         """Operator override (SIGHUP): retry every drain-failed checkpoint now, with
         fresh counters. Returns how many were queued."""
         keys = sorted(self.catalog.drain_failed())
         for key in keys:
-            with self._cv:
-                for counter in (self._tries, self._failures, self._since):
-                    counter.pop(key, None)
-                self._failing.discard(key)
-            self.catalog.set_drain_failed(*key, False)
+            self.backoff.reset(key)
             self.enqueue(*key)
         if keys:
             logger.info("retrying the drain of %d drain-failed checkpoint(s)", len(keys))
@@ -293,7 +238,8 @@ class Drainer:
 
     # ---- one attempt ------------------------------------------------------------------
     def drain(self, namespace: str, checkpoint_id: str) -> bool:
-        """One attempt: upload what this node owns, commit if it holds `.metadata`.
+        """One attempt: upload the files this node is responsible for, commit if it is
+        the committer (`drain_plan`).
 
         Returns True when the checkpoint is durable (or gone), False to try again later.
 
@@ -303,9 +249,11 @@ class Drainer:
                 drain-failed and no longer due.
         """
         with self._drain_lock:
-            return self._drain_or_refuse(namespace, checkpoint_id)
+            return self._drain_or_refuse(namespace, checkpoint_id) is Outcome.DURABLE
 
-    def _drain_or_refuse(self, namespace: str, checkpoint_id: str) -> bool:
+    def _drain_or_refuse(
+        self, namespace: str, checkpoint_id: str, *, everything: bool = False
+    ) -> Outcome:
         key = (namespace, checkpoint_id)
         if self.catalog.drain_failed().get(key):
             raise UnsafeMetadata(
@@ -313,9 +261,9 @@ class Drainer:
                 "refused; Drainer.retry_failed() (SIGHUP) decodes it again"
             )
         try:
-            return self._drain(namespace, checkpoint_id)
+            return self._drain(namespace, checkpoint_id, everything)
         except UnsafeMetadata as e:
-            self._refuse(key, e)
+            self.backoff.refuse(key, e)
             raise
 
     def _tier(self, namespace: str, checkpoint_id: str, url: str) -> PersistentTier:
@@ -329,17 +277,26 @@ class Drainer:
             )
         return tier
 
-    def _drain(self, namespace: str, checkpoint_id: str) -> bool:
+    def _presence(self, namespace: str, checkpoint_id: str, ask: list[FileRecord]) -> Presence:
+        """This node's view of the others: the owners and replica nodes of the files in
+        `ask` are asked what they hold (no one when `ask` is empty)."""
+        if not ask or self.peers is None:
+            return Presence(self.node_id)
+        nodes = {n for f in ask for n in (f.owner_node, *f.replica_nodes)} - {"", self.node_id}
+        peers = self.peers(namespace, checkpoint_id, sorted(nodes))
+        return Presence(self.node_id, peers, self.liveness.observe(peers))
+
+    def _drain(self, namespace: str, checkpoint_id: str, everything: bool) -> Outcome:
         if self.catalog.is_durable(namespace, checkpoint_id):
-            return True
+            return Outcome.DURABLE
         try:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
-            return True  # deleted meanwhile
+            return Outcome.DURABLE  # deleted meanwhile
         tier = self._tier(namespace, checkpoint_id, view.persistent_url)
         if tier.is_durable(namespace, checkpoint_id):
             self.catalog.mark_durable(namespace, checkpoint_id)
-            return True
+            return Outcome.DURABLE
         files = {f.name: f for f in view.files}
         meta = files.get(METADATA_FILE)
         if meta is None:
@@ -347,31 +304,63 @@ class Drainer:
                 f"{namespace}/{checkpoint_id} has no .metadata, so it is not a DCP "
                 "checkpoint and cannot be drained"
             )
-        mine = [
-            f
-            for f in view.files
-            if f.name != METADATA_FILE and f.owner_node == self.node_id and f.held
-        ]
-        committer = meta.owner_node == self.node_id or (not meta.owner_node and meta.held)
-        if not committer and self.retention.superseded(tier, namespace, checkpoint_id):
-            return True
+        me = self.node_id
+        data = [f for f in view.files if f.name != METADATA_FILE]
+        meta_copy = meta.held and meta.owner_node != me  # may commit if the coordinator is gone
+        listed = any(f.held for f in data) or meta_copy
+        uploaded = tier.uploaded(namespace, checkpoint_id) if listed else {}
+        pending = [f.name for f in data if not is_current(uploaded.get(f.name), f)]
+        # The peers matter when this node holds another owner's file that is not up yet,
+        # or a copy of another coordinator's .metadata (asked whenever the peers are, so
+        # a coordinator never counts as gone for not being asked).
+        ask = (
+            []
+            if everything
+            else [files[n] for n in pending if files[n].held and files[n].owner_node != me]
+        )
+        if meta_copy and not everything and (ask or not pending):
+            ask.append(meta)
+        plan = plan_drain(
+            view.files,
+            pending,
+            self._presence(namespace, checkpoint_id, ask),
+            everything=everything,
+        )
+        if plan.unheld:
+            logger.debug(
+                "drain of %s/%s: no live node holds %s", namespace, checkpoint_id, plan.unheld
+            )
+        if not plan.commit and self.retention.superseded(tier, namespace, checkpoint_id):
+            return Outcome.DURABLE
         metadata: bytes | None = None
-        if mine:
-            uploaded = tier.uploaded(namespace, checkpoint_id)
-            todo = [
-                f
-                for f in mine
-                if (m := uploaded.get(f.name)) is None
-                or m.fingerprint != fingerprint(f)
-                or m.source_size != f.size
-            ]
-            if todo:
-                metadata, items = self._metadata(namespace, checkpoint_id)
-                self._upload(tier, namespace, checkpoint_id, todo, items)
-        if not committer:
-            return False  # the owner of .metadata commits; the next attempt probes
+        if plan.upload:
+            theirs = [n for n in plan.upload if files[n].owner_node != me]
+            if theirs:
+                logger.info(
+                    "drain of %s/%s: uploading %d file(s) other nodes own (%s)",
+                    namespace,
+                    checkpoint_id,
+                    len(theirs),
+                    "SIGTERM" if everything else "their owner is gone",
+                )
+            metadata, items = self._metadata(namespace, checkpoint_id)
+            self._upload(tier, namespace, checkpoint_id, [files[n] for n in plan.upload], items)
+        if not plan.commit:
+            return Outcome.UPLOADED if everything else Outcome.WAITING
         if metadata is None:
             metadata, _ = self._metadata(namespace, checkpoint_id)
+        return self._commit(tier, namespace, checkpoint_id, metadata, plan.by_rule)
+
+    def _commit(
+        self,
+        tier: PersistentTier,
+        namespace: str,
+        checkpoint_id: str,
+        metadata: bytes,
+        by_rule: bool,
+    ) -> Outcome:
+        """Bookkeeping, then `.metadata` last; persistent retention after a commit by the
+        committer the rule names (not after SIGTERM's best-effort one)."""
         tier.put_bookkeeping(
             namespace,
             checkpoint_id,
@@ -383,16 +372,21 @@ class Drainer:
             fault("drain.metadata")
             tier.upload_metadata_last(namespace, checkpoint_id, metadata)
         except CheckpointIncomplete as e:
-            logger.debug("drain of %s/%s waits for other owners: %s", namespace, checkpoint_id, e)
-            return False
+            logger.debug("drain of %s/%s waits for other nodes: %s", namespace, checkpoint_id, e)
+            return Outcome.WAITING if by_rule else Outcome.UPLOADED
         fault("drain.after_metadata")
         self.catalog.mark_durable(namespace, checkpoint_id)
+        if not by_rule:
+            logger.info(
+                "%s/%s committed on SIGTERM by a holder of .metadata", namespace, checkpoint_id
+            )
         try:  # after .metadata: a hint for other clusters' discovery, never a commit
             write_index_entry(tier, namespace, checkpoint_id)
         except (PersistentTierUnavailable, OSError) as e:
             logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
-        self.retention.apply(tier, namespace)
-        return True
+        if by_rule:
+            self.retention.apply(tier, namespace)
+        return Outcome.DURABLE
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
         """The memory tier's `.metadata`, verified (fetched from a peer if not held), and
@@ -444,50 +438,18 @@ class Drainer:
 
     # ---- shutdown -----------------------------------------------------------------------
     def emergency(self, deadline: float) -> bool:
-        """SIGTERM: drain the newest committed checkpoint not yet durable, for at most
-        `deadline` seconds. True when it is durable (or there was nothing to do).
+        """SIGTERM's drain within `deadline` seconds (`emergency.emergency_drain`)."""
+        return emergency_drain(self, deadline)
 
-        The background worker is stopped first and the tier's deadline is set for good
-        (the daemon is exiting): every remote call, in flight or not, ends by then.
-        """
-        end = time.monotonic() + deadline
-        self.stop(timeout=0)
-        for tier in self.stores.known():
-            tier.set_deadline(deadline)
-        refused = self.catalog.drain_failed()
-        newest: dict[str, Key] = {}
-        for view in self.catalog.list_checkpoints():
-            newest[view.namespace] = (view.namespace, view.checkpoint_id)
-        keys = [
-            k for k in newest.values() if not self.catalog.is_durable(*k) and not refused.get(k)
-        ]
-        if not keys:
-            return True
-        ok = True
-        for key in keys:
-            logger.info("shutdown: draining %s/%s (deadline %.0fs)", *key, deadline)
-            while True:
-                done = False
-                remaining = end - time.monotonic()
-                if remaining > 0 and self._drain_lock.acquire(timeout=remaining):
-                    try:
-                        done = self._drain_or_refuse(*key)
-                    except UnsafeMetadata:
-                        ok = False
-                        break
-                    except Exception as e:
-                        logger.warning("shutdown drain of %s/%s: %.300s", *key, e)
-                    finally:
-                        self._drain_lock.release()
-                if done:
-                    logger.info("shutdown: %s/%s is durable", *key)
-                    break
-                if time.monotonic() + self.poll > end:
-                    logger.error("shutdown: %s/%s not durable within the deadline", *key)
-                    ok = False
-                    break
-                time.sleep(self.poll)
-        return ok
+    def attempt_locked(self, key: Key, timeout: float, *, everything: bool) -> Outcome | None:
+        """One attempt under the drain lock, waiting at most `timeout` seconds for it
+        (None: the lock was not free in time)."""
+        if timeout <= 0 or not self._drain_lock.acquire(timeout=timeout):
+            return None
+        try:
+            return self._drain_or_refuse(*key, everything=everything)
+        finally:
+            self._drain_lock.release()
 
     # ---- adoption ------------------------------------------------------------------------
     def adopt_durable(self) -> int:

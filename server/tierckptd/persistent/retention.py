@@ -7,7 +7,8 @@ checkpoint still draining is not durable, so it neither counts towards `keep_las
 displaces anything until it lands.
 
 `PersistentRetention` applies it. Only the node that commits a checkpoint's `.metadata`
-deletes (right after it did, `apply`). Every other node may learn a checkpoint is durable
+deletes (right after it did, `apply`); pinned checkpoints, by this node or by a cluster
+pin mark, never. Every other node may learn a checkpoint is durable
 after that node already retired it; `superseded` tells such a node, from the same pure
 policy over the tier's listing, that the checkpoint is no longer due, so it does not pin
 it in memory forever waiting for a durability it will never see.
@@ -18,14 +19,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, CheckpointNotFound, TierUnavailable
 from tierckpt.names import step_of
 
 from tierckptd.catalog import Catalog
+from tierckptd.config_secrets import redact
 from tierckptd.persistent.discovery import remove_index_entry
+from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, step_order
+from tierckptd.persistent.stores import Stores
 
-__all__ = ["PersistentRetention", "persistent_evictions"]
+__all__ = ["PersistentRetention", "persistent_evictions", "remove_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class PersistentRetention:
         if self.keep_last <= 0:
             return
         durable = tier.list_durable(namespace)
-        pinned = [v.checkpoint_id for v in self.catalog.list_checkpoints(namespace) if v.pinned]
+        pinned = sorted(self.catalog.pinned_ids(namespace))  # cluster pins included
         try:
             pinned.append(self.catalog.get(namespace).checkpoint_id)  # the newest, always
         except CheckpointNotFound:
@@ -109,7 +113,10 @@ class PersistentRetention:
         durable = tier.list_durable(namespace)
         ids = sorted({*durable, checkpoint_id}, key=step_order)
         ordered = [(cid, i) for i, cid in enumerate(ids)]
-        if checkpoint_id not in persistent_evictions(ordered, self.keep_last, self.keep_every):
+        pinned = self.catalog.pinned_ids(namespace)  # kept: it must drain like any other
+        if checkpoint_id not in persistent_evictions(
+            ordered, self.keep_last, self.keep_every, pinned
+        ):
             return False
         self.catalog.retire(namespace, checkpoint_id)
         logger.info(
@@ -121,3 +128,41 @@ class PersistentRetention:
             self.keep_last,
         )
         return True
+
+
+def remove_checkpoint(stores: Stores, namespace: str, checkpoint_id: str, url: str) -> bool:
+    """A cluster rm in the persistent tier the checkpoint drained to (`url`, "" for
+    `[persistent] url`): `.metadata` first, so no reader or discovery ever sees a
+    half-deleted checkpoint as durable, then its data, bookkeeping and index entry.
+    Idempotent; True when it was durable there. A URL this node has no tier for (none,
+    or not allowed) has nothing it could delete: logged, False.
+
+    Raises:
+        TierUnavailable: the tier did not answer (the caller retries).
+    """
+    tier = stores.tier(url)
+    if tier is None:
+        logger.warning(
+            "rm %s/%s: no persistent tier %s on this node: nothing deleted there",
+            namespace,
+            checkpoint_id,
+            redact(url) or "([persistent] url is not set)",
+        )
+        return False
+    try:
+        found = tier.is_durable(namespace, checkpoint_id)
+        tier.delete(namespace, checkpoint_id)  # .metadata first
+        remove_index_entry(tier, namespace, checkpoint_id)
+    except OSError as e:  # PersistentTierUnavailable, a 403, ...
+        raise TierUnavailable(
+            f"{TIER_UNAVAILABLE_PREFIX}{tier_label(tier.url)}: cannot delete "
+            f"{namespace}/{checkpoint_id}: {describe_failure(e)}"
+        ) from None
+    logger.info(
+        "rm %s/%s: %s the persistent tier %s",
+        namespace,
+        checkpoint_id,
+        "deleted from" if found else "not durable in",
+        tier_label(tier.url),
+    )
+    return found

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
-from tierckpt.errors import CheckpointNotFound, PermissionDenied
-from tierckpt.names import check_namespace
+from tierckpt.errors import CheckpointNotFound, PermissionDenied, TierUnavailable
+from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
@@ -223,8 +223,27 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> daemon_pb2.DeleteCheckpointResponse:
         self._allow(context, "DeleteCheckpoint", request.namespace)
-        freed = self.catalog.delete(request.namespace, request.checkpoint_id)
+        ns, cid = check_namespace(request.namespace), check_checkpoint_id(request.checkpoint_id)
+        unreachable = self._probe(ns, cid)
+        try:
+            freed = self.cluster.remove(ns, cid)
+        except CheckpointNotFound:
+            if unreachable is not None:
+                raise unreachable from None  # it may be there: say why it was not asked
+            raise
         return daemon_pb2.DeleteCheckpointResponse(freed_bytes=freed)
+
+    def _probe(self, namespace: str, checkpoint_id: str) -> TierUnavailable | None:
+        """Before a cluster rm or pin of a checkpoint this node does not know: learn it
+        if only the persistent tier has it (drained before a restart, or by another
+        cluster); the tier's outage, if it could not be asked."""
+        if self.discovery is None or self.catalog.knows(namespace, checkpoint_id):
+            return None
+        try:
+            self.discovery.probe(namespace, checkpoint_id)
+        except TierUnavailable as e:
+            return e
+        return None
 
     @rpc_method
     def PinCheckpoint(
@@ -232,7 +251,14 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> common_pb2.CheckpointInfo:
         ref = request.ref
         self._allow(context, "PinCheckpoint", ref.namespace)
-        view = self.catalog.set_pinned(ref.namespace, ref.checkpoint_id, request.pinned)
+        ns, cid = check_namespace(ref.namespace), check_checkpoint_id(ref.checkpoint_id)
+        unreachable = self._probe(ns, cid)
+        try:
+            view = self.cluster.pin(ns, cid, request.pinned)
+        except CheckpointNotFound:
+            if unreachable is not None:
+                raise unreachable from None
+            raise
         return to_info(view)
 
     @rpc_method

@@ -19,6 +19,8 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
 - PushFile: only by the file's owner or a listed holder of a copy.
 - UpdateReplicas: by the file's owner or a listed holder, naming configured members
   only; any other member may only add itself (it fetched a copy).
+- ApplyMark (a cluster rm, pin or unpin): any member, for a mark it made itself (its
+  origin_node is the caller); names, kind and stamp are validated.
 - Holdings, FetchFile, ListManifests: any member.
 """
 
@@ -41,11 +43,12 @@ from tierckpt.errors import (
 from tierckpt.names import check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
-from tierckptd.model import FileRecord, State
+from tierckptd.jobs import Heal
+from tierckptd.model import CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
-from tierckptd.peers.client import TRANSFER_TIMEOUT
+from tierckptd.peers.client import TRANSFER_TIMEOUT, mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.placement import coordinator_of
 from tierckptd.peers.security import caller_names
@@ -379,17 +382,45 @@ class PeerService:
 
         return self.errors.call(context, "UpdateReplicas", update)
 
+    def _heal_for(self, caller: str, views: list[CheckpointView]) -> None:
+        """`caller` has just started (restarted, or a replacement that came back empty):
+        heal at once every checkpoint it owned or held copies of, so a copy lost with its
+        memory is re-made, or the checkpoint listed LOST, within seconds (not at the next
+        heal round). Queued, deduplicated: a caller repeating this costs nothing more."""
+        for v in views:
+            if any(f.owner_node == caller or caller in f.replica_nodes for f in v.files):
+                self.cluster.jobs.put(Heal(v.namespace, v.checkpoint_id))
+
     def ListManifests(
         self, request: peer_pb2.ListManifestsRequest, context: Any
     ) -> peer_pb2.ListManifestsResponse:
         def manifests() -> peer_pb2.ListManifestsResponse:
             namespace = check_namespace(request.namespace) if request.namespace else ""
             views = self.catalog.list_checkpoints(namespace)
+            if request.starting:
+                self._heal_for(self.caller(context), views)
             return peer_pb2.ListManifestsResponse(
-                checkpoints=[to_info(v, local_paths=False) for v in views]
+                checkpoints=[to_info(v, local_paths=False) for v in views],
+                marks=[mark_to_wire(m) for m in self.cluster.marks(namespace)],
             )
 
         return self.errors.call(context, "ListManifests", manifests)
+
+    def ApplyMark(
+        self, request: peer_pb2.CheckpointMark, context: Any
+    ) -> peer_pb2.ApplyMarkResponse:
+        def apply() -> peer_pb2.ApplyMarkResponse:
+            caller = self.caller(context)
+            mark = mark_from_wire(request, now=time.time())
+            if mark.origin != caller:
+                raise PermissionDenied(
+                    f"node {caller} may not send a mark made by {mark.origin[:64]}: a node "
+                    "sends only the rm/pin/unpin marks it made (others travel in ListManifests)"
+                )
+            self.cluster.apply_mark(mark)
+            return peer_pb2.ApplyMarkResponse()
+
+        return self.errors.call(context, "ApplyMark", apply)
 
 
 def add_peer_service(cluster: Cluster, server: Any, **limits: Any) -> PeerService:

@@ -22,13 +22,20 @@ MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError and cls not in R
 PREFIXED = {
     errors.TierUnavailable: errors.TIER_UNAVAILABLE_PREFIX,
     errors.NoPersistentTier: errors.NO_PERSISTENT_TIER_PREFIX,
+    errors.CheckpointLost: errors.CHECKPOINT_LOST_PREFIX,
 }
+
+
+def _subclasses(cls: type) -> set[type]:
+    """Every subclass of `cls` that tierckpt.errors defines (the daemon refines some)."""
+    found = {s for sub in cls.__subclasses__() for s in {sub, *_subclasses(sub)}}
+    return {s for s in found if s.__module__ == errors.__name__}
 
 
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
-    assert set(TierckptError.__subclasses__()) == set(MAPPED)
-    assert len(MAPPED) == 11
+    assert _subclasses(TierckptError) - set(REFINEMENTS) == set(MAPPED)
+    assert len(MAPPED) == 12
     for refined, base in REFINEMENTS.items():
         assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
@@ -69,6 +76,7 @@ def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
         (errors.InvalidArgument, ValueError),
         (errors.CheckpointExists, FileExistsError),
         (errors.CheckpointNotFound, FileNotFoundError),
+        (errors.CheckpointLost, FileNotFoundError),
         (errors.MemoryBudgetExceeded, MemoryError),
         (errors.CheckpointIncomplete, RuntimeError),
         (errors.ChecksumMismatch, OSError),
@@ -109,6 +117,13 @@ def test_unavailable_without_the_prefix_is_the_daemon() -> None:
     assert type(back) is errors.DaemonUnavailable
     back = error_from_status(grpc.StatusCode.UNAVAILABLE, "x " + errors.TIER_UNAVAILABLE_PREFIX)
     assert type(back) is errors.DaemonUnavailable  # a prefix, not anywhere in the message
+
+
+def test_data_loss_without_the_prefix_is_a_checksum_mismatch() -> None:
+    back = error_from_status(grpc.StatusCode.DATA_LOSS, "every copy of x found is corrupt")
+    assert type(back) is errors.ChecksumMismatch
+    back = error_from_status(grpc.StatusCode.DATA_LOSS, errors.CHECKPOINT_LOST_PREFIX + "run/s2")
+    assert type(back) is errors.CheckpointLost and isinstance(back, errors.CheckpointNotFound)
 
 
 def test_failed_precondition_without_the_prefix_is_an_incomplete_checkpoint() -> None:

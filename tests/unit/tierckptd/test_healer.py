@@ -35,11 +35,11 @@ def _file(name: str, owner: str, replicas: Iterable[str] = ()) -> FileRecord:
     )
 
 
-def _view(*files: FileRecord) -> CheckpointView:
+def _view(*files: FileRecord, state: State = State.COMMITTED) -> CheckpointView:
     return CheckpointView(
         namespace="run",
         checkpoint_id="s1",
-        state=State.COMMITTED,
+        state=state,
         size_bytes=4 * len(files),
         created_unix=1.0,
         committed_unix=2.0,
@@ -119,16 +119,36 @@ CASES = [
         HealPlan(under=("f",)),
     ),
     Case(
-        "nobody reachable holds it: lost",
+        "nobody reachable holds it, a claimed holder is down: under-replicated (it may return)",
         (_file("f", "a", ["b"]), _file("g", "a")),
         {"a": _held("g"), "c": _held()},
         1,
         "a",
-        HealPlan(
-            pushes=(FilePush("g", ("c",), 1),),
-            lost=("f",),
-            under=(),
-        ),
+        HealPlan(pushes=(FilePush("g", ("c",), 1),), under=("f",)),
+    ),
+    Case(
+        "every claimed holder answered without it: lost",
+        (_file("f", "a", ["b"]), _file("g", "a")),
+        {"a": _held("g"), "b": _held(), "c": _held()},
+        1,
+        "a",
+        HealPlan(pushes=(FilePush("g", _targets("g", "a", {"a", "d"}), 1),), lost=("f",)),
+    ),
+    Case(
+        "a claimed holder that no longer knows the checkpoint holds none of it: lost",
+        (_file("f", "b"),),
+        {"a": _held(), "b": _held(known=False)},
+        1,
+        "a",
+        HealPlan(lost=("f",)),
+    ),
+    Case(
+        "an unclaimed node that holds it (its replica list not told yet) keeps it alive",
+        (_file("f", "b"),),
+        {"a": _held(), "b": _held(), "c": _held("f")},
+        1,
+        "a",
+        HealPlan(under=("f",)),
     ),
     Case(
         "an unreachable claimed holder: under-replicated, no target",
@@ -165,6 +185,16 @@ def test_plan_heal(case: Case) -> None:
     assert plan.lost == case.expect.lost
     assert plan.under == case.expect.under
     assert plan.mark == case.expect.mark
+
+
+def test_a_durable_checkpoint_is_never_lost() -> None:
+    view = _view(_file("f", "a", ["b"]), state=State.DURABLE)
+    plan = plan_heal(view, {"a": _held(), "b": _held()}, MEMBERS, 1, "a")
+    assert plan.lost == () and plan.under == ("f",) and plan.mark == "under-replicated"
+    lost = plan_heal(
+        _view(*view.files, state=State.LOST), {"a": _held(), "b": _held()}, MEMBERS, 1, "a"
+    )
+    assert lost.lost == ("f",)  # LOST stays LOST while nobody holds it
 
 
 def test_plan_heal_is_pure() -> None:
@@ -239,7 +269,7 @@ class FakePeers(PeerClient):
         self.replicas.append((node, name, list(replicas)))
 
     def list_manifests(
-        self, node: str, namespace: str = "", *, wait_for_ready: bool = True
+        self, node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
     ) -> Manifests:
         self._up(node, "ListManifests")
         return Manifests([], [])
@@ -418,7 +448,10 @@ def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
     meta.held = False
     rec.files = {meta.name: meta}
 
-    def manifests(node: str, namespace: str = "", *, wait_for_ready: bool = True) -> Manifests:
+    def manifests(
+        node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
+    ) -> Manifests:
+        assert starting  # at start: the peers heal what this node held at once
         fake._up(node, "ListManifests")
         return Manifests([rec], ["a refused one"])
 

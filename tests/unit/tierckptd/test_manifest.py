@@ -74,6 +74,10 @@ def test_restart_adopts_committed_and_collects_leftovers(make_catalog, save) -> 
     second: Catalog = make_catalog()
     views = second.list_checkpoints("run", include_uncommitted=True)
     assert [(v.checkpoint_id, v.sequence) for v in views] == [("step-2", 2)]
+    # The unfinished save is kept until the peers' manifests are pulled (its coordinator
+    # may have committed it), then collected: no peer knows it.
+    assert second.tier.data_dir("run", "step-3").exists()
+    second.salvage_orphans(final=True)
     assert not second.tier.data_dir("run", "step-3").exists()
     assert second.status().pool_bytes == 5001
     assert second.verify("run", "step-2").ok
@@ -275,5 +279,7 @@ def test_adopt_returns_plain_records_without_a_catalog(make_catalog, save) -> No
     assert list(adopted.records) == [("run", "good")]
     assert adopted.records[("run", "good")].state is State.COMMITTED
     assert adopted.quarantined_bytes == 2000  # kept for inspection, so it counts
-    assert not unfinished.parent.exists()  # an unfinished save is collected
+    # An unfinished save is kept for the catalog to salvage or collect, and counted.
+    assert adopted.orphans == {("run", "half"): {"__0_0.distcp": 100}}
+    assert unfinished.exists() and adopted.orphan_bytes == 100
     assert tier.manifest_path("run", "bad").with_name("bad.json.corrupt").exists()

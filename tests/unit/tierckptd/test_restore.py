@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import (
+    CHECKPOINT_LOST_PREFIX,
     TIER_UNAVAILABLE_PREFIX,
+    CheckpointLost,
     CheckpointNotFound,
     ChecksumMismatch,
     TierUnavailable,
@@ -211,8 +213,13 @@ def test_final_error_precedence() -> None:
     a_missing = Attempt("memory", Outcome.MISSING, "not held")
     a_down = Attempt("persistent s3://b", Outcome.UNAVAILABLE, "503")
     a_corrupt = Attempt("peer b", Outcome.CORRUPT, "block 0")
-    assert isinstance(final_error("x", [a_missing]), CheckpointNotFound)
+    lost = final_error("x", [a_missing])
+    # Every source answered without it: lost (DATA_LOSS), not a checksum error, and
+    # still a CheckpointNotFound to callers that only ask whether it can be had.
+    assert isinstance(lost, CheckpointLost) and isinstance(lost, CheckpointNotFound)
+    assert status_of(lost).name == "DATA_LOSS"
+    assert str(lost).startswith(CHECKPOINT_LOST_PREFIX) and "memory: missing" in str(lost)
     assert isinstance(final_error("x", [a_missing, a_corrupt]), ChecksumMismatch)
     e = final_error("x", [a_missing, a_corrupt, a_down])
     assert isinstance(e, TierUnavailable) and "persistent s3://b" in str(e)
-    assert isinstance(final_error("x", []), CheckpointNotFound)
+    assert isinstance(final_error("x", []), CheckpointLost)

@@ -1,0 +1,296 @@
+"""Cluster-wide marks (rm, pin, unpin) and the journal that keeps them across restarts.
+
+A mark says what a user asked one node to do to a checkpoint everywhere. Each node keeps
+per checkpoint the newest delete mark and the newest pin-or-unpin mark (newest stamp
+wins, ties broken by origin node id): a delete removes every copy committed at or before
+its stamp, so a later pin cannot undo it and a re-save after it is not removed.
+
+The journal is one JSON file under `memory.dir`, replaced atomically after every change
+and validated entry by entry on load (it is in a directory ranks can read). It is
+bounded: marks older than `MAX_AGE` and, beyond `MAX_MARKS` checkpoints, the oldest are
+dropped. It is what a node serves in ListManifests, so a node that was down learns every
+mark on return, and what a restarted node re-applies to its own adopted checkpoints.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt.errors import InvalidArgument
+from tierckpt.names import check_checkpoint_id, check_namespace
+
+from tierckptd.memory.manifest import atomic_write
+from tierckptd.model import CLOCK_SKEW, Key
+
+__all__ = ["MAX_AGE", "MAX_MARKS", "Mark", "MarkJournal", "MarkKind", "check_mark"]
+
+logger = logging.getLogger(__name__)
+
+MAX_MARKS = 16_384  # checkpoints with a mark in the journal (and in a ListManifests answer)
+MAX_AGE = 30 * 86_400.0  # a node down longer than this does not learn the mark
+MAX_JOURNAL_BYTES = 16 << 20
+JOURNAL_NAME = "marks.json"
+_VERSION = 1
+
+
+class MarkKind(enum.Enum):
+    """What a mark does (names match peer.proto MarkKind)."""
+
+    DELETED = "deleted"
+    PINNED = "pinned"
+    UNPINNED = "unpinned"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One cluster operation on a checkpoint, as the origin node applied it."""
+
+    namespace: str
+    checkpoint_id: str
+    kind: MarkKind
+    stamp: float  # the origin's wall clock when it applied it
+    origin: str  # the node a user asked
+
+    @property
+    def key(self) -> Key:
+        return self.namespace, self.checkpoint_id
+
+    def order(self) -> tuple[float, str]:
+        """Newer sorts higher: the stamp, then the origin node id (ties)."""
+        return self.stamp, self.origin
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} {self.namespace}/{self.checkpoint_id} by {self.origin}"
+
+
+def check_mark(
+    namespace: str,
+    checkpoint_id: str,
+    kind: MarkKind,
+    stamp: float,
+    origin: str,
+    *,
+    now: float,
+) -> Mark:
+    """A validated mark: names checked, a finite stamp neither before the epoch nor more
+    than `CLOCK_SKEW` seconds ahead of `now` (InvalidName / InvalidArgument)."""
+    check_namespace(namespace)
+    check_checkpoint_id(checkpoint_id)
+    try:
+        check_namespace(origin)
+    except InvalidArgument:
+        raise InvalidArgument(f"invalid origin node id {origin[:64]!r} of a mark") from None
+    if not isinstance(stamp, float | int) or not math.isfinite(stamp) or stamp <= 0:
+        raise InvalidArgument(f"the stamp of a mark on {namespace}/{checkpoint_id} is not a time")
+    if stamp > now + CLOCK_SKEW:
+        raise InvalidArgument(
+            f"the mark on {namespace}/{checkpoint_id} is stamped {stamp - now:.0f} s in the "
+            f"future (at most {CLOCK_SKEW:.0f} s of clock skew is taken): check the node "
+            f"clocks (NTP) of {origin}"
+        )
+    return Mark(namespace, checkpoint_id, kind, float(stamp), origin)
+
+
+@dataclass
+class _Entry:
+    deleted: Mark | None = None
+    pin: Mark | None = None
+    url: str | None = None  # a delete from the persistent tier this node still owes
+
+    def newest(self) -> float:
+        return max(m.stamp for m in (self.deleted, self.pin) if m is not None)
+
+
+class MarkJournal:
+    """The marks this node knows, persisted under `directory` (thread-safe; its lock is
+    taken under the catalog lock, never the other way round)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        max_marks: int = MAX_MARKS,
+        max_age: float = MAX_AGE,
+    ) -> None:
+        self.path = directory / JOURNAL_NAME
+        self._wall = wall_clock
+        self.max_marks = max_marks
+        self.max_age = max_age
+        self._lock = threading.Lock()
+        self._entries: dict[Key, _Entry] = {}
+        self._load()
+
+    # ---- queries ----------------------------------------------------------------------
+    def marks(self, namespace: str = "") -> list[Mark]:
+        """Every mark (of `namespace`, or all), oldest first."""
+        with self._lock:
+            found = [
+                m
+                for key, e in self._entries.items()
+                if not namespace or key[0] == namespace
+                for m in (e.deleted, e.pin)
+                if m is not None
+            ]
+        return sorted(found, key=Mark.order)
+
+    def deleted(self, namespace: str, checkpoint_id: str) -> Mark | None:
+        with self._lock:
+            e = self._entries.get((namespace, checkpoint_id))
+            return e.deleted if e is not None else None
+
+    def pins(self, namespace: str) -> dict[str, bool]:
+        """checkpoint id -> pinned, per the newest pin or unpin mark of each."""
+        with self._lock:
+            return {
+                key[1]: e.pin.kind is MarkKind.PINNED
+                for key, e in self._entries.items()
+                if key[0] == namespace and e.pin is not None
+            }
+
+    def owed(self) -> dict[Key, str]:
+        """Checkpoints this node still has to delete from the persistent tier (its URL)."""
+        with self._lock:
+            return {k: e.url for k, e in self._entries.items() if e.url is not None}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    # ---- changes ----------------------------------------------------------------------
+    def merge(self, mark: Mark) -> bool:
+        """Keep `mark` if it is newer than what is known of its kind (persisted before
+        this returns); True when it changed anything."""
+        with self._lock:
+            e = self._entries.get(mark.key) or _Entry()
+            if mark.kind is MarkKind.DELETED:
+                if e.deleted is not None and e.deleted.order() >= mark.order():
+                    return False
+                e.deleted = mark
+            else:
+                if e.pin is not None and e.pin.order() >= mark.order():
+                    return False
+                e.pin = mark
+            self._entries[mark.key] = e
+            self._bound()
+            self._save()
+            return mark.key in self._entries
+
+    def owe(self, key: Key, url: str | None) -> None:
+        """Record (a URL) or clear (None) a persistent-tier delete this node owes."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None or e.url == url:
+                return
+            e.url = url
+            self._save()
+
+    def _bound(self) -> None:
+        """Drop marks older than `max_age`, then the oldest beyond `max_marks` (call
+        with the lock held)."""
+        horizon = self._wall() - self.max_age
+        for key in [k for k, e in self._entries.items() if e.newest() < horizon]:
+            del self._entries[key]
+        excess = len(self._entries) - self.max_marks
+        if excess > 0:
+            oldest = sorted(self._entries, key=lambda k: self._entries[k].newest())[:excess]
+            for key in oldest:
+                del self._entries[key]
+
+    # ---- persistence ------------------------------------------------------------------
+    def _save(self) -> None:
+        entries = []
+        for e in self._entries.values():
+            for m in (e.deleted, e.pin):
+                if m is not None:
+                    row: dict[str, object] = {
+                        "namespace": m.namespace,
+                        "checkpoint_id": m.checkpoint_id,
+                        "kind": m.kind.value,
+                        "stamp": m.stamp,
+                        "origin": m.origin,
+                    }
+                    if m.kind is MarkKind.DELETED and e.url is not None:
+                        row["owed_url"] = e.url
+                    entries.append(row)
+        data = json.dumps({"version": _VERSION, "marks": entries}).encode()
+        atomic_write(self.path, data, mode=0o600)
+
+    def _load(self) -> None:
+        raw = self._read()
+        if raw is None:
+            return
+        try:
+            doc = json.loads(raw)
+            rows = (
+                doc["marks"] if isinstance(doc, dict) and doc.get("version") == _VERSION else None
+            )
+            if not isinstance(rows, list):
+                raise ValueError("not a marks journal of this version")
+        except (ValueError, KeyError) as e:
+            logger.error(
+                "the marks journal %s is unreadable (%s): cluster rm/pin marks made while "
+                "this node was down are learnt again from its peers",
+                self.path,
+                str(e)[:200],
+            )
+            return
+        now = self._wall()
+        skipped = 0
+        for row in rows[: 2 * self.max_marks]:
+            try:
+                mark, url = _row(row, now)
+            except (InvalidArgument, ValueError, TypeError, KeyError):
+                skipped += 1
+                continue
+            entry = self._entries.setdefault(mark.key, _Entry())
+            if mark.kind is MarkKind.DELETED:
+                entry.deleted, entry.url = mark, url
+            else:
+                entry.pin = mark
+        if skipped:
+            logger.warning("skipped %d invalid entries of the marks journal %s", skipped, self.path)
+        self._bound()
+
+    def _read(self) -> bytes | None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.error("cannot open the marks journal %s: %s", self.path, e)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_JOURNAL_BYTES:
+                logger.error("the marks journal %s is %d bytes: ignored", self.path, size)
+                return None
+            return os.read(fd, MAX_JOURNAL_BYTES + 1)
+        finally:
+            os.close(fd)
+
+
+def _row(row: object, now: float) -> tuple[Mark, str | None]:
+    if not isinstance(row, dict):
+        raise ValueError("not an object")
+    url = row.get("owed_url")
+    if url is not None and not isinstance(url, str):
+        raise ValueError("owed_url")
+    mark = check_mark(
+        str(row["namespace"]),
+        str(row["checkpoint_id"]),
+        MarkKind(row["kind"]),
+        row["stamp"],
+        str(row["origin"]),
+        now=now,
+    )
+    return mark, url if mark.kind is MarkKind.DELETED else None

@@ -1,0 +1,176 @@
+"""Cluster-wide `tierckpt rm`, `pin` and `unpin` on three real daemons peering on
+loopback, draining to a moto S3 server over HTTP: rm reaches every holder and S3 (and a
+second rm says it is gone), a checkpoint only S3 still knows is removed too, a pin asked
+of one node holds every node's memory retention and the committer's persistent
+retention, and a node that was down during an rm and a pin learns both on return."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tierckpt.daemon_client import DaemonClient
+
+from tests.support import moto_s3
+from tests.support.cli import cli
+from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
+from tests.support.raw_rpc import raw_save
+
+pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
+
+NS = "marks-run"
+WAIT = 60.0
+
+
+def _until(what: str, check: Callable[[], bool], c: LocalCluster, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            logs = "\n".join(d.log_tail(30) for d in c.nodes)
+            raise AssertionError(f"not within {timeout} s: {what}\n{logs}")
+        time.sleep(0.3)
+
+
+def _save(c: LocalCluster, node: int, checkpoint_id: str, saved: SavedCheckpoint) -> None:
+    """One rank's whole save on `node` (it owns every file and coordinates)."""
+    files = {n: saved.data(n) for n in saved.data_names}
+    files[".metadata"] = saved.metadata
+    client = DaemonClient(c.nodes[node].address, timeout_s=60)
+    try:
+        raw_save(client, NS, checkpoint_id, files)
+    finally:
+        client.close()
+
+
+def _s3_keys(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> list[str]:
+    """Every object of the checkpoint: its files, bookkeeping and index entry."""
+    fs = bucket.fs()
+    fs.invalidate_cache()
+    return [p for p in fs.find(f"{bucket.name}/{NS}") if f"/{checkpoint_id}" in p]
+
+
+def _held_by(c: LocalCluster, checkpoint_id: str) -> list[str]:
+    """Nodes whose memory dir still has the checkpoint's data or manifest."""
+    return [
+        d.name
+        for d in c.nodes
+        if d.data_dir(NS, checkpoint_id).exists() or d.manifest_path(NS, checkpoint_id).exists()
+    ]
+
+
+def _overrides(bucket: moto_s3.S3Bucket, **retention: int) -> dict[str, Any]:
+    return {
+        "persistent": {"url": bucket.url(), "storage_options": dict(bucket.storage_options)},
+        "retention": {"memory_keep_last": 0, **retention},
+        "memory": {"budget": "256MiB"},
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> SavedCheckpoint:
+    return save_checkpoint(tmp_path_factory.mktemp("marks") / "ckpt")
+
+
+def test_rm_on_one_node_removes_every_copy_and_the_persistent_one(
+    s3: moto_s3.S3Bucket, saved: SavedCheckpoint
+) -> None:
+    with local_cluster(3, namespace=NS, overrides=_overrides(s3)) as c:
+        _save(c, 0, "step-000001", saved)
+        _save(c, 0, "step-000002", saved)
+        c.wait_state("step-000001", "DURABLE")
+        _until(
+            "step-000001 known everywhere, its files on two nodes",
+            lambda: (
+                len(_held_by(c, "step-000001")) == 3
+                and sum(d.data_dir(NS, "step-000001").exists() for d in c.nodes) >= 2
+            ),
+            c,
+        )
+        assert _s3_keys(s3, "step-000001")
+        # Asked of node 2, which neither coordinates nor owns a file of it.
+        out = cli(c.nodes[2].address, "rm", NS, "step-000001")
+        assert "step-000001" in out.stdout
+        assert not _s3_keys(s3, "step-000001"), "rm left objects in the persistent tier"
+        _until("every node forgot step-000001", lambda: not _held_by(c, "step-000001"), c)
+        for i in range(3):
+            assert list(c.rows(i)) == ["step-000002"], c.rows(i)
+        # Idempotent: nothing is left, and a second rm says so (no traceback).
+        again = cli(c.nodes[1].address, "rm", NS, "step-000001", check=False)
+        assert again.returncode == 1, again
+        assert "removed from every tier" in again.stderr, again.stderr
+        assert "Traceback" not in again.stderr
+        # A checkpoint only the persistent tier still knows (every memory tier lost,
+        # marks journals with them) is found there and removed.
+        c.wait_state("step-000002", "DURABLE")
+        c.lose(0, 1, 2)
+        c.replace(0, 1, 2)
+        cli(c.nodes[1].address, "rm", NS, "step-000002")
+        assert not _s3_keys(s3, "step-000002")
+        _until("no node lists step-000002", lambda: all(c.rows(i) == {} for i in range(3)), c)
+        # The survivors of the first rm never took it back (a publish, an adoption).
+        assert not _held_by(c, "step-000001")
+
+
+def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
+    s3: moto_s3.S3Bucket, saved: SavedCheckpoint
+) -> None:
+    overrides = _overrides(s3, memory_keep_last=1, persistent_keep_last=1)
+    with local_cluster(3, namespace=NS, overrides=overrides) as c:
+        _save(c, 0, "step-000001", saved)
+        c.wait_state("step-000001", "DURABLE")
+        out = cli(c.nodes[2].address, "pin", NS, "step-000001")  # not the committer
+        assert "pinned" in out.stdout
+        _until(
+            "every node shows step-000001 pinned",
+            lambda: all(c.rows(i)["step-000001"]["pinned"] for i in range(3)),
+            c,
+        )
+        for step in (2, 3):
+            _save(c, 0, f"step-00000{step}", saved)
+            c.wait_state(f"step-00000{step}", "DURABLE")
+        # Node 0 committed all three: its memory retention (keep 1) and its persistent
+        # retention (keep 1) would have dropped step-000001 but for node 2's pin.
+        assert c.nodes[0].data_dir(NS, "step-000001").exists()
+        _until(
+            "persistent retention dropped step-000002 (so it runs)",
+            lambda: not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000002")),
+            c,
+        )
+        assert any(k.endswith("step-000001/.metadata") for k in _s3_keys(s3, "step-000001"))
+        for i in range(3):
+            assert "step-000001" in c.rows(i)
+        cli(c.nodes[1].address, "unpin", NS, "step-000001")
+        _save(c, 0, "step-000004", saved)
+        c.wait_state("step-000004", "DURABLE")
+        _until(
+            "step-000001 evicted once unpinned",
+            lambda: (
+                not c.nodes[0].data_dir(NS, "step-000001").exists()
+                and not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000001"))
+            ),
+            c,
+        )
+
+
+def test_a_node_down_during_rm_and_pin_learns_both_on_return(saved: SavedCheckpoint) -> None:
+    with local_cluster(3, namespace=NS) as c:
+        for step in (1, 2):
+            _save(c, 0, f"step-00000{step}", saved)
+        _until("node 2 knows both", lambda: set(c.rows(2)) == {"step-000001", "step-000002"}, c)
+        assert c.nodes[2].manifest_path(NS, "step-000001").exists()
+        c.nodes[2].kill9()  # down, its memory dir kept
+        cli(c.nodes[0].address, "rm", NS, "step-000001")
+        cli(c.nodes[1].address, "pin", NS, "step-000002")
+        c.nodes[2].start()
+        rows = c.rows(2)
+        assert "step-000001" not in rows, rows
+        assert rows["step-000002"]["pinned"], rows
+        assert not _held_by(c, "step-000001")
+        for i in range(3):  # nobody took it back from node 2's adopted manifest
+            assert list(c.rows(i)) == ["step-000002"], c.rows(i)

@@ -1,0 +1,156 @@
+"""Drain from a replica, and SIGTERM's emergency drain of copies held for buddies (issue
+12 point 4): real daemons peering on loopback, a moto S3 server over HTTP, and stock DCP
+(`dcp.load(sd, checkpoint_id="s3://...")`, no tierckpt reader) loading the result.
+
+The coordinator's own drain is held back with a fault point
+(`TIERCKPT_FAULT=drain.upload:delay=...`), so its files reach S3 only through the replica
+holder once the coordinator is killed and its memory wiped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import jobs, moto_s3
+from tests.support.backends import Nodes, StockUrl
+from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.dist_job import run_job
+
+pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
+
+NS = "replica-drain"
+HELD_BACK = "drain.upload:delay=600"  # the coordinator never uploads while this test runs
+
+
+def _overrides(bucket: moto_s3.S3Bucket, **keys: Any) -> dict[str, Any]:
+    return {
+        "persistent": {
+            "url": bucket.url(),
+            "storage_options": dict(bucket.storage_options),
+            **keys,
+        },
+        "memory": {"budget": "256MiB"},
+    }
+
+
+@pytest.fixture
+def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Restart one node of a cluster with its drain held back."""
+
+    def restart(c: LocalCluster, i: int) -> None:
+        c.nodes[i].kill9()
+        monkeypatch.setenv("TIERCKPT_FAULT", HELD_BACK)
+        try:
+            c.nodes[i].start()
+        finally:
+            monkeypatch.delenv("TIERCKPT_FAULT")
+
+    yield restart
+
+
+def _save(c: LocalCluster, world: int, ranks_per_node: int, ids: list[str], root: Path) -> None:
+    backend = Nodes(NS, c.addresses, ranks_per_node)
+    run_job(jobs.save_only, world, backend, ids, str(root), 23, timeout=180)
+
+
+def _stock_load(bucket: moto_s3.S3Bucket, world: int, checkpoint_id: str, root: Path) -> None:
+    results = run_job(
+        jobs.load_and_verify,
+        world,
+        StockUrl(bucket.url(NS)),
+        checkpoint_id,
+        str(root / checkpoint_id),
+        timeout=180,
+    )
+    assert [r["world"] for r in results] == [world] * world
+
+
+def _s3_names(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> set[str]:
+    fs = bucket.fs()
+    fs.invalidate_cache()
+    return {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket.name}/{NS}/{checkpoint_id}")}
+
+
+def _memory_names(c: LocalCluster, i: int, checkpoint_id: str) -> set[str]:
+    directory = c.nodes[i].data_dir(NS, checkpoint_id)
+    return {p.name for p in directory.iterdir()} if directory.is_dir() else set()
+
+
+def _wait_row(c: LocalCluster, i: int, checkpoint_id: str, state: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    row: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        row = c.rows(i).get(checkpoint_id, {})
+        if row.get("state") == state:
+            return
+        time.sleep(0.3)
+    raise AssertionError(
+        f"{checkpoint_id} not {state} on {c.nodes[i].name} within {timeout} s: {row}\n"
+        f"{c.nodes[i].log_tail(60)}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("owner", "n"), [("down", 2), ("replaced", 2), ("down", 3)], ids=["down", "replaced", "3-nodes"]
+)
+def test_a_replica_drains_the_files_of_a_lost_owner_and_commits(
+    s3: moto_s3.S3Bucket, tmp_path: Path, held_back: Any, owner: str, n: int
+) -> None:
+    """node0 coordinates and owns two ranks' files; its drain is held back, then it is
+    killed with its memory. The nodes holding copies of node0's files upload them, and
+    the one holding `.metadata` commits (the coordinator is gone); stock DCP loads it.
+
+    "down": node0 stays down, so the others wait `owner_grace` (1 s) for it first; with
+    3 nodes its copies are spread over both others. "replaced": node0 comes back empty
+    (grace one hour): it answers without its files, so node1 uploads them at once, and
+    node0, the coordinator again, commits."""
+    grace = 1.0 if owner == "down" else 3600.0
+    with local_cluster(n, namespace=NS, copies=1, overrides=_overrides(s3, owner_grace=grace)) as c:
+        held_back(c, 0)
+        _save(c, 2 * n, 2, ["step-000001"], tmp_path)
+        c.wait_state("step-000001", "REPLICATED")
+        owned_by_0 = _memory_names(c, 0, "step-000001")
+        copies = set().union(*(_memory_names(c, i, "step-000001") for i in range(1, n)))
+        assert ".metadata" in owned_by_0 and ".metadata" not in _s3_names(s3, "step-000001")
+        assert owned_by_0 <= copies  # the others hold a copy of each
+        assert not owned_by_0 & _s3_names(s3, "step-000001")  # none of node0's is up yet
+        c.lose(0)
+        if owner == "replaced":
+            c.replace(0)  # without the fault: a plain replacement
+        for i in range(1, n):
+            _wait_row(c, i, "step-000001", "DURABLE", timeout=120)
+        assert _s3_names(s3, "step-000001") == copies
+        if owner == "down":
+            logs = "".join(c.nodes[i].log_path.read_text(errors="replace") for i in range(1, n))
+            assert "other nodes own (their owner is gone)" in logs
+        else:  # node0 may have had copies healed back meanwhile: either may upload them
+            c.wait_state("step-000001", "DURABLE")
+        _stock_load(s3, 2 * n, "step-000001", tmp_path)
+        _stock_load(s3, 2, "step-000001", tmp_path)  # resharded, still stock
+
+
+def test_sigterm_drains_the_copies_a_node_holds_for_a_buddy(
+    s3: moto_s3.S3Bucket, tmp_path: Path
+) -> None:
+    """Both ranks write to node0; node1 holds only replicas. every = 1000: nothing is
+    due, so only node1's SIGTERM drain can put anything in S3: every file of the newest
+    checkpoint it holds (node0's files, .metadata included), committed."""
+    overrides = _overrides(s3, every=1000, shutdown_deadline=60.0)
+    with local_cluster(2, namespace=NS, copies=1, overrides=overrides) as c:
+        _save(c, 2, 2, ["step-000001", "step-000002"], tmp_path)
+        c.wait_state("step-000002", "REPLICATED")
+        c.wait_state("step-000001", "REPLICATED")
+        assert not _memory_names(c, 1, "step-000002") - _memory_names(c, 0, "step-000002")
+        assert not _s3_names(s3, "step-000002")
+        assert c.nodes[1].terminate(timeout=90) == 0
+        assert _s3_names(s3, "step-000002") == _memory_names(c, 0, "step-000002")
+        assert not _s3_names(s3, "step-000001")  # only the newest
+        _stock_load(s3, 2, "step-000002", tmp_path)

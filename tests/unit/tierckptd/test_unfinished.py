@@ -1,0 +1,189 @@
+"""A save whose commit never reached this node is kept until the peers say what became of
+it (catalog/unfinished.py), and a reader's restored copy is not evicted under it.
+
+Files of a multi-node save may be the only copies of a checkpoint its coordinator
+committed: the sweep asks the peers before aborting such a save, and after a restart the
+files left without a manifest (orphans) are installed once a coordinator's manifest
+names them and they verify, or collected once their fate is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from tierckpt.checksum import checksum_bytes
+from tierckptd.catalog import Catalog
+from tierckptd.catalog.unfinished import UNFINISHED_PATIENCE, Resolution
+from tierckptd.model import CheckpointRecord, FileRecord, State
+
+from .conftest import FakeClock, MakeCatalog, Save, write_file
+
+NS = "run"
+MINE = "__1_0.distcp"
+THEIRS = "__0_0.distcp"
+ABANDON = 10.0
+
+
+def _peer_side_save(catalog: Catalog, ckpt: str, data: bytes) -> FileRecord:
+    """Rank 1's file, written and committed on this node (node-b); the save stays
+    WRITING here until the coordinator (node-a) publishes its manifest."""
+    catalog.begin(NS, ckpt, 1)
+    catalog.reserve(NS, ckpt, 1, len(data))
+    write_file(catalog, NS, ckpt, MINE, data, rank=1)
+    return catalog.holdings(NS, ckpt)[1][0]
+
+
+def _manifest(ckpt: str, mine: FileRecord, theirs: bytes) -> CheckpointRecord:
+    """The coordinator's cluster manifest: its own file and node-b's."""
+    files = {
+        MINE: dataclasses.replace(mine, owner_node="node-b", held=False),
+        THEIRS: FileRecord(
+            name=THEIRS,
+            rank=0,
+            size=len(theirs),
+            checksums=checksum_bytes(theirs, block_size=1024),
+            owner_node="node-a",
+            held=False,
+        ),
+    }
+    return CheckpointRecord(NS, ckpt, State.COMMITTED, 1.0, "node-a", 2.0, 5, files=files)
+
+
+def _node_b(make_catalog: MakeCatalog) -> Catalog:
+    return make_catalog(node_id="node-b", budget=1 << 20, abandon_after=ABANDON)
+
+
+def test_the_sweep_adopts_the_coordinators_manifest_instead_of_aborting(
+    make_catalog: MakeCatalog, clock: FakeClock
+) -> None:
+    node = _node_b(make_catalog)
+    data = os.urandom(3000)
+    mine = _peer_side_save(node, "s1", data)
+    asked: list[tuple[str, str]] = []
+
+    def resolve(namespace: str, checkpoint_id: str) -> Resolution:
+        asked.append((namespace, checkpoint_id))
+        node.publish(_manifest(checkpoint_id, mine, b"t" * 100))
+        return "published"
+
+    node.resolve_unfinished = resolve
+    clock.now += ABANDON + 1
+    assert node.sweep() == []
+    assert asked == [(NS, "s1")]
+    view = node.get(NS, "s1")
+    assert view.state is State.COMMITTED
+    assert Path(view.local_paths[MINE]).read_bytes() == data
+
+
+def test_an_unanswered_question_keeps_the_save_until_the_patience_is_spent(
+    make_catalog: MakeCatalog, clock: FakeClock
+) -> None:
+    node = _node_b(make_catalog)
+    _peer_side_save(node, "s1", os.urandom(2000))
+    answers: list[Resolution] = ["unknown"]
+    node.resolve_unfinished = lambda ns, cid: answers[0]
+    clock.now += ABANDON + 1
+    assert node.sweep() == []  # the coordinator may be restarting
+    assert node.holdings(NS, "s1")[1]
+    clock.now += UNFINISHED_PATIENCE * ABANDON
+    assert node.sweep() == [(NS, "s1")]
+    assert node.holdings(NS, "s1")[1] == [] and node.used_bytes() == 0
+
+
+def test_every_peer_answering_without_it_aborts_the_save_at_once(
+    make_catalog: MakeCatalog, clock: FakeClock
+) -> None:
+    node = _node_b(make_catalog)
+    _peer_side_save(node, "s1", os.urandom(2000))
+    node.resolve_unfinished = lambda ns, cid: "absent"
+    clock.now += ABANDON + 1
+    assert node.sweep() == [(NS, "s1")]
+
+
+def test_a_save_without_committed_files_is_aborted_without_asking(
+    make_catalog: MakeCatalog, clock: FakeClock
+) -> None:
+    node = _node_b(make_catalog)
+    node.begin(NS, "s1", 1)
+    node.resolve_unfinished = lambda ns, cid: (_ for _ in ()).throw(AssertionError("asked"))
+    clock.now += ABANDON + 1
+    assert node.sweep() == [(NS, "s1")]
+
+
+def test_after_a_restart_orphan_files_are_installed_when_a_manifest_names_them(
+    make_catalog: MakeCatalog,
+) -> None:
+    node = _node_b(make_catalog)
+    data = os.urandom(5000)
+    mine = _peer_side_save(node, "s1", data)
+    _peer_side_save(node, "s2", os.urandom(700))  # its coordinator never committed it
+    # Restart: a new daemon adopts the memory dir; no manifest, so both are orphans.
+    node.tier.close()
+    node = _node_b(make_catalog)
+    assert node.used_bytes() == 5000 + 700  # on disk: counted until settled
+    assert node.publish(_manifest("s1", mine, b"t" * 100))
+    assert node.salvage_orphans() == 5000
+    view = node.get(NS, "s1")
+    assert Path(view.local_paths[MINE]).read_bytes() == data
+    # s2 is kept (nothing known of it yet) until the patience is spent.
+    s2_dir = node.tier.data_dir(NS, "s2")
+    assert s2_dir.exists()
+    node.salvage_orphans(final=True)
+    assert not s2_dir.exists()
+    assert node.used_bytes() == 5000 + node._budget._manifest_total
+
+
+def test_an_orphan_that_does_not_match_the_manifest_is_collected_not_installed(
+    make_catalog: MakeCatalog,
+) -> None:
+    node = _node_b(make_catalog)
+    mine = _peer_side_save(node, "s1", os.urandom(3000))
+    node.tier.close()
+    node = _node_b(make_catalog)
+    path = node.tier.file_path(NS, "s1", MINE)
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as f:
+        f.write(b"\xff")  # a flipped byte
+    assert node.publish(_manifest("s1", mine, b"t" * 100))
+    assert node.salvage_orphans() == 0
+    assert not node.get(NS, "s1").local_paths[MINE]
+    assert not path.exists()
+    assert node.used_bytes() == node._budget._manifest_total
+
+
+def test_a_readers_restored_copy_is_not_evicted_under_it(
+    make_catalog: MakeCatalog, save: Save, clock: FakeClock
+) -> None:
+    node = make_catalog(budget=1 << 20, memory_keep_last=1)
+    save(node, NS, "s1", {THEIRS: b"a" * 100})
+    # A reader restores a file of s1 from another tier (here: it arrives as a copy).
+    with node._lock:
+        node._records[(NS, "s1")].files[THEIRS].held = False
+    node.tier.remove_file(node.tier.file_path(NS, "s1", THEIRS))
+    tmp = node.start_incoming(NS, "s1", THEIRS, restored=True)
+    assert tmp is not None
+    tmp.write_bytes(b"a" * 100)
+    assert node.finish_incoming(NS, "s1", THEIRS, tmp, True, restored=True)
+    save(node, NS, "s2", {THEIRS: b"b" * 100})  # keep_last = 1 would evict s1 now
+    assert node.get(NS, "s1").local_paths[THEIRS]
+    clock.now += 61
+    save(node, NS, "s3", {THEIRS: b"c" * 100})
+    assert {v.checkpoint_id for v in node.list_checkpoints(NS)} == {"s3"}
+
+
+def test_an_orphan_every_peer_answers_without_is_collected_at_once(
+    make_catalog: MakeCatalog,
+) -> None:
+    node = _node_b(make_catalog)
+    _peer_side_save(node, "s1", os.urandom(900))
+    node.tier.close()
+    node = _node_b(make_catalog)
+    answers: list[Resolution] = ["unknown"]
+    node.resolve_unfinished = lambda ns, cid: answers[0]
+    node.salvage_orphans()
+    assert node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 900
+    answers[0] = "absent"
+    node.salvage_orphans()
+    assert not node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 0
