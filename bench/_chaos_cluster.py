@@ -152,7 +152,9 @@ class ChaosCluster:
         self.saved: dict[int, str] = {}  # save index -> "ok" / "fail", as the job saw it
         self.intact: set[str] = set()  # failed to load through tierckpt, stock S3 load ok
         self.lost: set[str] = set()
-        self.gap: set[str] = set()  # listed, lost, never promised (issue 12 point 3)
+        self.gap: set[str] = set()  # listed COMMITTED, yet no copy of some file is left
+        self.shown_lost: set[str] = set()  # listed LOST, lost at a loss never promised
+        self.lost_errors_named = 0  # loads of those that raised the "lost" error
         self.at_risk: set[str] = set()  # neither REPLICATED nor DURABLE at a node loss
         self.partial: set[str] = set()
         self.files_expected: frozenset[str] | None = None
@@ -368,10 +370,14 @@ class ChaosCluster:
                 self.loads_ok += 1
                 self.verified_ids.add(checkpoint)
                 return True
-        listed = self.snapshot()
+        ls = self.listings()
+        listed = self.snapshot(ls)
         if checkpoint not in listed:
             self.note(f"{checkpoint} failed to load via {self.nodes[node].name}; no longer listed")
             return False  # removed by retention meanwhile: nothing promised any more
+        if checkpoint in self.lost_listed(ls):
+            self.judge_lost(checkpoint)
+            return False
         kind = self._classify(checkpoint, listed[checkpoint][1])
         {"data intact": self.intact, "listed-but-lost": self.gap, "partial": self.partial}.get(
             kind, self.lost
@@ -393,9 +399,38 @@ class ChaosCluster:
             return "partial"
         return "listed-but-lost" if checkpoint in self.at_risk else "LOST"
 
+    @staticmethod
+    def lost_listed(ls: dict[int, dict[str, CheckpointInfo]]) -> set[str]:
+        """Checkpoints some node lists LOST (some file has no copy left on any tier)."""
+        return {c for rows in ls.values() for c, info in rows.items() if info.state == "LOST"}
+
+    def judge_lost(self, checkpoint: str) -> None:
+        """A checkpoint listed LOST: honest when a node loss took the last copy before it
+        was REPLICATED or DURABLE (then its load must raise the "lost" error, naming
+        the files); a partial when its save had failed; else a real loss."""
+        if checkpoint in self.failed():
+            return
+        if checkpoint in self.at_risk:
+            self.shown_lost.add(checkpoint)
+            running = [i for i, d in enumerate(self.nodes) if d.running]
+            error = self.loader.load(checkpoint, self.nodes[running[0]].address) if running else ""
+            if "lost" in error.lower() and "checksum" not in error.lower():
+                self.lost_errors_named += 1
+            else:
+                self.note(f"{checkpoint} is listed LOST but its load said: {error[-300:]!r}")
+            return
+        kind = "partial" if self.outcome(checkpoint) == "fail" else "LOST"
+        (self.partial if kind == "partial" else self.lost).add(checkpoint)
+        self.failures.append(
+            {"checkpoint": checkpoint, "node": "-", "why": "listed LOST", "kind": kind}
+            | {"save": self.outcome(checkpoint) or "?", "error": ""}
+        )
+        print(f"  {kind}: {checkpoint} is listed LOST")
+
     def failed(self) -> set[str]:
-        """Checkpoints that failed to load once (counted; not loaded again)."""
-        return self.lost | self.gap | self.partial | self.intact
+        """Checkpoints that failed to load once or are listed LOST (counted; not loaded
+        again)."""
+        return self.lost | self.gap | self.partial | self.intact | self.shown_lost
 
     def persistent_url(self, checkpoint: str) -> str:
         return f"s3://{BUCKET}/{NS}/{checkpoint}"
@@ -409,6 +444,8 @@ class ChaosCluster:
 
     def check(self, label: str) -> None:
         ls = self.listings()
+        for c in sorted(self.lost_listed(ls) - self.failed(), key=index_of):
+            self.judge_lost(c)
         todo_first: list[str] = []
         ids = sorted(set().union(*ls.values()) - self.failed(), key=index_of) if ls else []
         for rows in ls.values():
@@ -463,7 +500,7 @@ class ChaosCluster:
     def line(self) -> str:
         return (
             f"saves {self.saves_now()} verified {len(self.verified_ids)} lost {len(self.lost)} "
-            f"gap {len(self.gap)} partial {len(self.partial)}"
+            f"gap {len(self.gap)} partial {len(self.partial)} shown-LOST {len(self.shown_lost)}"
         )
 
     def close(self, logs: Path | None = None) -> None:

@@ -65,18 +65,28 @@ def test_an_owner_that_comes_back_leaves_exactly_k_extra_copies(
     assert surplus, "n1 held a copy of some file: it now has three"
     nodes.nodes[1].start()
 
+    last = ""
+
     def trimmed() -> bool:
-        if any(len(on_disk(nodes, "step-1", name)) != 2 for name in DATA):
+        nonlocal last
+        disks = {name: on_disk(nodes, "step-1", name) for name in DATA}
+        last = f"on disk: {disks}"
+        if any(len(holders) != 2 for holders in disks.values()):
             return False
-        for c in nodes.clients:
+        for node, c in zip(nodes.nodes, nodes.clients, strict=True):
             info = c.get_checkpoint(NS, "step-1")
-            for f in info.files:
-                disk = set(on_disk(nodes, "step-1", f.name))
-                if info.state != "REPLICATED" or {f.owner_node, *f.replica_nodes} != disk:
-                    return False
+            lists = {f.name: [f.owner_node, *f.replica_nodes] for f in info.files}
+            last = f"{node.name} lists {info.state} {lists}; on disk: {disks}"
+            if info.state != "REPLICATED" or any(
+                set(lists[name]) != set(disks[name]) for name in DATA
+            ):
+                return False
         return True
 
-    nodes.wait("every file at exactly 2 copies, listed so on every node", trimmed, timeout=60)
+    try:
+        nodes.wait("every file at exactly 2 copies, listed so on every node", trimmed, timeout=60)
+    except AssertionError as e:
+        raise AssertionError(f"{last}\n{e}") from None
     for name, data in DATA.items():
         for node in on_disk(nodes, "step-1", name):
             path = nodes.nodes[int(node[1:])].data_dir(NS, "step-1") / name

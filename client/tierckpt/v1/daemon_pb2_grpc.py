@@ -167,7 +167,11 @@ class DaemonServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteCheckpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Removes a checkpoint from every tier, cluster-wide: every node's memory copies and
+        manifest, and the persistent tier it drained to (.metadata first). A node that is
+        down learns it on return (PeerService.ApplyMark, ListManifests marks). NOT_FOUND
+        when no tier knows it or an earlier delete removed it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -196,8 +200,8 @@ class DaemonServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PinCheckpoint(self, request, context):
-        """Exempts a committed checkpoint from retention in every tier of this node (and, on
-        the node that holds its .metadata, from persistent retention), or lifts that.
+        """Exempts a committed checkpoint from memory and persistent retention on every node,
+        or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

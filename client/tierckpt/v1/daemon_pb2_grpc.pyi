@@ -53,6 +53,11 @@ class DaemonServiceStub:
     """One committed checkpoint with its files; an empty checkpoint_id means the newest."""
     ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.ListCheckpointsRequest, _daemon_pb2.ListCheckpointsResponse]
     DeleteCheckpoint: _grpc.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.DeleteCheckpointResponse]
+    """Removes a checkpoint from every tier, cluster-wide: every node's memory copies and
+    manifest, and the persistent tier it drained to (.metadata first). A node that is
+    down learns it on return (PeerService.ApplyMark, ListManifests marks). NOT_FOUND
+    when no tier knows it or an earlier delete removed it.
+    """
     VerifyCheckpoint: _grpc.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.VerifyCheckpointResponse]
     """Re-reads every file of a checkpoint and checks it against its checksums."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.GetStatusRequest, _daemon_pb2.NodeStatus]
@@ -63,8 +68,8 @@ class DaemonServiceStub:
     kept in this node's memory tier. Returns the entry with local_path set.
     """
     PinCheckpoint: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]
-    """Exempts a committed checkpoint from retention in every tier of this node (and, on
-    the node that holds its .metadata, from persistent retention), or lifts that.
+    """Exempts a committed checkpoint from memory and persistent retention on every node,
+    or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
     """
     SetNamespace: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]
     """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
@@ -94,6 +99,11 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     """One committed checkpoint with its files; an empty checkpoint_id means the newest."""
     ListCheckpoints: _aio.UnaryUnaryMultiCallable[_daemon_pb2.ListCheckpointsRequest, _daemon_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
     DeleteCheckpoint: _aio.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.DeleteCheckpointResponse]  # type: ignore[assignment]
+    """Removes a checkpoint from every tier, cluster-wide: every node's memory copies and
+    manifest, and the persistent tier it drained to (.metadata first). A node that is
+    down learns it on return (PeerService.ApplyMark, ListManifests marks). NOT_FOUND
+    when no tier knows it or an earlier delete removed it.
+    """
     VerifyCheckpoint: _aio.UnaryUnaryMultiCallable[_common_pb2.CheckpointRef, _daemon_pb2.VerifyCheckpointResponse]  # type: ignore[assignment]
     """Re-reads every file of a checkpoint and checks it against its checksums."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_daemon_pb2.GetStatusRequest, _daemon_pb2.NodeStatus]  # type: ignore[assignment]
@@ -104,8 +114,8 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     kept in this node's memory tier. Returns the entry with local_path set.
     """
     PinCheckpoint: _aio.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]  # type: ignore[assignment]
-    """Exempts a committed checkpoint from retention in every tier of this node (and, on
-    the node that holds its .metadata, from persistent retention), or lifts that.
+    """Exempts a committed checkpoint from memory and persistent retention on every node,
+    or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
     """
     SetNamespace: _aio.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]  # type: ignore[assignment]
     """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
@@ -185,7 +195,12 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _common_pb2.CheckpointRef,
         context: _ServicerContext,
-    ) -> _typing.Union[_daemon_pb2.DeleteCheckpointResponse, _abc.Awaitable[_daemon_pb2.DeleteCheckpointResponse]]: ...
+    ) -> _typing.Union[_daemon_pb2.DeleteCheckpointResponse, _abc.Awaitable[_daemon_pb2.DeleteCheckpointResponse]]:
+        """Removes a checkpoint from every tier, cluster-wide: every node's memory copies and
+        manifest, and the persistent tier it drained to (.metadata first). A node that is
+        down learns it on return (PeerService.ApplyMark, ListManifests marks). NOT_FOUND
+        when no tier knows it or an earlier delete removed it.
+        """
 
     @_abc_1.abstractmethod
     def VerifyCheckpoint(
@@ -220,8 +235,8 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _daemon_pb2.PinCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.CheckpointInfo, _abc.Awaitable[_common_pb2.CheckpointInfo]]:
-        """Exempts a committed checkpoint from retention in every tier of this node (and, on
-        the node that holds its .metadata, from persistent retention), or lifts that.
+        """Exempts a committed checkpoint from memory and persistent retention on every node,
+        or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
         """
 
     @_abc_1.abstractmethod

@@ -9,14 +9,15 @@ up front with a message naming the budget. Pool bytes are reclaimable: they are 
 (largest first) whenever a reservation needs room. Long I/O (hashing, preallocation)
 never runs under the lock; renames and small manifest writes do.
 
-The class is built in three layers, one module each: `state.CatalogState` (records,
-lock, budget, pool, views, collection, memory retention and the persistent tier's
-marks), `peer_state.PeerState` (what peers change: publish, incoming copies, replica
-lists, dropped copies) and `Catalog` here (the save lifecycle, queries, background work,
-restart adoption), with `unfinished.UnfinishedSaves` between the last two (saves whose
-coordinator may have committed them: the sweep and restart orphans). Helpers:
-`budget.Budget` (C, R, P and the one admission check), `views.view_of`, `retention`
-(pure policy), and in memory/: `pool.WarmPool`, `adoption.adopt`, `verify.verify_files`.
+The class is built in layers, one module each: `state.CatalogState` (records, lock,
+budget, pool, views, collection, memory retention), `persistent_marks.PersistentMarks`
+(the persistent tier's marks that retention obeys: durable, retired, drain-failed, where
+each checkpoint drains), `peer_state.PeerState` (what peers change: publish, incoming
+copies, replica lists, dropped copies, cluster marks), `unfinished.UnfinishedSaves`
+(saves whose coordinator may have committed them: the sweep and restart orphans) and
+`Catalog` here (the save lifecycle, queries, restart adoption). Helpers: `budget.Budget`
+(C, R, P and the one admission check), `views.view_of`, `retention` (pure policy), and
+in memory/: `pool.WarmPool`, `adoption.adopt`, `verify.verify_files`.
 
 Lock order (outermost first; never take an earlier one while holding a later one):
 

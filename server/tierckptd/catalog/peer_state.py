@@ -19,8 +19,9 @@ from tierckpt.errors import (
 from tierckpt.names import METADATA_FILE
 from tierckpt.units import format_size
 
-from tierckptd.catalog.state import MAX_GONE, CatalogState, listing
-from tierckptd.catalog.views import Health
+from tierckptd.catalog.persistent_marks import PersistentMarks
+from tierckptd.catalog.state import MAX_GONE, listing
+from tierckptd.catalog.views import Health, found
 from tierckptd.model import (
     MAX_REPLICAS,
     MAX_SEQUENCE,
@@ -63,7 +64,7 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
-class PeerState(CatalogState):
+class PeerState(PersistentMarks):
     """What peers (and the other tiers' copies) change in the catalog."""
 
     # The cluster pin marks of a namespace (checkpoint id -> pinned; peers/operations.py),
@@ -312,6 +313,8 @@ class PeerState(CatalogState):
                 raise
             f.held, f.replica_nodes = True, replicas
             self._track(rec)
+            if (health := found(self._health.get(rec.key), name)) is not None:
+                self._health[rec.key] = health  # a copy here: that file is not lost
             if restored:
                 self._landed[rec.key] = self._clock()
             return True

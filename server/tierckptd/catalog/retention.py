@@ -20,6 +20,7 @@ class Candidate:
     checkpoint_id: str
     sequence: int
     pinned: bool = False
+    lost: bool = False  # listed LOST: some file has no copy left
 
 
 def memory_evictions(committed: Iterable[Candidate], keep_last: int) -> list[str]:
@@ -32,13 +33,22 @@ def memory_evictions(committed: Iterable[Candidate], keep_last: int) -> list[str
     if keep_last <= 0:
         return []
     ordered = sorted(committed, key=lambda c: c.sequence, reverse=True)
-    return [c.checkpoint_id for c in ordered[keep_last:] if not c.pinned]
+    kept = [c for c in ordered if not c.lost][:keep_last]
+    # A LOST checkpoint never takes a complete one's place in the window; it goes once
+    # `keep_last` complete ones newer than it are kept.
+    floor = kept[-1].sequence if len(kept) == keep_last else -1
+    return [
+        c.checkpoint_id
+        for c in ordered
+        if c not in kept and not c.pinned and (not c.lost or c.sequence < floor)
+    ]
 
 
 def evictions_by_coordinator(
     committed: Iterable[CheckpointRecord],
     keep_last: int,
     held: Callable[[CheckpointRecord], bool],
+    lost: Callable[[CheckpointRecord], bool] = lambda r: False,
 ) -> list[str]:
     """Ids of one namespace's committed checkpoints to evict from memory.
 
@@ -47,7 +57,8 @@ def evictions_by_coordinator(
     coordinates. One job has one coordinator, so this is the plain window; a job whose
     coordinator moved keeps the old one's last checkpoints until they are removed
     (`tierckpt rm`). A checkpoint `held` (pinned, or due for the persistent tier and not
-    durable there yet: invariant 6) is never evicted.
+    durable there yet: invariant 6) is never evicted; a `lost` one (listed LOST) does not
+    count against the window.
     """
     groups: dict[str, list[CheckpointRecord]] = {}
     for r in sorted(committed, key=lambda r: r.order):
@@ -56,7 +67,7 @@ def evictions_by_coordinator(
         checkpoint_id
         for group in groups.values()
         for checkpoint_id in memory_evictions(
-            [Candidate(r.checkpoint_id, i, held(r)) for i, r in enumerate(group, start=1)],
+            [Candidate(r.checkpoint_id, i, held(r), lost(r)) for i, r in enumerate(group, start=1)],
             keep_last,
         )
     ]

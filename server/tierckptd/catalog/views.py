@@ -17,7 +17,7 @@ from tierckpt.errors import CHECKPOINT_LOST_PREFIX, CheckpointLost
 
 from tierckptd.model import CheckpointRecord, CheckpointView, State
 
-__all__ = ["LOST", "UNDER", "Health", "all_lost", "is_lost", "view_of"]
+__all__ = ["LOST", "UNDER", "Health", "all_lost", "found", "is_lost", "view_of"]
 
 LOST = "lost"
 UNDER = "under-replicated"
@@ -35,6 +35,15 @@ def is_lost(health: Health | None, durable: bool) -> bool:
     """Whether a committed checkpoint is shown LOST: the healer found a file with no
     copy on any node, and the persistent tier does not hold the checkpoint."""
     return health is not None and health.mark == LOST and bool(health.lost) and not durable
+
+
+def found(health: Health | None, name: str) -> Health | None:
+    """`health` once this node holds a verified copy of `name` again: not lost any more
+    (under-replicated until the next heal says more)."""
+    if health is None or name not in health.lost:
+        return health
+    lost = tuple(n for n in health.lost if n != name)
+    return Health(health.mark, lost) if lost else Health(UNDER)
 
 
 def all_lost(namespace: str, node_id: str, lost: Sequence[CheckpointRecord]) -> CheckpointLost:
@@ -99,7 +108,7 @@ def view_of(
             tiers.append("peer")
         if durable:
             tiers.append("persistent")
-        if mark:
+        if mark and not (durable and mark == LOST):  # durable: the persistent tier has it
             tiers.append(mark)
         if drain_failed:
             tiers.append("drain-failed")

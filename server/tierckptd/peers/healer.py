@@ -40,7 +40,7 @@ from tierckptd.ops import metrics
 from tierckptd.peers.client import Holdings, PeerClient
 from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.peers.push import HEARTBEAT, OnCorrupt, Pusher
-from tierckptd.peers.trim import plan_trim
+from tierckptd.peers.trim import plan_trim, settled_replicas
 
 __all__ = [
     "HEARTBEAT",
@@ -229,6 +229,9 @@ class Healer:
                 self.broadcast_replicas(namespace, checkpoint_id, name, replicas)
         for name, kept in trims.items():
             self._trim(view, name, kept, k)
+        for name, confirmed in settled_replicas(view, holdings, members).items():
+            if name not in plan.replicas and name not in trims:  # recorded and told above
+                self.catalog.set_replicas(namespace, checkpoint_id, name, confirmed)
         self._record(namespace, checkpoint_id, plan, k)
         return plan
 

@@ -9,6 +9,11 @@ needs no agreement: each node drops only its own copy, only when it ranks beyond
 among the holders whose Holdings answers confirmed a verified copy. The copies kept are
 then confirmed, and an unreachable node never counts, so a trim never leaves fewer than
 k + 1 confirmed copies. No extra RPC: the heal round's Holdings answers are the input.
+
+Replica lists are told by broadcasts from several nodes (the responsible node's, a
+trimming node's) that can cross on the way, leaving a node with a list that names a
+node which dropped its copy. `settled_replicas` lets every node correct its own list
+from the heal round's answers, when every node the list names answered.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from tierckptd.model import CheckpointView, FileRecord
 from tierckptd.peers.client import Holdings
 from tierckptd.peers.placement import Member, file_key, preference
 
-__all__ = ["plan_trim", "ranked_holders"]
+__all__ = ["plan_trim", "ranked_holders", "settled_replicas"]
 
 
 def ranked_holders(
@@ -56,3 +61,22 @@ def plan_trim(
         if me not in kept:
             trims[f.name] = [n for n in kept if n != f.owner_node]
     return trims
+
+
+def settled_replicas(
+    view: CheckpointView, holdings: Mapping[str, Holdings], members: Sequence[Member]
+) -> dict[str, list[str]]:
+    """The files whose recorded replica list differs from what the holders said, each
+    with the list they confirm (holders other than the owner, best first). Only files
+    some node holds and whose owner and every listed replica node answered: a node that
+    did not answer may still hold its copy. Pure."""
+    settled: dict[str, list[str]] = {}
+    for f in view.files:
+        named = {f.owner_node, *f.replica_nodes} - {""}
+        holders = [n for n in holdings if f.name in holdings[n].names]
+        if not holders or not named <= set(holdings):
+            continue
+        confirmed = [n for n in ranked_holders(view, f, holders, members) if n != f.owner_node]
+        if confirmed != f.replica_nodes:
+            settled[f.name] = confirmed
+    return settled

@@ -28,7 +28,7 @@ from tierckptd.wire import to_info
 
 from .conftest import Save
 from .test_healer import FakePeers, _cluster, _file
-from .test_peer_tier import PeerPort, peer_port  # noqa: F401 - the fixture
+from .test_peer_tier import PeerPort, _receive, _remote, peer_port  # noqa: F401 - the fixture
 
 NS = "run"
 
@@ -67,7 +67,25 @@ def test_durable_wins_over_lost_and_other_marks_are_not_lost(catalog: Catalog, s
     assert catalog.mark_durable(NS, "s2")
     view = catalog.get(NS, "s2")
     assert view.state is State.DURABLE and view.lost_files == ()  # restorable from there
+    assert "lost" not in view.tiers and "persistent" in view.tiers
     assert catalog.get(NS, "").checkpoint_id == "s2"
+
+
+def test_a_copy_arriving_here_clears_that_file_at_once(catalog: Catalog) -> None:
+    # A replica pushed (or restored) after the heal that found no copy anywhere: this
+    # node holds one now, so the checkpoint is not lost, without waiting for a heal.
+    a, b = b"a" * 3000, b"b" * 2000
+    rec = CheckpointRecord(NS, "s3", State.COMMITTED, 1.0, "", 2.0, 5)
+    rec.files = {"__1_0.distcp": _remote("__1_0.distcp", a, "n1")}
+    rec.files["__2_0.distcp"] = _remote("__2_0.distcp", b, "n2")
+    assert catalog.publish(rec)
+    catalog.set_health(NS, "s3", "lost", ["__1_0.distcp", "__2_0.distcp"])
+    _receive(catalog, NS, "s3", "__1_0.distcp", a)
+    view = catalog.get(NS, "s3")
+    assert view.state is State.LOST and view.lost_files == ("__2_0.distcp",)
+    _receive(catalog, NS, "s3", "__2_0.distcp", b)
+    view = catalog.get(NS, "s3")
+    assert view.state is State.COMMITTED and "under-replicated" in view.tiers
 
 
 def test_newest_when_every_checkpoint_is_lost_says_so(catalog: Catalog, save: Save) -> None:

@@ -38,3 +38,17 @@ def test_held_checkpoints_are_never_evicted() -> None:
     recs = [_committed(f"s{i}", i, "node-a") for i in range(1, 5)]
     held = {"s1", "s3"}
     assert evictions_by_coordinator(recs, 1, lambda r: r.checkpoint_id in held) == ["s2"]
+
+
+def test_a_lost_checkpoint_never_takes_a_complete_ones_place() -> None:
+    # 5 newest, LOST; keep_last = 2 keeps 4 and 3 (complete) and 5 (newer than them).
+    lost5 = [Candidate("c1", 1), Candidate("c2", 2), Candidate("c3", 3), Candidate("c4", 4)]
+    lost5.append(Candidate("c5", 5, lost=True))
+    assert sorted(memory_evictions(lost5, keep_last=2)) == ["c1", "c2"]
+    # A LOST one older than the kept window goes; with too few complete ones it stays.
+    mid = [Candidate("c1", 1), Candidate("c2", 2, lost=True), Candidate("c3", 3)]
+    assert memory_evictions(mid, keep_last=1) == ["c2", "c1"]
+    assert memory_evictions(mid, keep_last=3) == []
+    # Pinned wins over LOST.
+    pinned = [Candidate("c1", 1, pinned=True, lost=True), Candidate("c2", 2), Candidate("c3", 3)]
+    assert memory_evictions(pinned, keep_last=1) == ["c2"]

@@ -13,10 +13,10 @@ from prometheus_client import REGISTRY
 from tierckpt.errors import CheckpointNotFound
 from tierckptd.catalog import Catalog
 from tierckptd.jobs import Repair
-from tierckptd.memory.scrubber import Scrubber, Throttle
+from tierckptd.memory.scrubber import READ_CHUNK, Scrubber, Throttle
 from tierckptd.model import CheckpointView, FileRecord
 
-from .conftest import Save
+from .conftest import MakeCatalog, Save
 from .test_healer import FakePeers, _cluster
 
 Found = list[tuple[str, str, str, str, str]]
@@ -160,6 +160,22 @@ def test_a_stop_ends_the_pass_and_the_thread(catalog: Catalog, save: Save) -> No
     assert scrubber._thread is not None and not scrubber._thread.is_alive()
     assert scrubber.passes == 0 and found == []
     assert scrubber.run_pass().stopped
+
+
+def test_reading_steps_aside_before_every_chunk_of_a_file(
+    make_catalog: MakeCatalog, save: Save
+) -> None:
+    catalog = make_catalog(budget=8 * READ_CHUNK)
+    save(catalog, "run", "s1", {"a": b"a" * (2 * READ_CHUNK + 5), "b": b"b" * 10})
+    files: list[list[int]] = []
+
+    def step_aside(stop: threading.Event) -> object:
+        files.append([])
+        return lambda: files[-1].append(1)
+
+    found: Found = []
+    _scrubber(catalog, catalog, found, step_aside=step_aside).run_pass()
+    assert sorted(len(calls) for calls in files) == [1, 3] and found == []
 
 
 def test_a_scrubbed_corrupt_copy_is_dropped_and_repaired_through_the_peer_tier(

@@ -19,7 +19,7 @@ from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.healer import let_go
 from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.peers.push import Pusher
-from tierckptd.peers.trim import plan_trim, ranked_holders
+from tierckptd.peers.trim import plan_trim, ranked_holders, settled_replicas
 
 from .conftest import Save
 from .test_healer import FakePeers, _cluster, _file, _view
@@ -83,6 +83,18 @@ def test_plan_trim_is_pure() -> None:
     assert f.replica_nodes == ["b"] and holdings == {n: _h("f") for n in "abcd"}
 
 
+def test_a_stale_replica_list_settles_once_every_node_it_names_answered() -> None:
+    best = [n for n in _rank("a") if n != "a"]
+    # d dropped its copy, but a crossing broadcast left it on this node's list.
+    view = _view(_file("f", "a", [best[0], "d"]), _file("g", "a", [best[0]]))
+    holdings = {"a": _h("f", "g"), best[0]: _h("f", "g"), "d": _h()}
+    assert settled_replicas(view, holdings, MEMBERS) == {"f": [best[0]]}
+    del holdings["d"]  # it did not answer: it may still hold its copy
+    assert settled_replicas(view, holdings, MEMBERS) == {}
+    nobody = {"a": _h(), best[0]: _h(), "d": _h()}
+    assert settled_replicas(view, nobody, MEMBERS) == {}  # no holder: left as it was
+
+
 # ---- the Healer trims this node's copy ---------------------------------------------------
 def _replica_here(catalog: Catalog, cluster: Cluster) -> None:
     """run/s2: `__1_0.distcp` owned by b, with a verified copy on this node."""
@@ -117,6 +129,11 @@ def test_a_surplus_copy_here_is_dropped_and_the_kept_holders_told(catalog: Catal
     assert fake.pushed == []
     cluster.heal("run", "s2")  # idempotent: nothing left to drop, nothing pushed
     assert _trimmed() == before + 1 and fake.pushed == []
+    catalog.set_replicas("run", "s2", f.name, ["c", "node-a"])  # a stale broadcast lands
+    cluster.heal("run", "s2")
+    assert next(
+        f for f in catalog.get("run", "s2").files if f.name == "__1_0.distcp"
+    ).replica_nodes == ["c"]
 
 
 def test_a_copy_is_kept_while_a_kept_holder_does_not_answer(catalog: Catalog) -> None:
