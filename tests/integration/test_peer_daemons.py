@@ -121,14 +121,16 @@ def test_corrupt_copy_is_not_served_and_fetch_falls_through(
     nodes = nodes_factory(3, heal_interval=3600.0, copies=2)
     nodes.save("step-5", {0: FILES[0], 1: FILES[1], 2: FILES[2]})
     nodes.wait_replicated("step-5")
-    # Corrupt the owner's copy of node 0's file; node 1 (a replica holder) loses its own.
+    # Corrupt the owner's copy of node 0's file, and node 1's (a replica holder): node 1
+    # repairs its copy, asking the owner first. (No restart: a restarted node's peers
+    # would push it their copies at once, the corrupt one found while pushed.)
     victim = nodes.nodes[0].data_dir(NS, "step-5") / "__0_0.distcp"
     good = victim.read_bytes()
-    os.chmod(victim, 0o600)
-    with open(victim, "r+b") as f:
-        f.write(bytes([good[0] ^ 0xFF]))
-    nodes.lose_and_replace(1)
-    entry = nodes.clients[1].ensure_local(NS, "step-5", "__0_0.distcp")
+    for path in (victim, nodes.nodes[1].data_dir(NS, "step-5") / "__0_0.distcp"):
+        os.chmod(path, 0o600)
+        with open(path, "r+b") as f:
+            f.write(bytes([good[0] ^ 0xFF]))
+    entry = nodes.clients[1].ensure_local(NS, "step-5", "__0_0.distcp", repair=True)
     assert Path(entry.local_path).read_bytes() == good  # from n2, not the corrupt n0
     # n0 noticed while serving, counted it and repairs its copy in the background.
     nodes.wait("n0 repaired", lambda: victim.exists() and victim.read_bytes() == good)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import jobs
 from tests.support.backends import Nodes
-from tests.support.cli import cli, cli_json, ls_json
+from tests.support.cli import cli, ls_json
 from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
@@ -57,15 +57,20 @@ def _local_files(daemon: DaemonProcess, checkpoint_id: str) -> set[str]:
     return {p.name for p in directory.iterdir()} if directory.is_dir() else set()
 
 
-def _wait_pool(daemon: DaemonProcess, nbytes: int, timeout: float = 30.0) -> None:
+def _wait_log(daemon: DaemonProcess, text: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    pool = 0
-    while time.monotonic() < deadline:
-        pool = cli_json(daemon.address, "status")["pool_bytes"]
-        if pool >= nbytes:
-            return
+    while text not in daemon.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"{daemon.name} never logged {text!r}"
         time.sleep(0.2)
-    raise AssertionError(f"{daemon.name}'s pool reached {pool} bytes, not {nbytes}")
+
+
+def _wait_files(
+    daemon: DaemonProcess, checkpoint_id: str, names: set[str], timeout: float = 30.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not names <= _local_files(daemon, checkpoint_id):
+        assert time.monotonic() < deadline, f"{daemon.name} lacks {names}"
+        time.sleep(0.2)
 
 
 def _counter(metrics: str, name: str) -> float:
@@ -90,14 +95,17 @@ def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
         )
         c.lose(0)
         c.replace(0)
-        assert not (_local_files(c.nodes[0], "step-000100") & owned_by_node0)
-        # The replacement knows the checkpoint (manifests from peers) before any load,
-        # and preallocates pool segments for the files it will restore.
+        # The replacement came back empty and knows the checkpoint (manifests from
+        # peers) before any load,
+        assert "adopted 1 checkpoints from peers' manifests" in c.nodes[0].log_path.read_text()
         assert [r["id"] for r in ls_json(c.nodes[0].address, NS)] == ["step-000100"]
-        _wait_pool(c.nodes[0], owned_bytes)
+        # preallocates pool segments for the files it will restore, and only then tells
+        # its peers it started (they push its files back at once).
+        _wait_log(c.nodes[0], "pool segments (for the files this node will restore)")
         _load(c, 2 * n, 2, "step-000100", tmp_path)
-        # It fetched what its ranks needed into its own memory tier, into those segments.
-        assert owned_by_node0 <= _local_files(c.nodes[0], "step-000100")
+        # What its ranks needed (fetched, or pushed back) is in its own memory tier, in
+        # those segments.
+        _wait_files(c.nodes[0], "step-000100", owned_by_node0)
         assert _counter(c.metrics(), "tierckpt_recycled_bytes_total") >= owned_bytes
 
 

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 
 from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, TierckptError
+from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.unfinished import Resolution
@@ -151,20 +152,18 @@ class Committer:
         """At start: adopt committed checkpoints peers know and this node does not (a
         replacement node that came back empty); returns how many were new.
 
-        The peers are told this node is starting, so they heal at once every checkpoint
-        it owned or held copies of, and this node heals the ones it adopted: a file lost
-        with this node's memory is copied again, or its checkpoint listed LOST on every
-        node, within seconds rather than at the next heal round."""
+        This node heals the ones it adopted, and then (in the background, once the
+        restore prewarm made the segments the copies pushed back land in) tells its peers
+        it started (`announce`): a file lost with this node's memory is copied again, or
+        its checkpoint listed LOST on every node, within seconds rather than at the next
+        heal round."""
         known = set(self.catalog.committed_keys())
         adopted: list[CheckpointRecord] = []
 
         def unanswered(node: str, e: PeerCallError) -> None:
             logger.info("no manifests from %s: %s", node, e.code)
 
-        def manifests(node: str) -> Manifests:
-            return self.client.list_manifests(node, starting=True)
-
-        for node, got in self.client.each(manifests, on_error=unanswered).items():
+        for node, got in self.client.each(self.client.list_manifests, on_error=unanswered).items():
             refused = list(got.refused)
             for rec in got.records:
                 try:
@@ -183,15 +182,33 @@ class Committer:
             )
             for rec in adopted:
                 self._heal(rec.namespace, rec.checkpoint_id)
-            plan = restore_plan(self.node_id, adopted)
-            if plan and self.catalog.recycle:
-                threading.Thread(
-                    target=self.catalog.prewarm_segments,
-                    args=(plan, "for the files this node will restore"),
-                    name="tierckptd-restore-prewarm",
-                    daemon=True,
-                ).start()
+        plan: list[tuple[int, str | None]] = []
+        if self.catalog.recycle:
+            plan += restore_plan(self.node_id, adopted)
+
+        def prewarm_then_announce() -> None:
+            if plan:
+                self.catalog.prewarm_segments(plan, "for the files this node will restore")
+            self.announce()
+
+        if self.client.peer_ids:
+            threading.Thread(
+                target=prewarm_then_announce, name="tierckptd-restore-prewarm", daemon=True
+            ).start()
         return len(adopted)
+
+    def announce(self) -> None:
+        """Tell every peer this node has started (ListManifests with `starting`): each
+        heals at once the checkpoints this node owned or held copies of. Its answer (the
+        manifests again) is not needed: `pull_manifests` took them."""
+
+        def unanswered(node: str, e: PeerCallError) -> None:
+            logger.info("could not tell %s that this node started: %s", node, e.code)
+
+        def starting(node: str) -> Manifests:
+            return self.client.list_manifests(node, starting=True)
+
+        self.client.each(starting, on_error=unanswered)
 
     # ---- saves this node may have missed the commit of ---------------------------------
     def resolve_unfinished(self, namespace: str, checkpoint_id: str) -> Resolution:
@@ -228,18 +245,20 @@ class Committer:
         return "unknown" if not answered else "absent"
 
     def republish_own(self) -> int:
-        """Publish again every committed checkpoint this node coordinates (after a
-        restart: a crash between the manifest and its publish left the peers holding
-        the files of a save they think unfinished); publishing is idempotent. Returns
-        how many were sent."""
+        """Publish again every committed checkpoint this node coordinates and holds the
+        `.metadata` of (after a restart: a crash between the manifest and its publish
+        left the peers holding the files of a save they think unfinished); publishing is
+        idempotent. Returns how many were sent."""
         sent = 0
         for namespace, checkpoint_id in self.catalog.committed_keys():
             try:
                 view = self.catalog.get(namespace, checkpoint_id)
             except CheckpointNotFound:
                 continue
-            if coordinator_of({f.name: f for f in view.files}) != self.node_id:
-                continue
+            if coordinator_of({f.name: f for f in view.files}) != self.node_id or not (
+                view.local_paths.get(METADATA_FILE)
+            ):
+                continue  # another's, or adopted empty: nothing of ours the peers miss
 
             def publish(node: str, v: CheckpointView = view) -> None:
                 self.client.publish(node, v)

@@ -35,6 +35,7 @@ from tierckptd.peers.client import PeerCallError, PeerClient
 
 __all__ = ["HEARTBEAT", "REFUSAL_BACKOFF", "OnCorrupt", "Pusher"]
 
+# The healer's log: "replicated ...", "push of ... failed" read as healing, wherever the code is.
 logger = logging.getLogger("tierckptd.peers.healer")
 
 # A push stepping aside sends an empty chunk this often, so the receiver's watchdog
@@ -166,7 +167,7 @@ class Pusher:
         key = (view.namespace, view.checkpoint_id)
         what = f"{view.namespace}/{view.checkpoint_id}/{f.name}"
         if unread or not self._still_held(key, f.name, path):
-            logger.info("push of %s to %s ended: the copy here was evicted meanwhile", what, node)
+            logger.info("push of %s to %s ended: the copy here went away meanwhile", what, node)
             return
         if e.code == "PERMISSION_DENIED":
             self._refuse(key, node, e)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from tierckpt.errors import UnsafeMetadata
 from tierckpt.names import METADATA_FILE
 
-from tierckptd.model import Key
+from tierckptd.model import Key, State
 from tierckptd.persistent.drain_plan import Outcome
 
 if TYPE_CHECKING:
@@ -48,10 +48,13 @@ def emergency_drain(drainer: Drainer, deadline: float) -> bool:
 
 def newest_held(drainer: Drainer) -> list[Key]:
     """Per namespace, the newest committed checkpoint this node holds a file of (or
-    coordinates), unless it is durable or its `.metadata` was refused."""
+    coordinates), unless it is durable or its `.metadata` was refused. A LOST one (a
+    file with no copy anywhere) can never become durable: the one before it is taken."""
     catalog, me = drainer.catalog, drainer.node_id
     newest: dict[str, Key] = {}
     for view in catalog.list_checkpoints():
+        if view.state is State.LOST:
+            continue
         meta = next((f for f in view.files if f.name == METADATA_FILE), None)
         coordinates = meta is not None and meta.owner_node == me
         if coordinates or any(f.held for f in view.files):

@@ -227,3 +227,32 @@ def test_owner_grace_must_be_finite_and_not_negative(tmp_path: Path, value: str)
         load_config(path)
     path.write_text("[persistent]\nowner_grace = 2.5\n")
     assert load_config(path).persistent.owner_grace == 2.5
+
+
+def test_sigterm_skips_a_lost_newest_and_drains_the_one_before(
+    make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
+) -> None:
+    saved = stock_save(tmp_path / "hot")
+    node = _buddy(make_catalog, saved, "step-4")
+    files = {n: (saved.directory / n).read_bytes() for n in [*saved.data_names, META]}
+    record = CheckpointRecord(
+        NS,
+        "step-5",
+        State.COMMITTED,
+        time.time(),
+        "node-a",
+        time.time(),
+        2,
+        files={
+            n: FileRecord(n, 0, len(d), checksum_bytes(d), owner_node="node-a", held=False)
+            for n, d in files.items()
+        },
+    )
+    assert node.publish(record)
+    name = saved.data_names[0]
+    install_copy(node, NS, "step-5", name, [(0, files[name])], what=name)
+    node.set_health(NS, "step-5", "lost", [META])  # the healer found no copy of .metadata
+    assert node.get(NS, "step-5").state is State.LOST
+    assert Drainer(node, store).emergency(deadline=30.0)
+    assert store.list_durable(NS) == ["step-4"]
+    assert store.uploaded(NS, "step-5") == {}

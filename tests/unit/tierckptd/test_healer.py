@@ -3,6 +3,7 @@ PeerClient (no gRPC)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -448,10 +449,15 @@ def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
     meta.held = False
     rec.files = {meta.name: meta}
 
+    asked: list[tuple[str, bool]] = []
+    announced = threading.Event()
+
     def manifests(
         node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
     ) -> Manifests:
-        assert starting  # at start: the peers heal what this node held at once
+        asked.append((node, starting))
+        if starting and node == "c":
+            announced.set()
         fake._up(node, "ListManifests")
         return Manifests([rec], ["a refused one"])
 
@@ -459,3 +465,8 @@ def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
     cluster = _cluster(catalog, fake)
     assert cluster.pull_manifests() == 1
     assert catalog.get("run", "s9").files[0].owner_node == "c"
+    assert cluster.jobs.pending() == [Heal("run", "s9")]  # it heals what it adopted
+    # Then, in the background (after the restore prewarm), the peers are told it
+    # started: they heal what it held at once.
+    assert announced.wait(10.0)
+    assert asked[:2] == [("b", False), ("c", False)] and ("c", True) in asked

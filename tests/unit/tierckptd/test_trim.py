@@ -243,6 +243,17 @@ def test_a_file_evicted_before_or_during_its_push_ends_it_quietly(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_read_error_ends_the_stream_instead_of_raising_into_grpc(
+    catalog: Catalog, save: Save
+) -> None:
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 3000})
+    f = catalog.get("run", "s1").files[0]
+    unread: list[OSError] = []
+    pusher = _pusher(catalog, FakePeers("node-a", {"b": "r2"}), [])
+    assert list(pusher._read(-1, f, unread)) == []  # EBADF: gRPC's request thread sees an end
+    assert len(unread) == 1
+
+
 def test_data_loss_for_a_copy_no_longer_held_is_not_corruption(
     catalog: Catalog, save: Save
 ) -> None:
