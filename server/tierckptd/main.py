@@ -272,8 +272,9 @@ class Daemon:
             threading.Thread(
                 target=cluster.republish_own, name="tierckptd-republish", daemon=True
             ).start()
-        cluster.start()
         if self.drainer is not None:
+            # Before the healer runs: a checkpoint a peer let go to the persistent tier is
+            # known durable here first, never taken for lost and forgotten.
             try:
                 self.drainer.adopt_durable()  # every memory tier gone: S3 still lists them
                 if discovery is not None:
@@ -282,6 +283,8 @@ class Daemon:
                 logger.error(
                     "cannot list the persistent tier %s: %s", redact(cfg.persistent.url), e
                 )
+        cluster.start()
+        if self.drainer is not None:
             self.drainer.resume()  # a restart mid-drain picks up where it stopped
             self.drainer.start()
         health.serving()

@@ -319,12 +319,16 @@ class PeerState(PersistentMarks):
                 self._landed[rec.key] = self._clock()
             return True
 
-    def drop_local_copy(self, namespace: str, checkpoint_id: str, name: str) -> bool:
-        """Forget a corrupt local copy (never served again); True if one was held."""
+    def drop_local_copy(
+        self, namespace: str, checkpoint_id: str, name: str, *, surplus: bool = False
+    ) -> bool:
+        """Forget a corrupt local copy (never served again), or with `surplus` one copy
+        too many (the healer's trim), which a reader restored moments ago keeps (it opens
+        the file next: `_landing`); True if one was dropped."""
         with self._lock:
             rec = self._records.get((namespace, checkpoint_id))
             f = rec.files.get(name) if rec is not None else None
-            if rec is None or f is None or not f.held:
+            if rec is None or f is None or not f.held or (surplus and self._landing(rec)):
                 return False
             replicas = [n for n in f.replica_nodes if n != self.node_id]
             if rec.state is State.COMMITTED:

@@ -111,6 +111,8 @@ def plan_heal(
         holders = [n for n in reachable if f.name in holdings[n].names]
         if not holders:
             claimed = {f.owner_node, *f.replica_nodes} - {""}
+            if not claimed:
+                continue  # let go to the persistent tier where this manifest came from
             if durable or not claimed <= set(reachable):
                 under.append(f.name)  # restorable from the persistent tier, or may come back
             else:
@@ -191,11 +193,10 @@ class Healer:
             return None
         if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE, State.LOST):
             return None
-        if view.state is State.DURABLE and not any(
-            f.held or f.owner_node or f.replica_nodes for f in view.files
-        ):
-            # Retention let it go to the persistent tier only: no memory copy is wanted,
-            # so it is neither "lost" nor pushed back into a node that evicted it.
+        if not any(f.held or f.owner_node or f.replica_nodes for f in view.files):
+            # Retention let it go to the persistent tier only (here, or on the peer whose
+            # manifest this is, before this node learnt it is durable): no memory copy is
+            # wanted, so it is neither "lost" nor pushed back into a node that evicted it.
             self._record(namespace, checkpoint_id, HealPlan(), self._k())
             return None
         me = self.node_id
@@ -239,8 +240,8 @@ class Healer:
         """Drop this node's surplus copy of `name` (peers/trim.py) and tell the peers
         which nodes keep one."""
         namespace, checkpoint_id = view.namespace, view.checkpoint_id
-        if not self.catalog.drop_local_copy(namespace, checkpoint_id, name):
-            return
+        if not self.catalog.drop_local_copy(namespace, checkpoint_id, name, surplus=True):
+            return  # not held, or a reader restored it moments ago: kept for now
         size = next(f.size for f in view.files if f.name == name)
         metrics.TRIMMED_COPIES.inc()
         metrics.TRIMMED_BYTES.inc(size)

@@ -198,6 +198,14 @@ def test_a_durable_checkpoint_is_never_lost() -> None:
     assert lost.lost == ("f",)  # LOST stays LOST while nobody holds it
 
 
+def test_a_file_no_node_claims_is_not_lost() -> None:
+    # A manifest from a peer that let the checkpoint go to the persistent tier (no owner,
+    # no replicas), before this node learnt it is durable: nothing to heal, not lost.
+    view = _view(_file("f", ""), _file("g", "a", ["b"]))
+    plan = plan_heal(view, {"a": _held("g"), "b": _held("g")}, MEMBERS, 1, "a")
+    assert plan.lost == () and plan.under == () and plan.mark == ""
+
+
 def test_plan_heal_is_pure() -> None:
     f = _file("f", "a", ["b"])
     holdings = {"a": _held("f"), "c": _held()}

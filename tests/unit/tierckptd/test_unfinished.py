@@ -187,3 +187,20 @@ def test_an_orphan_every_peer_answers_without_is_collected_at_once(
     answers[0] = "absent"
     node.salvage_orphans()
     assert not node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 0
+
+
+def test_a_readers_restored_copy_is_not_trimmed_as_surplus_under_it(
+    make_catalog: MakeCatalog, save: Save, clock: FakeClock
+) -> None:
+    node = make_catalog(budget=1 << 20)
+    save(node, NS, "s1", {THEIRS: b"a" * 100})
+    with node._lock:
+        node._records[(NS, "s1")].files[THEIRS].held = False
+    node.tier.remove_file(node.tier.file_path(NS, "s1", THEIRS))
+    tmp = node.start_incoming(NS, "s1", THEIRS, restored=True)
+    assert tmp is not None
+    tmp.write_bytes(b"a" * 100)
+    assert node.finish_incoming(NS, "s1", THEIRS, tmp, True, restored=True)
+    assert not node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
+    clock.now += 61
+    assert node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
