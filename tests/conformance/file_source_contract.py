@@ -16,7 +16,9 @@ What is checked (server/tierckptd/restore.py's docstring is the contract):
   first bad block); a corrupt local copy is repaired from it;
 - a flipped byte in the source's copy is caught (by the source or where the bytes land):
   DATA_LOSS only when every copy found is corrupt, and nothing is installed;
-- a lost copy is NOT_FOUND (`CheckpointNotFound`) naming the source;
+- a lost copy is NOT_FOUND (`CheckpointNotFound`) from the source; when no source holds
+  the file, the restore raises `CheckpointLost` (DATA_LOSS "checkpoint lost: ...", a
+  `CheckpointNotFound`) naming every source tried;
 - an outage is UNAVAILABLE (`TierUnavailable`, never DATA_LOSS) naming the source, the
   source itself raising `SourceUnavailable` with its name, and the same source object
   serves again once the service is back;
@@ -39,6 +41,7 @@ import pytest
 from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import (
     TIER_UNAVAILABLE_PREFIX,
+    CheckpointLost,
     CheckpointNotFound,
     ChecksumMismatch,
     TierUnavailable,
@@ -501,7 +504,7 @@ class FileSourceContract:
         backend.lose(node.ns, "step-1", ODD)
         source = backend.source(node.catalog)
         restorer = node.restorer(source)
-        e = raises_naming(CheckpointNotFound, node, restorer, "step-1", ODD, [source.name])
+        e = raises_naming(CheckpointLost, node, restorer, "step-1", ODD, [source.name])
         assert f"{source.name}: {Outcome.MISSING.value}" in str(e)
         node.assert_nothing_installed("step-1", ODD)
         f, _ = node.catalog.file_view(node.ns, "step-1", ODD)
@@ -516,7 +519,7 @@ class FileSourceContract:
         node.publish("step-9", {ODD: expected_record(ODD, data, owner="node-gone")})
         with pytest.raises(CheckpointNotFound):
             read_all(source, node.ns, "step-9", expected_record(ODD, data))
-        raises_naming(CheckpointNotFound, node, node.restorer(source), "step-9", ODD, [source.name])
+        raises_naming(CheckpointLost, node, node.restorer(source), "step-9", ODD, [source.name])
         node.assert_nothing_installed("step-9", ODD)
 
     def test_missing_everywhere_is_not_found_naming_each(
@@ -527,9 +530,7 @@ class FileSourceContract:
         backend.lose(node.ns, "step-1", MANY)
         other_backend.lose(node.ns, "step-1", MANY)
         a, b = backend.source(node.catalog), other_backend.source(node.catalog)
-        raises_naming(
-            CheckpointNotFound, node, node.restorer(a, b), "step-1", MANY, [a.name, b.name]
-        )
+        raises_naming(CheckpointLost, node, node.restorer(a, b), "step-1", MANY, [a.name, b.name])
         node.assert_nothing_installed("step-1", MANY)
 
     # ---- outages ----------------------------------------------------------------------

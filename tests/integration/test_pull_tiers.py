@@ -69,8 +69,9 @@ def test_pull_restores_files_only_a_peer_holds_and_repairs_a_corrupt_copy(
         # Node 0 dies with its RAM; its empty replacement learns the checkpoint from node 1.
         c.lose(0)
         c.replace(0)
-        assert _tiers(c, 0) == ["peer"], c.rows(0)
-        assert not c.nodes[0].data_dir(NS, CKPT).exists()
+        # It came back empty and learnt the checkpoint from node 1, which pushes node 0's
+        # files back at once: the pull fetches whatever has not landed yet.
+        assert "adopted 1 checkpoints from peers' manifests" in c.nodes[0].log_tail(200)
 
         row = _pull(c.nodes[0].address, tmp_path / "a" / CKPT)
         assert row["files"] == len(written) and row["bytes"] == sum(map(len, written.values()))

@@ -40,8 +40,9 @@ MAX_NAMESPACE_URLS = 65_536  # namespaces with their own persistent URL on one n
 # Deleted checkpoints remembered so a peer's late publish cannot bring them back; a peer
 # still holding one deleted this many deletions ago is long past its own retention.
 MAX_GONE = 65_536
-# Seconds a checkpoint a copy just arrived into is exempt from memory retention.
-LANDED_GRACE = 60.0
+# Seconds a checkpoint a reader's copy just arrived into is exempt from memory retention
+# (the reader opens the file next); the sweeper applies retention again once it is over.
+LANDED_GRACE = 3.0
 
 
 def listing(names: list[str], shown: int = 5) -> str:
@@ -323,6 +324,16 @@ class CatalogState:
         if self._due(rec) and rec.key not in self._durable:
             return True
         return self._landing(rec)
+
+    def expire_landed(self) -> None:
+        """Apply memory retention again where a reader's grace ran out (the sweeper)."""
+        now = self._clock()
+        with self._lock:
+            over = [k for k, t in self._landed.items() if now - t > LANDED_GRACE]
+            for key in over:
+                del self._landed[key]
+            for namespace in sorted({k[0] for k in over}):
+                self._apply_retention(namespace)
 
     def _landing(self, rec: CheckpointRecord) -> bool:
         """Whether a reader's copy of one of `rec`'s files started or arrived moments

@@ -59,7 +59,8 @@ class UnfinishedSaves(PeerState):
     def sweep(self) -> list[Key]:
         """Abort WRITING saves idle longer than abandon_after (a rank died mid-save),
         except one whose coordinator may have committed it (see the module docstring);
-        then salvage or collect orphans. Returns the keys aborted."""
+        then salvage or collect orphans, and apply memory retention where a reader's
+        grace ran out. Returns the keys aborted."""
         now = self._clock()
         with self._lock:
             stale = [
@@ -88,6 +89,7 @@ class UnfinishedSaves(PeerState):
                     self._abort(rec, f"no activity for {now - rec.last_activity:.0f} s")
                     aborted.append(rec.key)
         self.salvage_orphans()
+        self.expire_landed()
         return aborted
 
     def _resolve(self, key: Key) -> Resolution:
