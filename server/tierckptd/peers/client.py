@@ -81,6 +81,7 @@ class Holdings:
     names: frozenset[str]
     files: tuple[FileRecord, ...] | None = ()
     refused: str = ""
+    durable: bool = False  # the peer knows the checkpoint is in the persistent tier
 
 
 @dataclass(frozen=True)
@@ -212,12 +213,13 @@ class PeerClient:
         except grpc.RpcError as e:
             raise _error(node, "Holdings", e) from None
         known = resp.state != common_pb2.CHECKPOINT_STATE_UNSPECIFIED
+        durable = resp.state == common_pb2.DURABLE
         names = frozenset(e_.name for e_ in resp.files)
         try:
             files = tuple(file_from_entry(e_) for e_ in resp.files)
         except TierckptError as e:
-            return Holdings(known, names, None, bounded(str(e)))
-        return Holdings(known, names, files)
+            return Holdings(known, names, None, bounded(str(e)), durable)
+        return Holdings(known, names, files, durable=durable)
 
     def publish(self, node: str, view: CheckpointView) -> None:
         """PublishCheckpoint: give `node` the manifest of a committed checkpoint."""

@@ -102,7 +102,9 @@ def plan_heal(
     wiped, or retention let the checkpoint go there).
     """
     reachable = list(holdings)
-    durable = view.state is State.DURABLE  # the persistent tier holds every file
+    # The persistent tier holds every file (here, or a peer knows it: this node may not
+    # have learnt it yet, and a peer that let its copies go there answers without them).
+    durable = view.state is State.DURABLE or any(h.durable for h in holdings.values())
     pushes: list[FilePush] = []
     replicas: dict[str, list[str]] = {}
     lost: list[str] = []

@@ -242,7 +242,10 @@ class PeerService:
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> peer_pb2.HoldingsResponse:
         def holdings() -> peer_pb2.HoldingsResponse:
-            state, files = self.cluster.holdings(*check_ref(request))
+            namespace, checkpoint_id = check_ref(request)
+            state, files = self.cluster.holdings(namespace, checkpoint_id)
+            if state is State.COMMITTED and self.catalog.is_durable(namespace, checkpoint_id):
+                state = State.DURABLE  # a healer that has not learnt it must not call it lost
             return peer_pb2.HoldingsResponse(
                 state=state_of(state), files=[file_entry(f) for f in files]
             )

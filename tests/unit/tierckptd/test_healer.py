@@ -478,3 +478,12 @@ def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
     # started: they heal what it held at once.
     assert announced.wait(10.0)
     assert asked[:2] == [("b", False), ("c", False)] and ("c", True) in asked
+
+
+def test_a_peer_that_knows_it_durable_keeps_it_from_being_lost() -> None:
+    # This node has not learnt yet that the checkpoint is in the persistent tier; its
+    # holders let their copies go there and answer without them, saying DURABLE.
+    view = _view(_file("f", "a", ["b"]))
+    durable = Holdings(True, frozenset(), (), durable=True)
+    plan = plan_heal(view, {"c": _held(), "a": durable, "b": durable}, MEMBERS, 1, "c")
+    assert plan.lost == () and plan.under == ("f",)
