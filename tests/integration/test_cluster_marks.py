@@ -6,8 +6,6 @@ retention, and a node that was down during an rm and a pin learns both on return
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,15 +24,6 @@ s3 = moto_s3.s3
 
 NS = "marks-run"
 WAIT = 60.0
-
-
-def _until(what: str, check: Callable[[], bool], c: LocalCluster, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            logs = "\n".join(d.log_tail(30) for d in c.nodes)
-            raise AssertionError(f"not within {timeout} s: {what}\n{logs}")
-        time.sleep(0.3)
 
 
 def _save(c: LocalCluster, node: int, checkpoint_id: str, saved: SavedCheckpoint) -> None:
@@ -84,20 +73,20 @@ def test_rm_on_one_node_removes_every_copy_and_the_persistent_one(
         _save(c, 0, "step-000001", saved)
         _save(c, 0, "step-000002", saved)
         c.wait_state("step-000001", "DURABLE")
-        _until(
+        c.wait(
             "step-000001 known everywhere, its files on two nodes",
             lambda: (
                 len(_held_by(c, "step-000001")) == 3
                 and sum(d.data_dir(NS, "step-000001").exists() for d in c.nodes) >= 2
             ),
-            c,
+            WAIT,
         )
         assert _s3_keys(s3, "step-000001")
         # Asked of node 2, which neither coordinates nor owns a file of it.
         out = cli(c.nodes[2].address, "rm", NS, "step-000001")
         assert "step-000001" in out.stdout
         assert not _s3_keys(s3, "step-000001"), "rm left objects in the persistent tier"
-        _until("every node forgot step-000001", lambda: not _held_by(c, "step-000001"), c)
+        c.wait("every node forgot step-000001", lambda: not _held_by(c, "step-000001"), WAIT)
         for i in range(3):
             assert list(c.rows(i)) == ["step-000002"], c.rows(i)
         # Idempotent: nothing is left, and a second rm says so (no traceback).
@@ -112,7 +101,7 @@ def test_rm_on_one_node_removes_every_copy_and_the_persistent_one(
         c.replace(0, 1, 2)
         cli(c.nodes[1].address, "rm", NS, "step-000002")
         assert not _s3_keys(s3, "step-000002")
-        _until("no node lists step-000002", lambda: all(c.rows(i) == {} for i in range(3)), c)
+        c.wait("no node lists step-000002", lambda: all(c.rows(i) == {} for i in range(3)), WAIT)
         # The survivors of the first rm never took it back (a publish, an adoption).
         assert not _held_by(c, "step-000001")
 
@@ -126,10 +115,10 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         c.wait_state("step-000001", "DURABLE")
         out = cli(c.nodes[2].address, "pin", NS, "step-000001")  # not the committer
         assert "pinned" in out.stdout
-        _until(
+        c.wait(
             "every node shows step-000001 pinned",
             lambda: all(c.rows(i)["step-000001"]["pinned"] for i in range(3)),
-            c,
+            WAIT,
         )
         for step in (2, 3):
             _save(c, 0, f"step-00000{step}", saved)
@@ -137,10 +126,10 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         # Node 0 committed all three: its memory retention (keep 1) and its persistent
         # retention (keep 1) would have dropped step-000001 but for node 2's pin.
         assert c.nodes[0].data_dir(NS, "step-000001").exists()
-        _until(
+        c.wait(
             "persistent retention dropped step-000002 (so it runs)",
             lambda: not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000002")),
-            c,
+            WAIT,
         )
         assert any(k.endswith("step-000001/.metadata") for k in _s3_keys(s3, "step-000001"))
         for i in range(3):
@@ -148,13 +137,13 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         cli(c.nodes[1].address, "unpin", NS, "step-000001")
         _save(c, 0, "step-000004", saved)
         c.wait_state("step-000004", "DURABLE")
-        _until(
+        c.wait(
             "step-000001 evicted once unpinned",
             lambda: (
                 not c.nodes[0].data_dir(NS, "step-000001").exists()
                 and not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000001"))
             ),
-            c,
+            WAIT,
         )
 
 
@@ -162,7 +151,7 @@ def test_a_node_down_during_rm_and_pin_learns_both_on_return(saved: SavedCheckpo
     with local_cluster(3, namespace=NS) as c:
         for step in (1, 2):
             _save(c, 0, f"step-00000{step}", saved)
-        _until("node 2 knows both", lambda: set(c.rows(2)) == {"step-000001", "step-000002"}, c)
+        c.wait("node 2 knows both", lambda: set(c.rows(2)) == {"step-000001", "step-000002"}, WAIT)
         assert c.nodes[2].manifest_path(NS, "step-000001").exists()
         c.nodes[2].kill9()  # down, its memory dir kept
         cli(c.nodes[0].address, "rm", NS, "step-000001")

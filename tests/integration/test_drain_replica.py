@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import jobs, moto_s3
-from tests.support.backends import Nodes, StockUrl
+from tests.support import moto_s3
 from tests.support.cluster import LocalCluster, local_cluster
-from tests.support.dist_job import run_job
+from tests.support.s3_drain import s3_names, save_job, stock_load
 
 pytestmark = pytest.mark.integration
 
@@ -54,29 +53,6 @@ def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             monkeypatch.delenv("TIERCKPT_FAULT")
 
     yield restart
-
-
-def _save(c: LocalCluster, world: int, ranks_per_node: int, ids: list[str], root: Path) -> None:
-    backend = Nodes(NS, c.addresses, ranks_per_node)
-    run_job(jobs.save_only, world, backend, ids, str(root), 23, timeout=180)
-
-
-def _stock_load(bucket: moto_s3.S3Bucket, world: int, checkpoint_id: str, root: Path) -> None:
-    results = run_job(
-        jobs.load_and_verify,
-        world,
-        StockUrl(bucket.url(NS)),
-        checkpoint_id,
-        str(root / checkpoint_id),
-        timeout=180,
-    )
-    assert [r["world"] for r in results] == [world] * world
-
-
-def _s3_names(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> set[str]:
-    fs = bucket.fs()
-    fs.invalidate_cache()
-    return {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket.name}/{NS}/{checkpoint_id}")}
 
 
 def _memory_names(c: LocalCluster, i: int, checkpoint_id: str) -> set[str]:
@@ -115,26 +91,26 @@ def test_a_replica_drains_the_files_of_a_lost_owner_and_commits(
     grace = 1.0 if owner == "down" else 3600.0
     with local_cluster(n, namespace=NS, copies=1, overrides=_overrides(s3, owner_grace=grace)) as c:
         held_back(c, 0)
-        _save(c, 2 * n, 2, ["step-000001"], tmp_path)
+        save_job(c, 2 * n, 2, ["step-000001"], tmp_path, 23)
         c.wait_state("step-000001", "REPLICATED")
         owned_by_0 = _memory_names(c, 0, "step-000001")
         copies = set().union(*(_memory_names(c, i, "step-000001") for i in range(1, n)))
-        assert ".metadata" in owned_by_0 and ".metadata" not in _s3_names(s3, "step-000001")
+        assert ".metadata" in owned_by_0 and ".metadata" not in s3_names(s3, NS, "step-000001")
         assert owned_by_0 <= copies  # the others hold a copy of each
-        assert not owned_by_0 & _s3_names(s3, "step-000001")  # none of node0's is up yet
+        assert not owned_by_0 & s3_names(s3, NS, "step-000001")  # none of node0's is up yet
         c.lose(0)
         if owner == "replaced":
             c.replace(0)  # without the fault: a plain replacement
         for i in range(1, n):
             _wait_row(c, i, "step-000001", "DURABLE", timeout=120)
-        assert _s3_names(s3, "step-000001") == copies
+        assert s3_names(s3, NS, "step-000001") == copies
         if owner == "down":
             logs = "".join(c.nodes[i].log_path.read_text(errors="replace") for i in range(1, n))
             assert "other nodes own (their owner is gone)" in logs
         else:  # node0 may have had copies healed back meanwhile: either may upload them
             c.wait_state("step-000001", "DURABLE")
-        _stock_load(s3, 2 * n, "step-000001", tmp_path)
-        _stock_load(s3, 2, "step-000001", tmp_path)  # resharded, still stock
+        stock_load(s3, NS, 2 * n, "step-000001", tmp_path)
+        stock_load(s3, NS, 2, "step-000001", tmp_path)  # resharded, still stock
 
 
 def test_sigterm_drains_the_copies_a_node_holds_for_a_buddy(
@@ -145,12 +121,12 @@ def test_sigterm_drains_the_copies_a_node_holds_for_a_buddy(
     checkpoint it holds (node0's files, .metadata included), committed."""
     overrides = _overrides(s3, every=1000, shutdown_deadline=60.0)
     with local_cluster(2, namespace=NS, copies=1, overrides=overrides) as c:
-        _save(c, 2, 2, ["step-000001", "step-000002"], tmp_path)
+        save_job(c, 2, 2, ["step-000001", "step-000002"], tmp_path, 23)
         c.wait_state("step-000002", "REPLICATED")
         c.wait_state("step-000001", "REPLICATED")
         assert not _memory_names(c, 1, "step-000002") - _memory_names(c, 0, "step-000002")
-        assert not _s3_names(s3, "step-000002")
+        assert not s3_names(s3, NS, "step-000002")
         assert c.nodes[1].terminate(timeout=90) == 0
-        assert _s3_names(s3, "step-000002") == _memory_names(c, 0, "step-000002")
-        assert not _s3_names(s3, "step-000001")  # only the newest
-        _stock_load(s3, 2, "step-000002", tmp_path)
+        assert s3_names(s3, NS, "step-000002") == _memory_names(c, 0, "step-000002")
+        assert not s3_names(s3, NS, "step-000001")  # only the newest
+        stock_load(s3, NS, 2, "step-000002", tmp_path)

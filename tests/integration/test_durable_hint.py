@@ -15,6 +15,7 @@ from tests.support import jobs, moto_s3
 from tests.support.backends import Nodes, StockUrl
 from tests.support.cluster import local_cluster
 from tests.support.dist_job import run_job
+from tests.support.s3_drain import s3_names
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +23,6 @@ moto_server = moto_s3.moto_server
 s3 = moto_s3.s3
 
 NS = "hint-run"
-
-
-def _s3_names(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> set[str]:
-    fs = bucket.fs()
-    fs.invalidate_cache()
-    return {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket.name}/{NS}/{checkpoint_id}")}
 
 
 def test_a_durable_save_drains_despite_every_on_every_owner(
@@ -43,13 +38,13 @@ def test_a_durable_save_drains_despite_every_on_every_owner(
         run_job(jobs.save_only, 4, hinted, ["step-000002"], str(tmp_path), 12, timeout=180)
         c.wait_state("step-000002", "DURABLE")
         # Both nodes' files are there (each owner drained its own), .metadata included.
-        names = _s3_names(s3, "step-000002")
+        names = s3_names(s3, NS, "step-000002")
         assert {".metadata", "__0_0.distcp", "__3_0.distcp"} <= names
         for i in range(2):
             assert "persistent" in c.rows(i)["step-000002"]["tiers"]
         row = c.rows()["step-000001"]  # no hint, not due by `every`: memory only
         assert row["state"] != "DURABLE" and "persistent" not in row["tiers"]
-        assert not _s3_names(s3, "step-000001")
+        assert not s3_names(s3, NS, "step-000001")
         results = run_job(
             jobs.load_and_verify,
             4,

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from tests.support import jobs, moto_s3
-from tests.support.backends import Nodes, StockUrl
+from tests.support.backends import Nodes
 from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.dist_job import run_job
+from tests.support.s3_drain import s3_names, save_job, stock_load
 
 pytestmark = pytest.mark.integration
 
@@ -43,29 +44,6 @@ def cluster(n: int, overrides: dict[str, Any]) -> AbstractContextManager[LocalCl
     return local_cluster(n, namespace=NS, overrides=overrides)
 
 
-def _save(c: LocalCluster, world: int, ranks_per_node: int, ids: list[str], expected: Path) -> None:
-    backend = Nodes(NS, c.addresses, ranks_per_node)
-    run_job(jobs.save_only, world, backend, ids, str(expected), 11, timeout=180)
-
-
-def _stock_load(bucket: moto_s3.S3Bucket, world: int, checkpoint_id: str, expected: Path) -> None:
-    results = run_job(
-        jobs.load_and_verify,
-        world,
-        StockUrl(bucket.url(NS)),
-        checkpoint_id,
-        str(expected / checkpoint_id),
-        timeout=180,
-    )
-    assert [r["world"] for r in results] == [world] * world
-
-
-def _s3_names(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> set[str]:
-    fs = bucket.fs()
-    fs.invalidate_cache()
-    return {p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket.name}/{NS}/{checkpoint_id}")}
-
-
 def _memory_names(c: LocalCluster, checkpoint_id: str) -> set[str]:
     names: set[str] = set()
     for d in c.nodes:
@@ -80,14 +58,14 @@ def test_single_node_drains_and_stock_dcp_loads_from_s3(
     s3: moto_s3.S3Bucket, tmp_path: Path, compression: str
 ) -> None:
     with cluster(1, persistent(s3, compression=compression)) as c:
-        _save(c, 2, 2, ["step-000001"], tmp_path)
+        save_job(c, 2, 2, ["step-000001"], tmp_path, 11)
         c.wait_state("step-000001", "DURABLE")
         row = c.rows()["step-000001"]
         assert "persistent" in row["tiers"] and "memory" in row["tiers"]
         # Exactly the DCP files, nothing else, in the checkpoint's directory.
-        assert _s3_names(s3, "step-000001") == _memory_names(c, "step-000001")
-        _stock_load(s3, 2, "step-000001", tmp_path)
-        _stock_load(s3, 1, "step-000001", tmp_path)  # resharded, still stock
+        assert s3_names(s3, NS, "step-000001") == _memory_names(c, "step-000001")
+        stock_load(s3, NS, 2, "step-000001", tmp_path)
+        stock_load(s3, NS, 1, "step-000001", tmp_path)  # resharded, still stock
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
@@ -95,30 +73,30 @@ def test_two_nodes_drain_their_own_files_metadata_last(
     s3: moto_s3.S3Bucket, tmp_path: Path, compression: str
 ) -> None:
     with cluster(2, persistent(s3, compression=compression)) as c:
-        _save(c, 4, 2, ["step-000002"], tmp_path)
+        save_job(c, 4, 2, ["step-000002"], tmp_path, 11)
         c.wait_state("step-000002", "DURABLE")
-        assert _s3_names(s3, "step-000002") == _memory_names(c, "step-000002")
+        assert s3_names(s3, NS, "step-000002") == _memory_names(c, "step-000002")
         for i in range(2):
             assert "persistent" in c.rows(i)["step-000002"]["tiers"]
-        _stock_load(s3, 4, "step-000002", tmp_path)
-        _stock_load(s3, 2, "step-000002", tmp_path)
+        stock_load(s3, NS, 4, "step-000002", tmp_path)
+        stock_load(s3, NS, 2, "step-000002", tmp_path)
 
 
 def test_every_nth_checkpoint_is_drained_and_a_restart_resumes(
     s3: moto_s3.S3Bucket, tmp_path: Path
 ) -> None:
     with cluster(1, persistent(s3, every=2)) as c:
-        _save(c, 2, 2, ["step-000001", "step-000002"], tmp_path)
+        save_job(c, 2, 2, ["step-000001", "step-000002"], tmp_path, 11)
         c.wait_state("step-000002", "DURABLE")
         assert c.rows()["step-000001"]["state"] == "COMMITTED"  # not due
-        assert not _s3_names(s3, "step-000001")
+        assert not s3_names(s3, NS, "step-000001")
         # kill -9 before a drain: the restarted daemon rebuilds its queue from manifests.
         c.nodes[0].kill9()
         fs = s3.fs()
         fs.rm(f"{s3.name}/{NS}/step-000002/.metadata")
         c.nodes[0].start()
         c.wait_state("step-000002", "DURABLE")
-        _stock_load(s3, 2, "step-000002", tmp_path)
+        stock_load(s3, NS, 2, "step-000002", tmp_path)
 
 
 def test_memory_retention_keeps_checkpoints_not_yet_durable(
@@ -130,7 +108,7 @@ def test_memory_retention_keeps_checkpoints_not_yet_durable(
         "retention": {"memory_keep_last": 1},
     }
     with cluster(1, overrides) as c:
-        _save(c, 1, 1, ["step-000001", "step-000002", "step-000003"], tmp_path)
+        save_job(c, 1, 1, ["step-000001", "step-000002", "step-000003"], tmp_path, 11)
         # The bucket does not exist: nothing becomes durable, so nothing is evicted.
         rows = c.rows()
         assert sorted(rows) == ["step-000001", "step-000002", "step-000003"]
@@ -151,7 +129,7 @@ def test_every_memory_tier_lost_restores_from_s3(
     s3: moto_s3.S3Bucket, tmp_path: Path, compression: str
 ) -> None:
     with cluster(2, persistent(s3, compression=compression)) as c:
-        _save(c, 4, 2, ["step-000001", "step-000002"], tmp_path)
+        save_job(c, 4, 2, ["step-000001", "step-000002"], tmp_path, 11)
         c.wait_state("step-000002", "DURABLE")
         c.wait_state("step-000001", "DURABLE")
         for d in c.nodes:
@@ -208,7 +186,7 @@ def test_s3_outage_delays_durability_and_loses_nothing(
         moto_server.stop()
         watcher = None
         try:
-            _save(c, 4, 2, ["step-000003"], tmp_path)
+            save_job(c, 4, 2, ["step-000003"], tmp_path, 11)
             time.sleep(3.0)
             for i in range(2):
                 assert c.rows(i)["step-000003"]["state"] in ("COMMITTED", "REPLICATED")
@@ -220,8 +198,8 @@ def test_s3_outage_delays_durability_and_loses_nothing(
         assert watcher is not None
         assert watcher.finish() == [], "a .metadata was visible before all data files"
         assert watcher.saw_metadata, "the watcher never saw the commit: it checked nothing"
-        assert _s3_names(s3, "step-000003") == _memory_names(c, "step-000003")
-        _stock_load(s3, 4, "step-000003", tmp_path)
+        assert s3_names(s3, NS, "step-000003") == _memory_names(c, "step-000003")
+        stock_load(s3, NS, 4, "step-000003", tmp_path)
 
 
 def test_sigterm_drains_the_newest_checkpoint_before_exit(
@@ -229,13 +207,13 @@ def test_sigterm_drains_the_newest_checkpoint_before_exit(
 ) -> None:
     # every = 1000: nothing is due, so only the shutdown drain can put it in S3.
     with cluster(1, persistent(s3, every=1000, shutdown_deadline=60.0)) as c:
-        _save(c, 2, 2, ["step-000001", "step-000002"], tmp_path)
+        save_job(c, 2, 2, ["step-000001", "step-000002"], tmp_path, 11)
         assert c.rows()["step-000002"]["state"] == "COMMITTED"
-        assert not _s3_names(s3, "step-000002")
+        assert not s3_names(s3, NS, "step-000002")
         assert c.nodes[0].terminate(timeout=90) == 0
-        assert ".metadata" in _s3_names(s3, "step-000002")
-        assert not _s3_names(s3, "step-000001")  # only the newest
-        _stock_load(s3, 2, "step-000002", tmp_path)
+        assert ".metadata" in s3_names(s3, NS, "step-000002")
+        assert not s3_names(s3, NS, "step-000001")  # only the newest
+        stock_load(s3, NS, 2, "step-000002", tmp_path)
 
 
 def test_retention_per_tier(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
@@ -249,7 +227,7 @@ def test_retention_per_tier(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
     }
     ids = [f"step-{i:06d}" for i in range(1, 11)]
     with cluster(1, overrides) as c:
-        _save(c, 2, 2, ids, tmp_path)
+        save_job(c, 2, 2, ids, tmp_path, 11)
         c.wait_state("step-000010", "DURABLE")
         want_s3 = {"step-000005", "step-000008", "step-000009", "step-000010"}
         want_memory = {"step-000009", "step-000010"}

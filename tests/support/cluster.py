@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -94,6 +94,15 @@ class LocalCluster:
         raise AssertionError(
             f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}\n{logs}"
         )
+
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Until `check()` holds; on a timeout, fail with every node's log tail."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                logs = "\n".join(d.log_tail(30) for d in self.nodes)
+                raise AssertionError(f"timed out waiting for {what}\n{logs}")
+            time.sleep(0.2)
 
     def metrics(self) -> str:
         """Node 0's Prometheus exposition."""

@@ -4,8 +4,6 @@ write, commit) with one DaemonClient per node: for peer-tier tests that need no 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -63,14 +61,6 @@ class Nodes(LocalCluster):
                 c.commit_file(NS, checkpoint_id, name, node, size, checksums)
         required = [name for named in files.values() for name in named]
         return self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
-
-    def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(d.log_tail(30) for d in self.nodes)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
 
     def states(self, checkpoint_id: str) -> list[str]:
         out = []

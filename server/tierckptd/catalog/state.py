@@ -337,14 +337,11 @@ class CatalogState:
 
     def _landing(self, rec: CheckpointRecord) -> bool:
         """Whether a reader's copy of one of `rec`'s files started or arrived moments
-        ago: a restore of an older checkpoint makes it memory-held again, and
-        evicting it then would pull the files from under the reader (it is evicted at a
-        later commit)."""
+        ago: a restore of an older checkpoint makes it memory-held again, and evicting it
+        then would pull the files from under the reader (`expire_landed` evicts it
+        once the grace is over)."""
         landed = self._landed.get(rec.key)
-        if landed is not None and self._clock() - landed > LANDED_GRACE:
-            del self._landed[rec.key]
-            landed = None
-        return landed is not None
+        return landed is not None and self._clock() - landed <= LANDED_GRACE
 
     def _persistent_only(self, rec: CheckpointRecord) -> bool:
         """A durable checkpoint no node's memory holds any more (listed, restorable)."""

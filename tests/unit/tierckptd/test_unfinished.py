@@ -153,19 +153,24 @@ def test_an_orphan_that_does_not_match_the_manifest_is_collected_not_installed(
     assert node.used_bytes() == node._budget._manifest_total
 
 
-def test_a_readers_restored_copy_is_not_evicted_under_it(
-    make_catalog: MakeCatalog, save: Save, clock: FakeClock
-) -> None:
-    node = make_catalog(budget=1 << 20, memory_keep_last=1)
-    save(node, NS, "s1", {THEIRS: b"a" * 100})
-    # A reader restores a file of s1 from another tier (here: it arrives as a copy).
+def _restored_for_a_reader(node: Catalog, data: bytes) -> None:
+    """A reader restores s1's file from another tier: the local copy goes, and a copy
+    arrives as the restorer installs one."""
     with node._lock:
         node._records[(NS, "s1")].files[THEIRS].held = False
     node.tier.remove_file(node.tier.file_path(NS, "s1", THEIRS))
     tmp = node.start_incoming(NS, "s1", THEIRS, restored=True)
     assert tmp is not None
-    tmp.write_bytes(b"a" * 100)
+    tmp.write_bytes(data)
     assert node.finish_incoming(NS, "s1", THEIRS, tmp, True, restored=True)
+
+
+def test_a_readers_restored_copy_is_not_evicted_under_it(
+    make_catalog: MakeCatalog, save: Save, clock: FakeClock
+) -> None:
+    node = make_catalog(budget=1 << 20, memory_keep_last=1)
+    save(node, NS, "s1", {THEIRS: b"a" * 100})
+    _restored_for_a_reader(node, b"a" * 100)
     save(node, NS, "s2", {THEIRS: b"b" * 100})  # keep_last = 1 would evict s1 now
     assert node.get(NS, "s1").local_paths[THEIRS]
     clock.now += 4
@@ -194,13 +199,7 @@ def test_a_readers_restored_copy_is_not_trimmed_as_surplus_under_it(
 ) -> None:
     node = make_catalog(budget=1 << 20)
     save(node, NS, "s1", {THEIRS: b"a" * 100})
-    with node._lock:
-        node._records[(NS, "s1")].files[THEIRS].held = False
-    node.tier.remove_file(node.tier.file_path(NS, "s1", THEIRS))
-    tmp = node.start_incoming(NS, "s1", THEIRS, restored=True)
-    assert tmp is not None
-    tmp.write_bytes(b"a" * 100)
-    assert node.finish_incoming(NS, "s1", THEIRS, tmp, True, restored=True)
+    _restored_for_a_reader(node, b"a" * 100)
     assert not node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
     clock.now += 4
     assert node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
