@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 
 import pytest
+from tierckpt.daemon_client import DaemonClient
 
 from tests.support.peer_nodes import NS, Nodes
 
@@ -92,10 +93,13 @@ def test_a_coordinator_killed_before_its_publish_publishes_on_restart(
     pair.nodes[0].start()
     pair.wait("node1 holding s1 after node0's restart", lambda: pair.node1_copy() is not None, 60)
     assert pair.node1_copy() == mine
+    fresh = DaemonClient(pair.nodes[0].address, timeout_s=30)  # the old channel saw it die
     try:
-        state = pair.clients[0].get_checkpoint(NS, "s1").state
+        state = fresh.get_checkpoint(NS, "s1").state
     except Exception as e:
         raise AssertionError(pair.nodes[0].log_tail(80)) from e
+    finally:
+        fresh.close()
     assert state in ("COMMITTED", "REPLICATED")
 
 
