@@ -106,6 +106,7 @@ class Catalog(UnfinishedSaves):
                     f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
                 )
             self._gone.pop(key, None)  # saved again after a delete: peers may publish it
+            self._evicted.pop(key, None)
             if rec is None:
                 rec = CheckpointRecord(
                     namespace=namespace,

@@ -104,13 +104,14 @@ class PeerState(PersistentMarks):
         with self._lock:
             return [r.key for r in self._records.values() if r.state is State.COMMITTED]
 
-    def publish(self, published: CheckpointRecord) -> bool:
+    def publish(self, published: CheckpointRecord, *, durable: bool = False) -> bool:
         """Adopt the cluster manifest of a checkpoint the DCP coordinator committed.
 
         Files of our own WRITING save that the manifest lists become committed (held);
         everything else is listed as held elsewhere. A checkpoint already known only
         merges replica lists. Returns False when this node deleted the checkpoint (it is
-        not resurrected by a peer).
+        not resurrected by a peer) or its retention evicted it, unless `durable` (the
+        persistent tier's copy: a durable checkpoint stays listed, persistent-only).
 
         What a peer says never destroys anything here (invariant 10): a committed file of
         ours is never unlinked (a manifest that disagrees with one, or a save whose
@@ -125,6 +126,9 @@ class PeerState(PersistentMarks):
             gone = self._gone.get(key)
             if gone is not None and published.committed_unix <= gone + DELETE_SKEW:
                 return False  # deleted here (or by a cluster rm) after it was committed
+            if key in self._evicted and not durable:
+                return False  # retention evicted it here; only its durable copy lists it again
+            self._evicted.pop(key, None)
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
                 self._merge_published(rec, published)
@@ -177,6 +181,8 @@ class PeerState(PersistentMarks):
                     self.tier.remove_file(self.tier.file_path(*key, name))
             self._records[key] = new
             self._track(new)
+            if durable:
+                self._durable.add(key)  # before retention sees it: kept persistent-only
             if charge:
                 self._budget.charge_manifest(key, self._manifest_size(key) or charge)
             self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))

@@ -92,6 +92,11 @@ class CatalogState:
         # retention's included, would otherwise grow for the daemon's whole life. Value:
         # the deletion's stamp; a publish of one committed by then is refused (peer_state).
         self._gone: dict[Key, float] = {}
+        # Retention's evictions of checkpoints not known durable here, kept apart from
+        # deletions: a peer's publish of one is refused as well (retention would only
+        # evict it again), but the persistent tier's adoption is not (the drain may have
+        # made it durable elsewhere; it must stay loadable through this node).
+        self._evicted: dict[Key, float] = {}
         self._landed: dict[Key, float] = {}  # when a reader's copy arrived (`_landing`)
         # Persistent tier: drain every `drain_every`-th committed checkpoint (0: no
         # persistent tier), the checkpoints known to be durable there, and a callback
@@ -287,14 +292,17 @@ class CatalogState:
             format_size(freed),
         )
 
-    def _delete_committed(self, rec: CheckpointRecord) -> int:
+    def _delete_committed(self, rec: CheckpointRecord, *, evicted: bool = False) -> int:
+        """Delete a checkpoint from this node; `evicted`: by memory retention (a weaker
+        tombstone that the persistent tier's adoption overrides, see `_evicted`)."""
         # Manifest first: a crash after this point leaves a dir without manifest, which
         # adoption collects, never a manifest pointing at missing files.
         self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
         if rec.state is State.COMMITTED:
-            self._gone[rec.key] = max(self._gone.pop(rec.key, 0.0), self._wall())
-            while len(self._gone) > MAX_GONE:
-                del self._gone[next(iter(self._gone))]
+            stones = self._evicted if evicted else self._gone
+            stones[rec.key] = max(stones.pop(rec.key, 0.0), self._wall())
+            while len(stones) > MAX_GONE:
+                del stones[next(iter(stones))]
         self._health.pop(rec.key, None)
         self._durable.discard(rec.key)
         self._retired.discard(rec.key)
@@ -371,7 +379,7 @@ class CatalogState:
             if rec.key in self._durable:
                 freed = self._keep_persistent_only(rec)
             else:
-                freed = self._delete_committed(rec)
+                freed = self._delete_committed(rec, evicted=True)
             metrics.EVICTIONS.inc()
             logger.info(
                 "evicted %s/%s from memory (retention memory_keep_last=%d), %s",

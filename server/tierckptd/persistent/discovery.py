@@ -163,7 +163,7 @@ def adopt_checkpoint(
         f.held = False
         f.owner_node = ""
         f.replica_nodes = []
-    if not catalog.publish(rec):
+    if not catalog.publish(rec, durable=True):
         return 0
     catalog.mark_durable(*key)
     return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import threading
@@ -159,6 +160,30 @@ def test_deleted_checkpoint_is_not_taken_back(catalog: Catalog, save: Save) -> N
     catalog.delete("run", "s4")
     rec = CheckpointRecord("run", "s4", State.COMMITTED, 1.0, "node-x", 2.0, 1)
     assert not catalog.publish(rec)
+
+
+def test_an_evicted_checkpoint_made_durable_elsewhere_is_listed_again(
+    make_catalog: MakeCatalog, save: Save
+) -> None:
+    # Chaos finding: retention evicted a checkpoint this node did not yet know durable;
+    # another node's drain then made it durable, and this node's persistent discovery
+    # could not list it again, so loads through this node said NOT_FOUND.
+    catalog = make_catalog(memory_keep_last=1)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"1" * 10})
+    published = copy.deepcopy(catalog._records[("run", "s1")])
+    save(catalog, "run", "s2", {"__0_0.distcp": b"2" * 10})
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s2"]
+    for f in published.files.values():
+        f.held, f.owner_node, f.replica_nodes = False, "", []
+    assert not catalog.publish(dataclasses.replace(published))  # a peer: evicted again
+    assert catalog.publish(dataclasses.replace(published), durable=True)
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s1", "s2"]
+    assert catalog.is_durable("run", "s1")
+    save(catalog, "run", "s3", {"__0_0.distcp": b"3" * 10})
+    assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s1", "s3"]
+    # An rm is final: not even the persistent tier's copy lists it again here.
+    catalog.delete("run", "s1")
+    assert not catalog.publish(dataclasses.replace(published), durable=True)
 
 
 def _record(ckpt: str, committed: float, files: list[FileRecord]) -> CheckpointRecord:
