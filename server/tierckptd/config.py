@@ -184,8 +184,22 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class MembershipConfig:
+    # Peers from the platform, beside the static [[peers]] (issue 13): `dns` names a
+    # Kubernetes headless Service (its A/AAAA records, `port` = the peer port, default
+    # the port of [listen] peer), `hostfile` a file of "address" or "id address [domain]"
+    # lines; both re-read every `refresh` seconds (ids learnt from each peer's Hello).
+    dns: str = ""
+    port: int = 0
+    hostfile: str = ""
+    refresh: float = 10.0
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "INFO"
+    # "text" or "json" (one object per line with namespace/checkpoint/rank/node fields).
+    format: str = "text"
 
 
 @dataclass(frozen=True)
@@ -196,6 +210,7 @@ class Config:
     listen: ListenConfig = field(default_factory=ListenConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     peers: tuple[PeerConfig, ...] = ()
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     persistent: PersistentConfig = field(default_factory=PersistentConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
@@ -208,6 +223,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "node": NodeConfig,
     "listen": ListenConfig,
     "memory": MemoryConfig,
+    "membership": MembershipConfig,
     "replication": ReplicationConfig,
     "persistent": PersistentConfig,
     "retention": RetentionConfig,
@@ -325,6 +341,8 @@ def _validate(config: Config) -> None:
         raise ConfigError(
             f"[log] level = {config.log.level!r}; valid: DEBUG, INFO, WARNING, ERROR, CRITICAL"
         )
+    if config.log.format not in ("text", "json"):
+        raise ConfigError(f'[log] format = {config.log.format!r}; valid: "text", "json"')
     if not config.listen.local:
         raise ConfigError("[listen] local must not be empty: clients reach the daemon there")
     if config.security.local_isolation not in ("", "uid"):
