@@ -18,7 +18,9 @@ from typing import Any
 from tierckpt import __version__
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
 from tierckpt.errors import ChecksumMismatch, TierckptError
+from tierckpt.freshness import TIERS
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+from tierckpt.progress import Progress, format_age
 from tierckpt.units import format_size
 
 __all__ = ["main"]
@@ -75,8 +77,21 @@ def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _freshness_lines(fresh: dict[str, dict[str, float]], now: float) -> list[str]:
+    """One line per namespace: how old its newest checkpoint is at each tier (the RPO)."""
+    if not fresh:
+        return []
+    width = max(len("NAMESPACE"), *(len(ns) for ns in fresh))
+    lines = [(f"{'NAMESPACE':<{width}}  " + "  ".join(f"{t.upper():<12}" for t in TIERS)).rstrip()]
+    for ns, tiers in sorted(fresh.items()):
+        ages = [f"{format_age(now - tiers[t]) + ' ago' if t in tiers else '-':<12}" for t in TIERS]
+        lines.append(f"{ns:<{width}}  " + "  ".join(ages).rstrip())
+    return lines
+
+
 def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
     s = client.status()
+    fresh = s.freshness
     payload = {
         "node": s.node_id,
         "failure_domain": s.failure_domain,
@@ -94,6 +109,8 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
         "prewarm_used_bytes": s.prewarm_used_bytes,
         "pool_hits": s.pool_hits,
         "pool_misses": s.pool_misses,
+        # newest commit time per namespace and tier (memory, replicated, durable)
+        "freshness": fresh,
     }
     text = (
         f"node {s.node_id} (failure domain {s.failure_domain}) at {client.address}, tierckptd {s.version}\n"
@@ -104,11 +121,16 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
         f"prewarmed bytes written by saves; files opened warm {s.pool_hits}, cold {s.pool_misses}\n"
         f"{s.checkpoints} committed checkpoints in {len(s.namespaces)} namespaces: {', '.join(s.namespaces) or '-'}"
     )
+    lines = _freshness_lines(fresh, time.time())
+    if lines:
+        text += "\nnewest checkpoint per tier (RPO):\n  " + "\n  ".join(lines)
     _emit(args, payload, text)
     return 0
 
 
-def _copy_verified(entry: FileEntry, what: str, target: str) -> None:
+def _copy_verified(
+    entry: FileEntry, what: str, target: str, progress: Progress | None = None
+) -> None:
     """`entry`'s local copy into `target`, every block verified (ChecksumMismatch if not)."""
     tmp = f"{target}.tmp"
     with (
@@ -116,13 +138,18 @@ def _copy_verified(entry: FileEntry, what: str, target: str) -> None:
         open(tmp, "wb") as out,
     ):
         for start in range(0, entry.size, _COPY_CHUNK):
-            out.write(src.read(start, min(_COPY_CHUNK, entry.size - start)))
+            data = src.read(start, min(_COPY_CHUNK, entry.size - start))
+            out.write(data)
+            if progress is not None:
+                progress.advance(len(data))
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, target)
 
 
-def _pull(client: DaemonClient, info: CheckpointInfo, dest: str) -> int:
+def _pull(
+    client: DaemonClient, info: CheckpointInfo, dest: str, progress: Progress | None = None
+) -> int:
     """Copy every file, verified block by block, then `.metadata` last (the commit marker).
 
     Each file goes through the daemon's restore chain first (EnsureLocal): a file this
@@ -140,22 +167,36 @@ def _pull(client: DaemonClient, info: CheckpointInfo, dest: str) -> int:
         target = os.path.join(dest, listed.name)
         what = f"{info.namespace}/{info.checkpoint_id}/{listed.name}"
         entry = client.ensure_local(info.namespace, info.checkpoint_id, listed.name)
+        copied = progress.done_bytes if progress is not None else 0
         try:
-            _copy_verified(entry, what, target)
+            _copy_verified(entry, what, target, progress)
         except ChecksumMismatch as e:
+            if progress is not None:  # the file starts over
+                progress.done_bytes = copied
+                progress.close()
             print(f"tierckpt pull: {e}; asking tierckptd to repair it", file=sys.stderr)
             entry = client.ensure_local(
                 info.namespace, info.checkpoint_id, listed.name, repair=True
             )
-            _copy_verified(entry, what, target)
+            _copy_verified(entry, what, target, progress)
         total += entry.size
+        if progress is not None:
+            progress.advance(files=1)
     return total
 
 
 def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
     info = client.get_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
     started = time.perf_counter()
-    total = _pull(client, info, args.dest)
+    progress = None
+    if not args.json:  # drawn on a terminal only (Progress.enabled)
+        label = f"pull {info.namespace}/{info.checkpoint_id}"
+        progress = Progress(label, info.size_bytes, len(info.files), sys.stderr)
+    try:
+        total = _pull(client, info, args.dest, progress)
+    finally:
+        if progress is not None:
+            progress.close()
     elapsed = time.perf_counter() - started
     payload = {
         "id": info.checkpoint_id,

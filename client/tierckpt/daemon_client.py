@@ -25,6 +25,7 @@ from tierckpt.errors import (
     TierUnavailable,
     error_from_status,
 )
+from tierckpt.freshness import from_wire
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -116,6 +117,8 @@ class NodeStatus:
     prewarm_used_bytes: int = 0
     pool_hits: int = 0
     pool_misses: int = 0
+    # {namespace: {tier: newest commit time}} (`tierckpt.freshness`): the RPO view
+    freshness: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
@@ -358,4 +361,5 @@ class DaemonClient:
             prewarm_used_bytes=s.prewarm_used_bytes,
             pool_hits=s.pool_hits,
             pool_misses=s.pool_misses,
+            freshness=from_wire(s.freshness),
         )

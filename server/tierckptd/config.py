@@ -11,12 +11,10 @@ token or TLS is refused (DESIGN invariant 11). Keeping secrets out of logs is
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
 import re
-import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +22,16 @@ from typing import Any
 
 from tierckpt.errors import InvalidName
 from tierckpt.names import check_persistent_url
+
+from tierckptd.config_checks import (
+    ConfigError,
+    check_exposure,
+    check_membership,
+    exposure_warnings,
+    host_of,
+    is_loopback_address,
+    node_identity,
+)
 
 __all__ = [
     "Config",
@@ -67,10 +75,6 @@ _UNITS = {
     "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-class ConfigError(ValueError):
-    """The configuration file is malformed; the message names the key and the fix."""
 
 
 def parse_size(value: object, *, what: str = "size") -> int:
@@ -313,11 +317,8 @@ def parse_config(data: dict[str, Any]) -> Config:
         if not peer.id or not peer.address:
             raise ConfigError(f"[[peers]] entry {peer} needs both id and address")
     config = Config(peers=peers, **sections)
-    node_id = config.node.id or socket.gethostname()
-    config = dataclasses.replace(
-        config,
-        node=NodeConfig(id=node_id, failure_domain=config.node.failure_domain or node_id),
-    )
+    node_id, domain = node_identity(config.node.id, config.node.failure_domain)
+    config = dataclasses.replace(config, node=NodeConfig(id=node_id, failure_domain=domain))
     _validate(config)
     return config
 
@@ -350,12 +351,13 @@ def _validate(config: Config) -> None:
             f"[security] local_isolation = {config.security.local_isolation!r}; "
             'valid: "" (every local caller is trusted) or "uid" (a namespace belongs to its uid)'
         )
-    if config.security.local_isolation and _host_of(config.listen.local) is not None:
+    if config.security.local_isolation and host_of(config.listen.local) is not None:
         raise ConfigError(
             f'[security] local_isolation = "uid" needs [listen] local to be a unix socket '
             f"(the caller's uid cannot be proven over TCP), got {config.listen.local!r}"
         )
-    _check_exposure(config)
+    check_membership(config)
+    check_exposure(config)
 
 
 # --- exposure of the listeners (DESIGN invariant 11) -------------------------------------
@@ -385,120 +387,6 @@ def _expand_addresses(data: dict[str, Any]) -> dict[str, Any]:
 
         out[section] = {**table, key: _ENV_REF.sub(env, table[key])}
     return out
-
-
-def _host_of(address: str) -> str | None:
-    """The host part of a gRPC listen address; None for a unix socket (no network)."""
-    address = address.strip()
-    if address.startswith(("unix:", "unix-abstract:")):
-        return None
-    for scheme in ("dns:///", "ipv4:", "ipv6:"):
-        if address.startswith(scheme):
-            address = address[len(scheme) :]
-    if address.startswith("["):
-        end = address.find("]")
-        return address[1:end] if end > 0 else address[1:]
-    if address.count(":") > 1:  # unbracketed IPv6: "::" alone, or ":::7070"
-        try:
-            ipaddress.ip_address(address)
-            return address
-        except ValueError:
-            pass
-    return address.rsplit(":", 1)[0] if ":" in address else address
-
-
-def _ip_is_loopback(text: str) -> bool | None:
-    """Whether `text` is a loopback IP literal; None when it is not an IP literal."""
-    try:
-        ip = ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped.is_loopback
-    return ip.is_loopback
-
-
-def is_loopback_address(address: str) -> bool:
-    """Whether a listen address ("host:port", "[v6]:port", "unix:...") is reachable only
-    from this host. Wildcards, routable IPs and names that resolve anywhere else are not;
-    a name that does not resolve counts as exposed (fail closed)."""
-    host = _host_of(address)
-    if host is None:
-        return True
-    host = host.strip().lower().rstrip(".")
-    if host in ("", "*"):
-        return False  # ":7070" binds every interface
-    literal = _ip_is_loopback(host)
-    if literal is not None:
-        return literal
-    if host == "localhost" or host.endswith(".localhost"):
-        return True  # RFC 6761: always loopback
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    return bool(infos) and all(_ip_is_loopback(str(info[4][0])) for info in infos)
-
-
-def _peer_port_secured(security: SecurityConfig) -> bool:
-    return bool(security.token_file) or bool(security.tls_cert and security.tls_key)
-
-
-def _check_exposure(config: Config) -> None:
-    """Refuse listeners that would let the network in without credentials."""
-    if config.security.allow_insecure_peers:
-        return
-    peer = config.listen.peer
-    if peer and not _peer_port_secured(config.security) and not is_loopback_address(peer):
-        raise ConfigError(
-            f"[listen] peer = {peer!r} listens beyond this host, but the peer port has neither "
-            "a token nor TLS: anyone who reaches it could read, replace and delete "
-            "checkpoints. Set [security] token_file (and for TLS tls_cert, tls_key, tls_ca), "
-            "or set [security] allow_insecure_peers = true on a network you trust; a "
-            'single node needs no network listener (peer = "127.0.0.1:7070" or "")'
-        )
-    local = config.listen.local
-    if _host_of(local) is not None and not is_loopback_address(local):
-        raise ConfigError(
-            f"[listen] local = {local!r} would serve the control API (load, delete any "
-            "checkpoint) to the network without authentication. Use a unix socket "
-            '(local = "unix:///run/tierckpt/tierckptd.sock"), or set [security] '
-            "allow_insecure_peers = true if you really mean it"
-        )
-
-
-def exposure_warnings(config: Config) -> list[str]:
-    """What the daemon logs as WARNING at start about listeners a config opens up."""
-    warnings = []
-    peer, local, security = config.listen.peer, config.listen.local, config.security
-    if peer and not is_loopback_address(peer):
-        if not _peer_port_secured(security):
-            warnings.append(
-                f"[security] allow_insecure_peers = true: the peer listener {peer} takes "
-                "calls without token or TLS; anyone who reaches it can read, replace and "
-                "delete checkpoints. Set [security] token_file and tls_cert/tls_key/tls_ca"
-            )
-        elif not (security.tls_cert and security.tls_key):
-            warnings.append(
-                f"the peer listener {peer} has a token but no TLS: the token and every "
-                "checkpoint byte travel in clear; set [security] tls_cert/tls_key/tls_ca"
-            )
-    if config.peers and (not peer or is_loopback_address(peer)):
-        remote = [p.id for p in config.peers if not is_loopback_address(p.address)]
-        if remote:
-            warnings.append(
-                f"[listen] peer = {peer!r} is not reachable from other nodes, but [[peers]] "
-                f"{', '.join(remote[:5])} are: listen on the network, e.g. peer = "
-                '"0.0.0.0:7070", with [security] token_file and tls_cert/tls_key/tls_ca'
-            )
-    if _host_of(local) is not None:
-        where = "any local user" if is_loopback_address(local) else "anyone who reaches it"
-        warnings.append(
-            f"[listen] local = {local!r} serves the control API over TCP without "
-            f"authentication: {where} can list, load and delete every namespace; a unix "
-            "socket's file mode limits who can"
-        )
-    return warnings
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -32,6 +32,7 @@ from tierckpt.units import format_size
 from tierckptd import __version__
 from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.catalog.prewarm import NextSaveWarmer
+from tierckptd.catalog.views import freshness
 from tierckptd.config import (
     Config,
     ConfigError,
@@ -44,13 +45,14 @@ from tierckptd.memory.capacity import budget_warnings
 from tierckptd.memory.scrubber import Scrubber
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
 from tierckptd.model import FileRecord
-from tierckptd.ops import metrics
+from tierckptd.ops import logs, metrics
 from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.ops.priority import at_idle_priority
 from tierckptd.ops.systemd import sd_notify
 from tierckptd.peers import security as auth
 from tierckptd.peers.client import PeerClient
 from tierckptd.peers.cluster import Cluster
+from tierckptd.peers.member_sources import Discoverer, discoverer_for
 from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
 from tierckptd.peers.source import peer_sources
 from tierckptd.persistent.discovery import Discovery
@@ -92,13 +94,16 @@ def set_log_level(level: str) -> None:
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))
 
 
+def set_log_format(kind: str, node: str) -> None:
+    """`[log] format`: "text" lines or one JSON object per line (`ops.logs`)."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logs.formatter(kind, node))
+
+
 def setup_logging(config: Config) -> None:
     """stderr logging (journald / kubectl logs) with the node id in every line."""
-    logging.basicConfig(
-        level=config.log.level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [{config.node.id}] %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=config.log.level.upper(), stream=sys.stderr)
+    set_log_format(config.log.format, config.node.id)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _QuietBelowInfo) for f in handler.filters):
             handler.addFilter(_QuietBelowInfo())
@@ -134,6 +139,7 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         self.cluster: Cluster | None = None
         self.drainer: Drainer | None = None
+        self.discoverer: Discoverer | None = None
         self._emergency = False
         os.set_blocking(self._wake_w, False)
 
@@ -189,6 +195,7 @@ class Daemon:
                 lambda: catalog.status().prewarm_pending_bytes,
                 lambda: catalog.status().prewarm_ready_bytes,
             )
+            metrics.bind_freshness(lambda: freshness(catalog.list_checkpoints()))
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
             # The one restore chain: memory, then the file's peer holders and the other
@@ -202,7 +209,9 @@ class Daemon:
                     channel_factory=channel_factory,
                 )
             )
+            metrics.bind_peers(lambda: peer_client.peer_ids)
             discovery: Discovery | None = None
+            discovers = bool(cfg.membership.dns or cfg.membership.hostfile)
             # Short retries per operation: the drainer reschedules the whole job.
             stores = Stores.from_config(
                 cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
@@ -229,7 +238,7 @@ class Daemon:
                     restore=restorer.ensure_local,
                     keep_last=cfg.retention.persistent_keep_last,
                     keep_every=cfg.retention.persistent_keep_every,
-                    peers=_peer_holdings(peer_client) if cfg.peers else None,
+                    peers=_peer_holdings(peer_client) if cfg.peers or discovers else None,
                     owner_grace=cfg.persistent.owner_grace,
                 )
                 catalog.drain_every = cfg.persistent.every
@@ -263,6 +272,9 @@ class Daemon:
             return 1
         # A replacement node (empty memory tier) learns the checkpoints peers know before
         # READY, so GetCheckpoint/ls work at once; the peer listener already answers.
+        # [membership]: the first round now, so a restarted node knows its peers before
+        # it asks them for manifests; then in the background (started with the cluster).
+        self.discoverer = discoverer_for(cfg, cluster, lambda: self.config.replication.copies)
         cluster.pull_manifests()
         # Files of saves committed while this daemon was down (orphans) are kept once they
         # verify against a pulled manifest; the sweeper asks the peers about the others.
@@ -284,6 +296,8 @@ class Daemon:
                     "cannot list the persistent tier %s: %s", redact(cfg.persistent.url), e
                 )
         cluster.start()
+        if self.discoverer is not None:
+            self.discoverer.start()
         if self.drainer is not None:
             self.drainer.resume()  # a restart mid-drain picks up where it stopped
             self.drainer.start()
@@ -323,6 +337,8 @@ class Daemon:
                 warmer[1].stop()
             if self.drainer is not None:
                 self.drainer.stop()
+            if self.discoverer is not None:
+                self.discoverer.stop()
             cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
@@ -397,14 +413,22 @@ class Daemon:
         for line in changes:
             live = line.startswith(("peers", "log.", "replication."))
             logger.info("SIGHUP: %s%s", line, "" if live else " (takes effect on restart)")
-        if self.cluster is not None and (
+        if self.discoverer is not None:  # [[peers]] and the discovered ones, together
+            self.discoverer.set_static(new.peers)
+            if self.cluster is not None:
+                self.cluster.heal_interval = new.replication.heal_interval
+        elif self.cluster is not None and (
             new.peers != self.config.peers or new.replication != self.config.replication
         ):
             self.cluster.configure(new.peers, new.replication.copies)
             self.cluster.heal_interval = new.replication.heal_interval
         if new.log.level != self.config.log.level:
             set_log_level(new.log.level)
+        if new.log.format != self.config.log.format:
+            set_log_format(new.log.format, self.config.node.id)
         self.config = new
+        if self.discoverer is not None:
+            self.discoverer.refresh(force=True)  # applies the new peers and copies now
 
     def _shutdown(
         self, health: Health, servers: Servers, sweeper: Sweeper, tier: MemoryTier

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.errors import SourceUnavailable
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import FileRecord
-from tierckptd.ops import metrics
+from tierckptd.ops import logs, metrics
 
 __all__ = [
     "Attempt",
@@ -136,6 +137,12 @@ def final_error(what: str, attempts: Sequence[Attempt]) -> Exception:
     )
 
 
+def _kind(source: str) -> str:
+    """The `source` label of a source's name ("peer node-b" -> "peer"), bounded."""
+    kind = source.split(" ", 1)[0]
+    return kind if kind in metrics.RESTORE_SOURCES else "peer"
+
+
 class Restorer:
     """Brings a verified copy of a committed file into the local memory tier."""
 
@@ -180,10 +187,28 @@ class Restorer:
             return len(self._file_locks)
 
     def ensure_local(
-        self, namespace: str, checkpoint_id: str, name: str, repair: bool = False
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        repair: bool = False,
+        *,
+        timed: bool = False,
     ) -> tuple[FileRecord, str]:
         """A verified local copy of one file: (its record, its local path). With `repair`
-        the local copy is verified first and replaced when corrupt."""
+        the local copy is verified first and replaced when corrupt. `timed`: a restore
+        (EnsureLocal), observed in `tierckpt_restore_duration_seconds{source}`; the
+        drain's and healing's own fetches are not restores."""
+        started = time.monotonic()
+        f, path, source = self._ensure_local(namespace, checkpoint_id, name, repair)
+        if timed:
+            metrics.RESTORE_DURATION.labels(source=source).observe(time.monotonic() - started)
+        return f, path
+
+    def _ensure_local(
+        self, namespace: str, checkpoint_id: str, name: str, repair: bool
+    ) -> tuple[FileRecord, str, str]:
+        """`ensure_local`, and the kind of source the copy came from (RESTORE_SOURCES)."""
         what = f"{namespace}/{checkpoint_id}/{name}"
         with self.file_lock(namespace, checkpoint_id, name):
             f, path = self.catalog.file_view(namespace, checkpoint_id, name)
@@ -191,12 +216,12 @@ class Restorer:
                 raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
             attempts: list[Attempt] = []
             if path and not repair:
-                return f, path
+                return f, path, "memory"
             if path:
                 ok, reason = self.catalog.tier.verify_file(Path(path), f.size, f.checksums)
                 if ok:
                     logger.info("repair of %s asked, but the local copy verifies", what)
-                    return f, path
+                    return f, path, "memory"
                 attempts.append(Attempt("memory", Outcome.CORRUPT, reason))
                 metrics.CORRUPT_COPIES.labels(where="local").inc()
                 self.catalog.drop_local_copy(namespace, checkpoint_id, name)
@@ -236,12 +261,18 @@ class Restorer:
                 metrics.FETCHED_BYTES.inc(got)
                 f, path = self.catalog.file_view(namespace, checkpoint_id, name)
                 if path:
-                    logger.info("restored %s from %s (%d bytes)", what, source.name, f.size)
+                    logger.info(
+                        "restored %s from %s (%d bytes)",
+                        what,
+                        source.name,
+                        f.size,
+                        extra=logs.context(namespace, checkpoint_id, f.rank),
+                    )
                     if isinstance(source, Landed):
                         try:
                             source.landed(namespace, checkpoint_id, f)
                         except Exception as e:
                             logger.warning("after restoring %s from %s: %s", what, source.name, e)
-                    return f, path
+                    return f, path, _kind(source.name)
                 attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
             raise final_error(what, attempts)

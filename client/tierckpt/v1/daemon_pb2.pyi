@@ -470,6 +470,7 @@ class NodeStatus(_message.Message):
     PREWARM_USED_BYTES_FIELD_NUMBER: _builtins.int
     POOL_HITS_FIELD_NUMBER: _builtins.int
     POOL_MISSES_FIELD_NUMBER: _builtins.int
+    FRESHNESS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     failure_domain: _builtins.str
     memory_dir: _builtins.str
@@ -494,6 +495,13 @@ class NodeStatus(_message.Message):
     pool_misses: _builtins.int
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def freshness(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamespaceFreshness]:
+        """Per namespace the caller may see, the RPO view (tierckpt.freshness): the commit time
+        of its newest checkpoint at each level of protection, as the daemon's
+        tierckpt_newest_checkpoint_timestamp_seconds gauge reports it.
+        """
+
     def __init__(
         self,
         *,
@@ -512,11 +520,44 @@ class NodeStatus(_message.Message):
         prewarm_used_bytes: _builtins.int = ...,
         pool_hits: _builtins.int = ...,
         pool_misses: _builtins.int = ...,
+        freshness: _abc.Iterable[Global___NamespaceFreshness] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "pool_bytes", b"pool_bytes", "pool_hits", b"pool_hits", "pool_misses", b"pool_misses", "prewarm_pending_bytes", b"prewarm_pending_bytes", "prewarm_ready_bytes", b"prewarm_ready_bytes", "prewarm_used_bytes", b"prewarm_used_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "freshness", b"freshness", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "pool_bytes", b"pool_bytes", "pool_hits", b"pool_hits", "pool_misses", b"pool_misses", "prewarm_pending_bytes", b"prewarm_pending_bytes", "prewarm_ready_bytes", b"prewarm_ready_bytes", "prewarm_used_bytes", b"prewarm_used_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeStatus: _TypeAlias = NodeStatus  # noqa: Y015
+
+@_typing.final
+class NamespaceFreshness(_message.Message):
+    """Commit times (Unix seconds) of a namespace's newest checkpoint held in a memory tier,
+    surviving a node loss (REPLICATED or DURABLE), and in the persistent tier; 0: none.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    MEMORY_UNIX_FIELD_NUMBER: _builtins.int
+    REPLICATED_UNIX_FIELD_NUMBER: _builtins.int
+    DURABLE_UNIX_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    memory_unix: _builtins.float
+    replicated_unix: _builtins.float
+    durable_unix: _builtins.float
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        memory_unix: _builtins.float = ...,
+        replicated_unix: _builtins.float = ...,
+        durable_unix: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable_unix", b"durable_unix", "memory_unix", b"memory_unix", "namespace", b"namespace", "replicated_unix", b"replicated_unix"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamespaceFreshness: _TypeAlias = NamespaceFreshness  # noqa: Y015

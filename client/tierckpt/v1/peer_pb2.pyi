@@ -46,6 +46,56 @@ MARK_UNPINNED: MarkKind.ValueType  # 3
 Global___MarkKind: _TypeAlias = MarkKind  # noqa: Y015
 
 @_typing.final
+class HelloRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """the caller's node id (informational, unverified)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HelloRequest: _TypeAlias = HelloRequest  # noqa: Y015
+
+@_typing.final
+class HelloResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    FAILURE_DOMAIN_FIELD_NUMBER: _builtins.int
+    KNOWS_CALLER_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """this node's [node] id"""
+    failure_domain: _builtins.str
+    """this node's [node] failure_domain"""
+    knows_caller: _builtins.bool
+    """The caller's claimed node id is a member here. False: this node has not learnt it
+    yet (it looks again now); a joining node asks again soon, then pulls manifests.
+    """
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        failure_domain: _builtins.str = ...,
+        knows_caller: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure_domain", b"failure_domain", "knows_caller", b"knows_caller", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HelloResponse: _TypeAlias = HelloResponse  # noqa: Y015
+
+@_typing.final
 class CheckpointMark(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -70,6 +70,11 @@ class PeerServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.FromString,
                 _registered_method=True)
+        self.Hello = channel.unary_unary(
+                '/tierckpt.v1.PeerService/Hello',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.HelloRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.HelloResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -130,6 +135,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hello(self, request, context):
+        """Who answers at this address: its node id and failure domain. Membership discovered
+        from DNS or a hostfile knows only addresses; it learns the ids from this. Open to
+        any caller the token / TLS admit (a joining node is not a member yet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +181,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ApplyMark,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.SerializeToString,
+            ),
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.HelloRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.HelloResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +377,33 @@ class PeerService:
             '/tierckpt.v1.PeerService/ApplyMark',
             tierckpt_dot_v1_dot_peer__pb2.CheckpointMark.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.ApplyMarkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.PeerService/Hello',
+            tierckpt_dot_v1_dot_peer__pb2.HelloRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.HelloResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,11 @@ class PeerServiceStub:
     the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
     down when it happened learns it on return.
     """
+    Hello: _grpc.UnaryUnaryMultiCallable[_peer_pb2.HelloRequest, _peer_pb2.HelloResponse]
+    """Who answers at this address: its node id and failure domain. Membership discovered
+    from DNS or a hostfile knows only addresses; it learns the ids from this. Open to
+    any caller the token / TLS admit (a joining node is not a member yet).
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -87,6 +92,11 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
     the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
     down when it happened learns it on return.
+    """
+    Hello: _aio.UnaryUnaryMultiCallable[_peer_pb2.HelloRequest, _peer_pb2.HelloResponse]  # type: ignore[assignment]
+    """Who answers at this address: its node id and failure domain. Membership discovered
+    from DNS or a hostfile knows only addresses; it learns the ids from this. Open to
+    any caller the token / TLS admit (a joining node is not a member yet).
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -155,6 +165,17 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         """A cluster-wide operation on a checkpoint (rm, pin, unpin), applied idempotently;
         the newest stamp wins. Also carried in ListManifestsResponse, so a node that was
         down when it happened learns it on return.
+        """
+
+    @_abc_1.abstractmethod
+    def Hello(
+        self,
+        request: _peer_pb2.HelloRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.HelloResponse, _abc.Awaitable[_peer_pb2.HelloResponse]]:
+        """Who answers at this address: its node id and failure domain. Membership discovered
+        from DNS or a hostfile knows only addresses; it learns the ids from this. Open to
+        any caller the token / TLS admit (a joining node is not a member yet).
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -65,7 +65,7 @@ from tierckptd.model import (
     State,
     coordinator_of,
 )
-from tierckptd.ops import metrics
+from tierckptd.ops import logs, metrics
 from tierckptd.ops.faults import fault
 
 __all__ = ["MAX_FILES", "Catalog", "Sweeper", "VerifyResult", "listing"]
@@ -117,7 +117,8 @@ class Catalog(UnfinishedSaves):
                 )
                 self._records[key] = rec
                 self._track(rec)
-                logger.info("begin %s/%s (rank %d)", namespace, checkpoint_id, rank)
+                ctx = logs.context(namespace, checkpoint_id, rank)
+                logger.info("begin %s/%s (rank %d)", namespace, checkpoint_id, rank, extra=ctx)
                 self._prewarm_once(namespace)
             rec.last_activity = self._clock()
 
@@ -326,6 +327,7 @@ class Catalog(UnfinishedSaves):
             self._track(rec)
             self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()
+            metrics.SAVE_DURATION.observe(max(0.0, rec.committed_unix - rec.created_unix))
             logger.info(
                 "committed %s/%s: %d files, %s, sequence %d",
                 namespace,
@@ -333,6 +335,7 @@ class Catalog(UnfinishedSaves):
                 len(rec.files),
                 format_size(rec.committed_bytes),
                 rec.sequence,
+                extra=logs.context(namespace, checkpoint_id),
             )
             view = self._view(rec)
             for other in list(self._records.values()):

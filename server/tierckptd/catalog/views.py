@@ -10,14 +10,15 @@ left anywhere and the persistent tier does not hold it (DURABLE wins: it is rest
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from tierckpt.errors import CHECKPOINT_LOST_PREFIX, CheckpointLost
+from tierckpt.freshness import Freshness, newest_by_tier
 
 from tierckptd.model import CheckpointRecord, CheckpointView, State
 
-__all__ = ["LOST", "UNDER", "Health", "all_lost", "found", "is_lost", "view_of"]
+__all__ = ["LOST", "UNDER", "Health", "all_lost", "found", "freshness", "is_lost", "view_of"]
 
 LOST = "lost"
 UNDER = "under-replicated"
@@ -127,4 +128,12 @@ def view_of(
         durable_requested=rec.durable_requested,
         persistent_url=rec.persistent_url,
         lost_files=lost_files,
+    )
+
+
+def freshness(views: Iterable[CheckpointView]) -> dict[str, dict[str, float]]:
+    """{namespace: {tier: newest commit time}} of committed views (`tierckpt.freshness`):
+    the RPO view of `/metrics` and `tierckpt status`."""
+    return newest_by_tier(
+        Freshness(v.namespace, v.state.value, v.tiers, v.committed_unix) for v in views
     )

@@ -1,24 +1,43 @@
 """Every Prometheus metric of the daemon, in one place.
 
-Gauges read the catalog lazily (set_function) so they are exact at scrape time without
-the catalog having to publish on every change.
+Gauges read the catalog lazily (set_function, or the `_Live` collector for labelled
+series) so they are exact at scrape time without the catalog having to publish on every
+change. Labels stay bounded: by namespace (a series goes with the namespace's last
+checkpoint), by peer (the current membership), never by checkpoint id.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierckptd import __version__
 
 __all__ = [
+    "PEER_REQUESTS",
     "ABORTS",
+    "BUILD_INFO",
     "BYTES_COMMITTED",
     "COMMITS",
+    "COMMIT_DURATION",
     "CORRUPT_COPIES",
+    "DRAINED_BYTES",
+    "DRAIN_BACKLOG_BYTES",
+    "DRAIN_BACKLOG_CHECKPOINTS",
+    "DRAIN_DURATION",
+    "PERSISTENT_ERRORS",
+    "PERSISTENT_OPS",
+    "REPLICATE_DURATION",
+    "RESTORE_DURATION",
+    "RESTORE_SOURCES",
+    "SAVE_DURATION",
     "FETCHED_BYTES",
     "EVICTIONS",
     "MALFORMED_REQUESTS",
@@ -39,8 +58,11 @@ __all__ = [
     "PREWARM_USED_BYTES",
     "MetricsEndpoint",
     "UNDER_REPLICATED",
+    "bind_freshness",
     "bind_gauges",
+    "bind_peers",
     "bind_prewarm_gauges",
+    "peer_answered",
     "serve",
 ]
 
@@ -119,12 +141,150 @@ DRAIN_FAILED = Gauge(
     "tierckpt_drain_failed_checkpoints",
     "Checkpoints the drain gave up on (refused, or failing for a long time); see tierckpt ls",
 )
+PEER_REQUESTS = Counter(
+    "tierckpt_peer_requests",
+    "Peer RPCs this node served (authenticated, known methods), by method: what a commit, "
+    "a heal round or a restore costs each node (bench/scale.py)",
+    ["method"],
+)
 PEER_REFUSED = Counter(
     "tierckpt_peer_refused",
     "Peer calls and peer-sent manifests refused (unknown peer, not authorized, invalid, "
     "conflicting, over budget, busy), by reason",
     ["reason"],
 )
+
+# Latency histograms. The buckets span a small file on loopback (ms) to a large
+# checkpoint drained to S3 over an hour; the same ones everywhere, so panels compare.
+_SECONDS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+)  # fmt: skip
+SAVE_DURATION = Histogram(
+    "tierckpt_save_duration_seconds",
+    "A checkpoint's first BeginCheckpoint to its commit, on the committing (coordinator's) node",
+    buckets=_SECONDS,
+)
+COMMIT_DURATION = Histogram(
+    "tierckpt_commit_duration_seconds",
+    "CommitCheckpoint RPC handling (finding remote files, manifest, publish to peers)",
+    buckets=_SECONDS,
+)
+REPLICATE_DURATION = Histogram(
+    "tierckpt_replicate_duration_seconds",
+    "One file pushed to one buddy (successful pushes)",
+    buckets=_SECONDS,
+)
+DRAIN_DURATION = Histogram(
+    "tierckpt_drain_duration_seconds",
+    "A checkpoint's commit to its .metadata in the persistent tier, on the node that wrote it",
+    buckets=_SECONDS,
+)
+RESTORE_SOURCES = ("memory", "peer", "persistent")
+RESTORE_DURATION = Histogram(
+    "tierckpt_restore_duration_seconds",
+    "One file served by EnsureLocal (a restore), by the tier it came from (memory: "
+    "already held here)",
+    ["source"],
+    buckets=_SECONDS,
+)
+DRAIN_BACKLOG_CHECKPOINTS = Gauge(
+    "tierckpt_drain_backlog_checkpoints",
+    "Committed checkpoints due for the persistent tier and not durable yet",
+)
+DRAIN_BACKLOG_BYTES = Gauge(
+    "tierckpt_drain_backlog_bytes",
+    "Bytes of those checkpoints' files this node owns and holds (its share to upload)",
+)
+DRAINED_BYTES = Counter(
+    "tierckpt_drained_bytes", "Bytes of data files uploaded to the persistent tier"
+)
+PERSISTENT_OPS = ("upload", "read", "list", "delete")
+PERSISTENT_ERRORS = Counter(
+    "tierckpt_persistent_errors",
+    "Failed persistent-tier (S3/fsspec) calls, retried ones included, by operation",
+    ["op"],
+)
+BUILD_INFO = Gauge("tierckpt_build_info", "Always 1; the daemon's version", ["version"])
+BUILD_INFO.labels(version=__version__).set(1)
+for _source in RESTORE_SOURCES:  # every series exists from the start, at 0
+    RESTORE_DURATION.labels(source=_source)
+for _op in PERSISTENT_OPS:
+    PERSISTENT_ERRORS.labels(op=_op)
+
+# A peer answered (1) or could not be reached (0) in its last call; entries of nodes no
+# longer in the membership are dropped at the next scrape.
+PEER_DOWN_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "STALLED"})
+_peer_lock = threading.Lock()
+_peer_up: dict[str, bool] = {}
+
+
+def peer_answered(node: str, code: str = "") -> None:
+    """Record the outcome of a call to `node`: "" (it answered) or the gRPC status name
+    of the failure (an answer too, unless it says the peer was not reached)."""
+    with _peer_lock:
+        _peer_up[node] = code not in PEER_DOWN_CODES
+
+
+class _Live(Collector):
+    """The labelled series read at scrape time: per-tier freshness and peer up/down."""
+
+    def __init__(self) -> None:
+        self.freshness: Callable[[], Mapping[str, Mapping[str, float]]] | None = None
+        self.peers: Callable[[], Iterable[str]] | None = None
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "tierckpt_newest_checkpoint_timestamp_seconds",
+                "Commit time of the namespace's newest checkpoint that reached the tier "
+                "(memory: held in a memory tier; replicated: survives a node loss; durable: "
+                "in the persistent tier); RPO = time() - this",
+                labels=["namespace", "tier"],
+            ),
+            GaugeMetricFamily(
+                "tierckpt_peer_up",
+                "1 if the peer answered this node's last call to it, 0 if it was not reached",
+                labels=["peer"],
+            ),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        fresh, up = self._families()
+        try:
+            if self.freshness is not None:
+                for namespace, tiers in sorted(self.freshness().items()):
+                    for tier, ts in sorted(tiers.items()):
+                        fresh.add_metric([namespace, tier], ts)
+            if self.peers is not None:
+                members = set(self.peers())
+                with _peer_lock:
+                    for node in set(_peer_up) - members:
+                        del _peer_up[node]
+                    known = sorted(_peer_up.items())
+                for node, answered in known:
+                    up.add_metric([node], 1.0 if answered else 0.0)
+        except Exception:  # a scrape never fails for it: the other series still go out
+            logger.exception("cannot read the freshness or peer series")
+        yield fresh
+        yield up
+
+
+_LIVE = _Live()
+REGISTRY.register(_LIVE)
+
+
+def bind_freshness(freshness: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+    """Read {namespace: {tier: newest commit time}} (`catalog.views.freshness`) at each
+    scrape; a namespace with no checkpoint is simply absent."""
+    _LIVE.freshness = freshness
+
+
+def bind_peers(peers: Callable[[], Iterable[str]]) -> None:
+    """Report `tierckpt_peer_up` for the current membership's peers only."""
+    _LIVE.peers = peers
 
 
 def bind_gauges(

@@ -146,6 +146,7 @@ class PeerStub:
         self.UpdateReplicas = generated.UpdateReplicas
         self.ListManifests = generated.ListManifests
         self.ApplyMark = generated.ApplyMark
+        self.Hello = generated.Hello
         self.FetchFile: grpc.UnaryStreamMultiCallable[peer_pb2.FetchFileRequest, Chunk] = (
             channel.unary_stream(
                 f"/{_SERVICE}/FetchFile",
@@ -270,6 +271,7 @@ def register_peer_service(servicer: Any, server: Any) -> None:
         "UpdateReplicas": (peer_pb2.UpdateReplicasRequest, peer_pb2.UpdateReplicasResponse),
         "ListManifests": (peer_pb2.ListManifestsRequest, peer_pb2.ListManifestsResponse),
         "ApplyMark": (peer_pb2.CheckpointMark, peer_pb2.ApplyMarkResponse),
+        "Hello": (peer_pb2.HelloRequest, peer_pb2.HelloResponse),
     }
     # Request-streaming handlers (the wire is the same for a unary request): gRPC then
     # reads nothing before the servicer's guard runs, and deserializes nothing at all.

@@ -23,6 +23,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
@@ -95,7 +96,9 @@ class Manifests:
 def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
     code = e.code()
     details = e.details() if hasattr(e, "details") else ""
-    return PeerCallError(node, method, code.name if code is not None else "UNKNOWN", details or "")
+    name = code.name if code is not None else "UNKNOWN"
+    metrics.peer_answered(node, name)  # tierckpt_peer_up: 0 when it was not reached
+    return PeerCallError(node, method, name, details or "")
 
 
 class StallWatch:
@@ -212,6 +215,7 @@ class PeerClient:
             )
         except grpc.RpcError as e:
             raise _error(node, "Holdings", e) from None
+        metrics.peer_answered(node)
         known = resp.state != common_pb2.CHECKPOINT_STATE_UNSPECIFIED
         durable = resp.state == common_pb2.DURABLE
         names = frozenset(e_.name for e_ in resp.files)
@@ -231,6 +235,7 @@ class PeerClient:
             )
         except grpc.RpcError as e:
             raise _error(node, "PublishCheckpoint", e) from None
+        metrics.peer_answered(node)
 
     def update_replicas(
         self, node: str, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
@@ -265,6 +270,7 @@ class PeerClient:
             )
         except grpc.RpcError as e:
             raise _error(node, "ListManifests", e) from None
+        metrics.peer_answered(node)
         records: list[CheckpointRecord] = []
         refused: list[str] = []
         marks: list[Mark] = []
@@ -291,6 +297,27 @@ class PeerClient:
             stub.ApplyMark(mark_to_wire(mark), timeout=CONTROL_TIMEOUT, wait_for_ready=True)
         except grpc.RpcError as e:
             raise _error(node, "ApplyMark", e) from None
+
+    def hello(self, address: str, node: str = "") -> tuple[str, str, bool]:
+        """Hello: (node id, failure domain, whether it knows this node as a member) of the
+        daemon answering at `address`, over the member channel of `node` when it is the
+        member there (no new connection), else a short-lived channel. Unvalidated: the
+        caller checks the names."""
+        member = node and self.membership.address_of(node) == address
+        channel = self.membership.channel(node) if member else None
+        temporary = channel is None
+        if channel is None:
+            channel = self.membership.open_channel(address)
+        try:
+            resp: peer_pb2.HelloResponse = PeerStub(channel).Hello(
+                peer_pb2.HelloRequest(node_id=self.node_id), timeout=CONTROL_TIMEOUT
+            )
+        except grpc.RpcError as e:
+            raise _error(address, "Hello", e) from None
+        finally:
+            if temporary:
+                channel.close()
+        return resp.node_id, resp.failure_domain, resp.knows_caller
 
     # ---- transfers --------------------------------------------------------------------
     def fetch(

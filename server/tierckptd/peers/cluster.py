@@ -53,7 +53,13 @@ class LocalRestore(Protocol):
     """What the peer tier needs of `restore.Restorer`."""
 
     def ensure_local(
-        self, namespace: str, checkpoint_id: str, name: str, repair: bool = False
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        repair: bool = False,
+        *,
+        timed: bool = False,
     ) -> tuple[FileRecord, str]: ...
 
     def file_lock(
@@ -127,9 +133,24 @@ class Cluster:
 
     # ---- membership -------------------------------------------------------------------
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> None:
-        """Apply a (re)loaded peer list and copy count (SIGHUP)."""
+        """Apply a (re)loaded or discovered peer list and copy count (SIGHUP, discovery).
+        A node that joined, or rejoined at another address, gets its copies at once: every
+        committed checkpoint is healed now, not at the next heal round."""
+        peers = list(peers)
+        before = {n: self.membership.address_of(n) for n in self.membership.peer_ids}
         self.membership.configure(peers, copies)
         self._sync_replica_target()
+        joined = sorted(
+            p.id for p in peers if p.id != self.node_id and before.get(p.id) != p.address
+        )
+        if joined:
+            logger.info("peers joined: %s; healing every checkpoint now", ", ".join(joined[:20]))
+            self.heal_all()
+
+    def heal_all(self) -> None:
+        """Queue a heal of every committed checkpoint (deduplicated by the queue)."""
+        for namespace, checkpoint_id in self.catalog.committed_keys():
+            self._queue_heal(namespace, checkpoint_id)
 
     def _sync_replica_target(self) -> None:
         # The catalog shows "replicated" once every file has k extra copies.
@@ -180,10 +201,8 @@ class Cluster:
 
     def _heal_loop(self) -> None:
         while not self._stop.wait(self.heal_interval):
-            if not self.peer_ids:
-                continue
-            for namespace, checkpoint_id in self.catalog.committed_keys():
-                self._queue_heal(namespace, checkpoint_id)
+            if self.peer_ids:
+                self.heal_all()
 
     def heal(self, namespace: str, checkpoint_id: str) -> None:
         """Heal one checkpoint now, in the calling thread."""

@@ -1,5 +1,6 @@
-"""Who the cluster is: this node, its configured `[[peers]]`, the copy count, one channel
-per peer (reopened when its address changes on SIGHUP)."""
+"""Who the cluster is: this node, its peers (the static `[[peers]]` and those discovered,
+`peers/member_sources.py`), the copy count, one channel per peer (reopened when its
+address changes)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class Membership:
         self._members: list[Member] = [Member(node_id, failure_domain)]
         self._copies = copies
         self._k = 0
+        # Called with the claimed id when a node that is not a member says Hello (it is
+        # joining): discovery runs a round now rather than at the next refresh.
+        self.on_stranger: Callable[[str], None] | None = None
         self.configure(peers, copies)
 
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> int:
@@ -72,10 +76,13 @@ class Membership:
                 *(Member(p.id, p.failure_domain) for p in peers),
             ]
             k = self._k = replica_count(copies, self._members)
+        ids = sorted(new)
+        more = f", and {len(ids) - 20} more" if len(ids) > 20 else ""  # bounded: 4,096 members
         logger.info(
-            "membership: %d peers (%s), %d extra copies per file",
+            "membership: %d peers (%s%s), %d extra copies per file",
             len(new),
-            ", ".join(sorted(new)) or "none",
+            ", ".join(ids[:20]) or "none",
+            more,
             k,
         )
         return k
@@ -114,6 +121,23 @@ class Membership:
                     self._factory(peer.address), node_client_interceptor(self.node_id)
                 )
             return channel
+
+    def address_of(self, node: str) -> str | None:
+        """The address this node calls `node` at; None for a non-member."""
+        with self._lock:
+            peer = self._peers.get(node)
+            return None if peer is None else peer.address
+
+    def open_channel(self, address: str) -> grpc.Channel:
+        """A new channel to `address` with this node's credentials (the caller closes it):
+        for a Hello to an address no member is known at yet."""
+        return grpc.intercept_channel(self._factory(address), node_client_interceptor(self.node_id))
+
+    def stranger(self, node: str) -> None:
+        """A node that is not a member said Hello (`on_stranger`, if set)."""
+        hook = self.on_stranger
+        if hook is not None and node not in self.members:
+            hook(node)
 
     def close(self) -> None:
         with self._lock:

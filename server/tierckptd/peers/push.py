@@ -30,7 +30,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.jobs import StepAside
 from tierckptd.memory.tier import UnsafePath
 from tierckptd.model import CheckpointView, FileRecord, Key
-from tierckptd.ops import metrics
+from tierckptd.ops import logs, metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
 
 __all__ = ["HEARTBEAT", "REFUSAL_BACKOFF", "OnCorrupt", "Pusher"]
@@ -135,6 +135,7 @@ class Pusher:
             logger.info("%s is no longer here to push to %s: %s", what, node, e)
             return False
         published = not knows
+        started = time.monotonic()
         try:
             while True:
                 unread: list[OSError] = []
@@ -152,7 +153,14 @@ class Pusher:
         finally:
             os.close(fd)
         metrics.REPLICATED_BYTES.inc(f.size)
-        logger.info("replicated %s to %s (%s)", what, node, format_size(f.size))
+        metrics.REPLICATE_DURATION.observe(time.monotonic() - started)
+        logger.info(
+            "replicated %s to %s (%s)",
+            what,
+            node,
+            format_size(f.size),
+            extra=logs.context(*key, f.rank),
+        )
         return True
 
     def _failed(

@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -173,6 +174,20 @@ class Drainer:
         self._queue: JobQueue[Drain] = JobQueue(self._job, name="tierckptd-drain")
         self._drain_lock = threading.Lock()
         metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
+        metrics.DRAIN_BACKLOG_CHECKPOINTS.set_function(lambda: len(catalog.due_not_durable()))
+        metrics.DRAIN_BACKLOG_BYTES.set_function(self.backlog_bytes)
+
+    def backlog_bytes(self) -> int:
+        """Bytes of the files this node owns and holds of the checkpoints due and not
+        durable: its share of the drain still to do (the nodes' shares add up)."""
+        total = 0
+        for key in self.catalog.due_not_durable():
+            try:
+                view = self.catalog.get(*key)
+            except CheckpointNotFound:
+                continue  # evicted or deleted meanwhile
+            total += sum(f.size for f in view.files if f.held and f.owner_node == self.node_id)
+        return total
 
     # ---- queue ------------------------------------------------------------------------
     def enqueue(self, namespace: str, checkpoint_id: str, delay: float = 0.0) -> None:
@@ -376,6 +391,11 @@ class Drainer:
             return Outcome.WAITING if by_rule else Outcome.UPLOADED
         fault("drain.after_metadata")
         self.catalog.mark_durable(namespace, checkpoint_id)
+        try:
+            committed = self.catalog.get(namespace, checkpoint_id).committed_unix
+            metrics.DRAIN_DURATION.observe(max(0.0, time.time() - committed))
+        except CheckpointNotFound:
+            pass  # deleted meanwhile: nothing to time
         if not by_rule:
             logger.info(
                 "%s/%s committed on SIGTERM by a holder of .metadata", namespace, checkpoint_id
@@ -434,7 +454,8 @@ class Drainer:
                         fingerprint=fingerprint(f),
                     )
                 )
-            tier.upload_files(namespace, checkpoint_id, uploads)
+            done = tier.upload_files(namespace, checkpoint_id, uploads)
+        metrics.DRAINED_BYTES.inc(sum(u.source_size for u in done))
 
     # ---- shutdown -----------------------------------------------------------------------
     def emergency(self, deadline: float) -> bool:

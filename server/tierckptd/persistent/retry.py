@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from tierckpt.errors import TierckptError
 
+from tierckptd.ops import metrics
+
 __all__ = [
     "PersistentTierUnavailable",
     "RetryPolicy",
@@ -109,6 +111,17 @@ def is_transient(exc: BaseException) -> bool:
     return any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__)
 
 
+# The verb `what` starts with (every caller's first word) -> the `op` label.
+_OPS = {"upload": "upload", "commit": "upload", "write": "upload", "index": "upload"}
+_OPS |= {"read": "read", "probe": "read", "list": "list", "delete": "delete"}
+_OPS |= {"unindex": "delete"}
+
+
+def operation(what: str) -> str:
+    """The `tierckpt_persistent_errors{op}` label of an operation described by `what`."""
+    return _OPS.get(what.split(" ", 1)[0], "read")
+
+
 def retry_call(
     fn: Callable[[], T],
     what: str,
@@ -141,6 +154,8 @@ def retry_call(
         try:
             return fn()
         except Exception as exc:
+            if not isinstance(exc, FileNotFoundError | TierckptError | PersistentTierUnavailable):
+                metrics.PERSISTENT_ERRORS.labels(op=operation(what)).inc()  # an S3 error
             if not is_transient(exc):
                 raise
             delay = policy.backoff(attempt)

@@ -26,6 +26,7 @@ from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
+from tierckptd.catalog.views import freshness
 from tierckptd.ops import metrics
 from tierckptd.peers.cluster import Cluster, LocalRestore
 from tierckptd.restore import Restorer, no_sources
@@ -172,12 +173,13 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> common_pb2.CheckpointInfo:
         ref = request.ref
         self._allow(context, "CommitCheckpoint", ref.namespace)
-        view = self.cluster.commit(
-            ref.namespace,
-            ref.checkpoint_id,
-            list(request.required_files),
-            durable=request.durable,
-        )
+        with metrics.COMMIT_DURATION.time():
+            view = self.cluster.commit(
+                ref.namespace,
+                ref.checkpoint_id,
+                list(request.required_files),
+                durable=request.durable,
+            )
         return to_info(view)
 
     @rpc_method
@@ -278,7 +280,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ref = request.ref
         self._allow(context, "EnsureLocal", ref.namespace)
         f, path = self.restorer.ensure_local(
-            ref.namespace, ref.checkpoint_id, request.file_name, request.repair
+            ref.namespace, ref.checkpoint_id, request.file_name, request.repair, timed=True
         )
         return file_entry(f, path)
 
@@ -289,6 +291,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         uid = self._caller(context, "GetStatus")
         s = self.catalog.status()
         shown = self._visible(context, "GetStatus", uid, set(s.namespaces))
+        fresh = freshness(v for v in self.catalog.list_checkpoints() if v.namespace in shown)
         return daemon_pb2.NodeStatus(
             node_id=s.node_id,
             failure_domain=s.failure_domain,
@@ -305,6 +308,15 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             prewarm_used_bytes=s.prewarm_used_bytes,
             pool_hits=s.pool_hits,
             pool_misses=s.pool_misses,
+            freshness=[
+                daemon_pb2.NamespaceFreshness(
+                    namespace=ns,
+                    memory_unix=tiers.get("memory", 0.0),
+                    replicated_unix=tiers.get("replicated", 0.0),
+                    durable_unix=tiers.get("durable", 0.0),
+                )
+                for ns, tiers in sorted(fresh.items())
+            ],
         )
 
 

@@ -22,6 +22,8 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
 - ApplyMark (a cluster rm, pin or unpin): any member, for a mark it made itself (its
   origin_node is the caller); names, kind and stamp are validated.
 - Holdings, FetchFile, ListManifests: any member.
+- Hello (who answers here: node id and failure domain): any caller the token / TLS
+  admitted, member or not; a non-member's Hello makes discovery look again at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointNotFound,
     InvalidArgument,
+    InvalidName,
     PermissionDenied,
 )
 from tierckpt.names import check_file_name, check_namespace
@@ -88,6 +91,9 @@ WORKERS = MAX_IN_FLIGHT + HEALTH_THREADS
 # A call with no message in or out for this long is cancelled (a push stepping aside
 # for a save sends a heartbeat every peers.healer.HEARTBEAT seconds).
 STALL_TIMEOUT = 20.0
+
+# The admission key every Hello shares (the caller of a Hello need not be a member).
+_HELLO_CALLER = "\0hello"
 
 _REASONS = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid",
@@ -175,7 +181,9 @@ class PeerService:
         """Before any request byte is read: identify the caller, admit the call within
         the per-peer and total limits, and watch it for stalls (peer_guard)."""
         try:
-            caller = self.caller(context)
+            # Hello is how a joining node learns who answers at an address, before it is
+            # a member anywhere: the token / TLS admitted it; its callers share one slot set.
+            caller = _HELLO_CALLER if method == "Hello" else self.caller(context)
         except PermissionDenied as e:
             self._refuse(context, method, "unknown-peer", grpc.StatusCode.PERMISSION_DENIED, e)
         if not self.admission.enter(caller):
@@ -424,6 +432,25 @@ class PeerService:
             return peer_pb2.ApplyMarkResponse()
 
         return self.errors.call(context, "ApplyMark", apply)
+
+    def Hello(self, request: peer_pb2.HelloRequest, context: Any) -> peer_pb2.HelloResponse:
+        def hello() -> peer_pb2.HelloResponse:
+            membership = self.cluster.membership
+            claimed = request.node_id if len(request.node_id) <= 128 else ""
+            try:
+                claimed = check_node_id(claimed, "Hello caller") if claimed else ""
+            except InvalidName:
+                claimed = ""  # only a hint to look again; the answer is the same
+            knows = bool(claimed) and claimed in membership.members
+            if claimed and not knows:
+                membership.stranger(claimed)
+            return peer_pb2.HelloResponse(
+                node_id=self.cluster.node_id,
+                failure_domain=membership.failure_domain,
+                knows_caller=knows,
+            )
+
+        return self.errors.call(context, "Hello", hello)
 
 
 def add_peer_service(cluster: Cluster, server: Any, **limits: Any) -> PeerService:

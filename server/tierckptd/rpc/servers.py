@@ -27,6 +27,7 @@ from tierckptd.rpc.daemon_service import Discovery, PersistentUrls, add_daemon_s
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import LocalAccess
 from tierckptd.rpc.local_login import LoginServer, login_path_for
+from tierckptd.rpc.peer_counter import PeerRpcCounter
 from tierckptd.rpc.peer_guard import HealthGuard
 from tierckptd.rpc.peer_service import WORKERS as PEER_SERVICE_WORKERS
 
@@ -200,7 +201,7 @@ def start_servers(
                 max_workers=PEER_WORKERS, thread_name_prefix="tierckptd-peer"
             ),
             options=PEER_OPTIONS,
-            interceptors=[*security.interceptors, HealthGuard()],
+            interceptors=[*security.interceptors, HealthGuard(), PeerRpcCounter()],
             maximum_concurrent_rpcs=PEER_MAX_RPCS,
         )
         health.add_to(peer_server, peer=True)

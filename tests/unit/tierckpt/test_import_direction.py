@@ -29,7 +29,7 @@ MAX_LINES = 600
 # Daemon packages (one per tier or edge) and the shared top-level modules every package
 # may use. `tierckptd` itself (its __init__: the version) is shared too.
 PACKAGES = ("catalog", "memory", "peers", "persistent", "rpc", "ops")
-SHARED = ("model", "errors", "config", "config_secrets", "wire", "jobs")
+SHARED = ("model", "errors", "config", "config_checks", "config_secrets", "wire", "jobs")
 PROTOBUF = "tierckpt.v1"
 
 

@@ -275,12 +275,13 @@ def test_env_expansion_in_listen_addresses_only(monkeypatch: pytest.MonkeyPatch)
             "listen": {"peer": "${POD_IP}:7070"},
             "metrics": {"listen": "${POD_IP}:9464"},
             "security": {"token_file": "/t"},
-            "node": {"id": "${POD_IP}"},
         }
     )
     assert config.listen.peer == "10.9.8.7:7070"
     assert config.metrics.listen == "10.9.8.7:9464"
-    assert config.node.id == "${POD_IP}"  # not expanded anywhere else
+    # Not expanded anywhere else: the literal is no usable node id (TIERCKPT_NODE_ID is).
+    with pytest.raises(ConfigError, match=r"\[node\] id = '\$\{POD_IP\}' is not a usable"):
+        parse_config({"node": {"id": "${POD_IP}"}})
     monkeypatch.delenv("POD_IP")
     with pytest.raises(ConfigError, match=r"\[metrics\] listen.*POD_IP is not set"):
         parse_config({"metrics": {"listen": "${POD_IP}:9464"}})

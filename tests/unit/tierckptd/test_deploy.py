@@ -1,25 +1,20 @@
-"""The shipped deploy files: systemd units that `systemd-analyze verify` accepts, and a
-DaemonSet that is secure as shipped (audit M10, C3): non-root, token and TLS from a
-Secret, metrics off 0.0.0.0, probes that do not need the TLS peer port."""
+"""The shipped deploy files: systemd units that `systemd-analyze verify` accepts, and an
+example config that is safe as shipped. The Kubernetes manifests (rendered with
+kubectl kustomize, secure as shipped: audit M10, C3) are tested in tests/deploy/."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
-from tierckptd.config import exposure_warnings, load_config, parse_config
+from tierckptd.config import exposure_warnings, load_config
 
 DEPLOY = Path(__file__).parents[3] / "deploy"
 SERVICE = DEPLOY / "systemd" / "tierckptd.service"
 MOUNT = DEPLOY / "systemd" / "dev-shm-tierckpt.mount"
-DAEMONSET = DEPLOY / "kubernetes" / "daemonset.yaml"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
 
@@ -94,83 +89,6 @@ def test_mount_unit_belongs_to_the_daemon_user_and_is_not_group_writable() -> No
     assert options["mode"] == "2750", options
     assert {"nosuid", "nodev"} <= set(options)
     assert "id -u tierckpt" in MOUNT.read_text()  # tells the operator what to substitute
-
-
-def _daemonset() -> tuple[dict[str, Any], dict[str, Any]]:
-    docs = [d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d]
-    kinds = {d["kind"]: d for d in docs}
-    assert "Secret" not in kinds, "never ship a Secret's content: create it (see the comments)"
-    return kinds["ConfigMap"], kinds["DaemonSet"]
-
-
-def _embedded_config(monkeypatch: pytest.MonkeyPatch) -> Any:
-    config_map, _ = _daemonset()
-    monkeypatch.setenv("POD_IP", "10.20.30.40")  # the downward API's status.podIP
-    return parse_config(tomllib.loads(config_map["data"]["tierckptd.toml"]))
-
-
-def test_daemonset_config_is_valid_and_passes_the_insecure_peer_check(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    config = _embedded_config(monkeypatch)
-    assert config.listen.peer == "0.0.0.0:7070"  # legitimate: token and TLS below
-    assert config.security.token_file and config.security.tls_cert and config.security.tls_key
-    assert config.security.tls_ca and not config.security.allow_insecure_peers
-    assert exposure_warnings(config) == []
-    assert config.metrics.listen == "10.20.30.40:9464"  # the pod IP, not 0.0.0.0
-    assert config.persistent.storage_options == {}  # no credentials in a ConfigMap
-
-
-def test_daemonset_mounts_the_token_secret_where_the_config_points(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    config = _embedded_config(monkeypatch)
-    _, daemonset = _daemonset()
-    pod = daemonset["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
-    assert secrets, "no Secret volume"
-    for name, secret in secrets.items():
-        assert secret["defaultMode"] == 0o400, (name, secret)
-    mounts = {m["name"]: m for m in container["volumeMounts"]}
-    secret_dirs = [mounts[name]["mountPath"] for name in secrets]
-    for name in secrets:
-        assert mounts[name].get("readOnly") is True
-    for key in ("token_file", "tls_cert", "tls_key", "tls_ca"):
-        path = getattr(config.security, key)
-        assert os.path.dirname(path) in secret_dirs, (key, path, secret_dirs)
-    env = {e["name"]: e for e in container["env"]}
-    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-
-
-def test_daemonset_runs_non_root_without_privileges() -> None:
-    _, daemonset = _daemonset()
-    pod = daemonset["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    ctx = container["securityContext"]
-    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0 and ctx["runAsGroup"] != 0
-    assert ctx.get("privileged", False) is False
-    assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True
-    assert ctx["capabilities"]["drop"] == ["ALL"] and not ctx["capabilities"].get("add")
-    assert pod["securityContext"]["fsGroup"] == ctx["runAsGroup"]  # reads the 0400 Secret
-    # The root init container may only chown/chmod the hostPath dirs to the daemon's ids.
-    (init,) = pod["initContainers"]
-    init_ctx = init["securityContext"]
-    assert init_ctx.get("privileged", False) is False
-    assert init_ctx["allowPrivilegeEscalation"] is False
-    assert init_ctx["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
-    script = " ".join(init["command"])
-    assert f"{ctx['runAsUser']}:{ctx['runAsGroup']}" in script and "chmod 2750" in script
-
-
-def test_daemonset_probes_do_not_use_the_tls_peer_port() -> None:
-    _, daemonset = _daemonset()
-    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        spec = container[probe]
-        assert "grpc" not in spec and "tcpSocket" not in spec, (probe, spec)
-        assert spec["exec"]["command"][-1] == "--probe", (probe, spec)
-        assert spec["timeoutSeconds"] >= 2, (probe, spec)
 
 
 def test_example_toml_parses_and_is_safe() -> None:
