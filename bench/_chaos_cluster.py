@@ -116,9 +116,10 @@ class ChaosCluster:
                 "listen": {"peer": f"127.0.0.1:{ports[i]}"},
                 "memory": {"budget": budget, "abandon_after": 30.0},
                 "replication": {"copies": 1, "heal_interval": 1.0},
-                # S3 keeps every checkpoint: retention deletes are not cluster-wide yet
-                # (issue 12 point 4), so peers would go on listing what S3 deleted.
-                "retention": {"memory_keep_last": 3},
+                # S3 keeps the newest 30, as an operator would bound it: with every
+                # checkpoint kept, each node lists them all and a replacement's start
+                # (manifests pulled, durable adoption) grows with the job's history.
+                "retention": {"memory_keep_last": 3, "persistent_keep_last": 30},
                 "persistent": {
                     "url": f"s3://{BUCKET}",
                     "storage_options": options,
@@ -174,7 +175,9 @@ class ChaosCluster:
         if fault:
             os.environ[FAULT_ENV] = fault
         try:
-            self.nodes[i].start()
+            # Generous: on a loaded 2-core machine a replacement that pulls and adopts
+            # a few hundred manifests before it reports READY can take over 30 s.
+            self.nodes[i].start(timeout=120.0)
         finally:
             os.environ.pop(FAULT_ENV, None)
 
