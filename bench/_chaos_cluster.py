@@ -93,6 +93,9 @@ class Loader:
                 self.proc.kill()
 
 
+PERSISTENT_KEEP = 30  # [retention] persistent_keep_last of every node
+
+
 class ChaosCluster:
     """Nodes, S3, the job and the verification bookkeeping (see the module docstring)."""
 
@@ -106,7 +109,9 @@ class ChaosCluster:
             os.environ.pop(name, None)
         os.environ.update(aws_environment(self.moto.endpoint_url))
         options = {"endpoint_url": self.moto.endpoint_url, "config_kwargs": FAST_FAIL_CONFIG}
-        s3fs.S3FileSystem(**options).mkdir(BUCKET)
+        self.s3 = s3fs.S3FileSystem(**options)
+        self.s3.mkdir(BUCKET)
+        self.retired_seen: set[str] = set()
         ports = free_ports(2 * NODES)
         ids = [f"c{i}" for i in range(NODES)]
         self.nodes: list[DaemonProcess] = []
@@ -119,7 +124,7 @@ class ChaosCluster:
                 # S3 keeps the newest 30, as an operator would bound it: with every
                 # checkpoint kept, each node lists them all and a replacement's start
                 # (manifests pulled, durable adoption) grows with the job's history.
-                "retention": {"memory_keep_last": 3, "persistent_keep_last": 30},
+                "retention": {"memory_keep_last": 3, "persistent_keep_last": PERSISTENT_KEEP},
                 "persistent": {
                     "url": f"s3://{BUCKET}",
                     "storage_options": options,
@@ -386,6 +391,8 @@ class ChaosCluster:
         if checkpoint not in listed:
             self.note(f"{checkpoint} failed to load via {self.nodes[node].name}; no longer listed")
             return False  # removed by retention meanwhile: nothing promised any more
+        if self.retired_by_policy(checkpoint):
+            return False  # persistent retention deleted it meanwhile: nothing promised
         if checkpoint in self.lost_listed(ls):
             self.judge_lost(checkpoint)
             return False
@@ -419,7 +426,7 @@ class ChaosCluster:
         """A checkpoint listed LOST: honest when a node loss took the last copy before it
         was REPLICATED or DURABLE (then its load must raise the "lost" error, naming
         the files); a partial when its save had failed; else a real loss."""
-        if checkpoint in self.failed():
+        if checkpoint in self.failed() or self.retired_by_policy(checkpoint):
             return
         if checkpoint in self.at_risk:
             self.shown_lost.add(checkpoint)
@@ -437,6 +444,26 @@ class ChaosCluster:
             | {"save": self.outcome(checkpoint) or "?", "error": ""}
         )
         print(f"  {kind}: {checkpoint} is listed LOST")
+
+    def retired_by_policy(self, checkpoint: str) -> bool:
+        """Persistent retention deleted it: no `.metadata` of it in S3, and at least
+        `persistent_keep_last` newer ones are durable there (a node that had not yet
+        learnt of the deletion listed it a moment longer; no loss)."""
+        try:
+            self.s3.invalidate_cache()
+            durable = {p.rsplit("/", 2)[-2] for p in self.s3.glob(f"{BUCKET}/{NS}/*/.metadata")}
+        except OSError as e:  # S3 stopped by an injection: not judged now
+            self.note(f"cannot list S3 to judge {checkpoint}: {e}")
+            return False
+        if checkpoint in durable:
+            return False
+        newer = sum(1 for c in durable if index_of(c) > index_of(checkpoint))
+        if newer < PERSISTENT_KEEP:
+            return False
+        if checkpoint not in self.retired_seen:
+            self.retired_seen.add(checkpoint)
+            self.note(f"{checkpoint}: deleted by persistent retention ({newer} newer durable)")
+        return True
 
     def failed(self) -> set[str]:
         """Checkpoints that failed to load once or are listed LOST (counted; not loaded

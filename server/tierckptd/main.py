@@ -244,6 +244,7 @@ class Daemon:
                 catalog.drain_every = cfg.persistent.every
                 catalog.default_persistent = stores.default is not None
                 cluster.ops.unstore = functools.partial(remove_checkpoint, stores)  # rm
+                drainer.retention.on_evicted = cluster.ops.retired  # every node drops it
                 catalog.on_committed = drainer.enqueue
                 self.drainer = drainer
                 discovery = Discovery(

@@ -147,6 +147,32 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         )
 
 
+def test_persistent_retention_reaches_every_node_at_once(
+    s3: moto_s3.S3Bucket, saved: SavedCheckpoint
+) -> None:
+    # Chaos finding: the committer's persistent retention deleted a checkpoint from S3,
+    # and the other nodes listed it until their next relist of S3; a load through them
+    # in that window found nothing. The deletion now travels as a cluster DELETED mark.
+    overrides = _overrides(s3, persistent_keep_last=1)
+    overrides["persistent"]["relist_interval"] = 3600.0  # no relist can explain the result
+    with local_cluster(3, namespace=NS, overrides=overrides) as c:
+        _save(c, 0, "step-000001", saved)
+        c.wait_state("step-000001", "DURABLE")
+        _save(c, 0, "step-000002", saved)
+        c.wait_state("step-000002", "DURABLE")
+        assert not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000001"))
+        c.wait(
+            "no node lists step-000001 or holds any of it",
+            lambda: (
+                all("step-000001" not in c.rows(i) for i in range(3))
+                and not _held_by(c, "step-000001")
+            ),
+            WAIT,
+        )
+        for i in range(3):
+            assert "step-000002" in c.rows(i)
+
+
 def test_a_node_down_during_rm_and_pin_learns_both_on_return(saved: SavedCheckpoint) -> None:
     with local_cluster(3, namespace=NS) as c:
         for step in (1, 2):

@@ -165,6 +165,16 @@ class ClusterOps:
             raise failure
         return freed
 
+    def retired(self, namespace: str, checkpoint_id: str) -> None:
+        """Persistent retention deleted the checkpoint (this node committed it and
+        applied the policy): a DELETED mark takes it off every node's memory tier and
+        listing, as `rm` does, without deleting from the persistent tier again."""
+        key = (namespace, checkpoint_id)
+        mark = self._stamp(key, MarkKind.DELETED, self.journal.deleted(*key))
+        self.journal.merge(mark)
+        self.catalog.remove_marked(namespace, checkpoint_id, mark.stamp)
+        self._send(mark)
+
     def _remove_again(self, key: Key, earlier: Mark | None) -> int:
         """rm of a checkpoint no node lists: an earlier rm's persistent delete may still
         be owed (or another copy sits there); else NOT_FOUND."""

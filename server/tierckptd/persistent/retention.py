@@ -17,7 +17,7 @@ it in memory forever waiting for a durability it will never see.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, CheckpointNotFound, TierUnavailable
 from tierckpt.names import step_of
@@ -77,6 +77,9 @@ class PersistentRetention:
         self.catalog = catalog
         self.keep_last = keep_last
         self.keep_every = keep_every
+        # Tells every other node (main.py wires the cluster's DELETED mark): they drop
+        # their copies and their listing of it at once, not at their next relist of S3.
+        self.on_evicted: Callable[[str, str], None] | None = None
 
     def apply(self, tier: PersistentTier, namespace: str) -> None:
         """On the committer, after a commit: delete what the policy evicts (`.metadata`
@@ -94,6 +97,8 @@ class PersistentRetention:
             remove_index_entry(tier, namespace, cid)  # first: never lists a partial one
             tier.delete(namespace, cid)
             self.catalog.forget_persistent(namespace, cid)
+            if self.on_evicted is not None:
+                self.on_evicted(namespace, cid)
             logger.info(
                 "evicted %s/%s from the persistent tier (persistent_keep_last=%d, "
                 "persistent_keep_every=%d)",
