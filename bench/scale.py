@@ -43,6 +43,7 @@ from tierckpt.dcp_metadata import dump_metadata  # noqa: E402
 from torch.distributed.checkpoint.metadata import Metadata  # noqa: E402
 
 from tests.support.cluster import LocalCluster  # noqa: E402
+from tests.support.raw_rpc import write_files  # noqa: E402
 
 NS = "scale"
 _SAMPLE = re.compile(r'^tierckpt_peer_requests_total\{method="(\w+)"\} ([0-9.e+]+)$', re.M)
@@ -67,13 +68,7 @@ def scrape_all(cluster: LocalCluster) -> list[tuple[dict[str, float], float]]:
 def rank_save(client: DaemonClient, checkpoint_id: str, rank: int, data: bytes) -> str:
     """What `TieredStorageWriter` does for one rank's file, over the real socket."""
     name = f"__{rank}_0.distcp"
-    client.begin_checkpoint(NS, checkpoint_id, rank)
-    client.reserve_space(NS, checkpoint_id, rank, len(data))
-    opened = client.open_file(NS, checkpoint_id, name, rank)
-    with open(opened.path, "r+b" if opened.preallocated_bytes else "wb") as f:
-        f.write(data)
-        f.truncate(len(data))
-    client.commit_file(NS, checkpoint_id, name, rank, len(data), checksum_bytes(data))
+    write_files(client, NS, checkpoint_id, {name: data}, rank)
     return name
 
 

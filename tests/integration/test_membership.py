@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 from tierckpt.daemon_client import DaemonClient
-from tierckpt.memory_files import ChecksummingWriter
 
 from tests.support.daemon_process import DaemonProcess, toml_document
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
+from tests.support.raw_rpc import write_files
 
 pytestmark = pytest.mark.integration
 
@@ -77,19 +77,7 @@ class Fleet:
     def save(self, checkpoint_id: str, files: dict[int, dict[str, bytes]]) -> None:
         """Node i's rank i writes files[i]; m0 coordinates."""
         for node, named in files.items():
-            c = self.clients[node]
-            c.begin_checkpoint(NS, checkpoint_id, node)
-            c.reserve_space(NS, checkpoint_id, node, sum(len(d) for d in named.values()))
-            for name, data in named.items():
-                opened = c.open_file(NS, checkpoint_id, name, node)
-                fd = os.open(opened.path, os.O_WRONLY)
-                try:
-                    writer = ChecksummingWriter(fd)
-                    writer.write(data)
-                    size, checksums = writer.finish()
-                finally:
-                    os.close(fd)
-                c.commit_file(NS, checkpoint_id, name, node, size, checksums)
+            write_files(self.clients[node], NS, checkpoint_id, named, node)
         required = [name for named in files.values() for name in named]
         self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
 
