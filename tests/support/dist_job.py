@@ -19,6 +19,7 @@ process's environment as it is when the job starts, as a spawned one would.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import pickle
 import shutil
@@ -107,6 +108,10 @@ def _rank_entry(
 
     torch.set_num_threads(1)
     result_path = Path(job_dir, f"result.rank{rank}.pkl")
+    # A native crash (abort, segfault) leaves no result: the Python stacks of every
+    # thread at that moment go to a file the job's error message shows.
+    crash_log = open(Path(job_dir, f"crash.rank{rank}.txt"), "w")  # noqa: SIM115 - the rank's life
+    faulthandler.enable(file=crash_log, all_threads=True)
     try:
         if use_pg:
             dist.init_process_group(
@@ -218,6 +223,11 @@ class DistJob:
             if result is None:
                 if not proc.is_alive():
                     errors[rank] = f"died with exit code {proc.exitcode} and no result"
+                    crash = Path(self.job_dir, f"crash.rank{rank}.txt")
+                    if crash.exists() and crash.stat().st_size:
+                        errors[rank] += (
+                            "; Python stacks at the crash:\n" + crash.read_text()[-6000:]
+                        )
             elif not result["ok"]:
                 errors[rank] = f"{result['type']}: {result['message']}\n{result['traceback']}"
         return errors
