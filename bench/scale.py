@@ -8,12 +8,18 @@ CommitFile) exactly as `TieredStorageWriter` does, without torch.distributed col
 coordinator's daemon). Every node serves `/metrics`, whose
 `tierckpt_peer_requests_total{method}` gives the peer RPCs each node served.
 
+The commit carries the ranks' nodes (`holder_nodes`), as the writer gathers them in the DCP
+plan: the coordinator asks those for their files and publishes to the files'
+neighbourhoods; every other node learns the checkpoint by gossip.
+
 Per save it reports: the commit latency (CommitCheckpoint on the coordinator's node),
 peer RPCs served per save by the coordinator's node, by the busiest other node, and on
 average, and the bytes replicated per node. Per restore: a node is killed with its memory
 (kill -9, memory dir wiped) and an empty replacement started; it reports the time to
 READY, to its first `GetCheckpoint` of the newest checkpoint, and to its rank's file
-restored from a buddy (`EnsureLocal`), plus the peer RPCs that recovery cost. Then it
+restored from a buddy (`EnsureLocal`), plus the peer RPCs that recovery cost. A second series saves from a job on a fixed
+`--job-nodes` nodes (default 8) while the cluster grows: its commit latency, the peer RPCs
+per save in the whole cluster, and those served outside the job's nodes. Then it
 fits each figure against N (constant, log N, N) by least squares and says which fits.
 
     python bench/scale.py --nodes 8 16 32 [64] --saves 5 --rank-mib 1 [--json out.json]
@@ -75,7 +81,8 @@ def rank_save(client: DaemonClient, checkpoint_id: str, rank: int, data: bytes) 
 def one_save(
     clients: list[DaemonClient], checkpoint_id: str, data: bytes, pool: futures.Executor
 ) -> float:
-    """Every rank writes its file on its node, then rank 0 commits: the commit latency."""
+    """Every rank writes its file on its node, then rank 0 commits, passing the ranks'
+    nodes as `TieredStorageWriter` does (gathered in the DCP plan): the commit latency."""
     names = list(
         pool.map(lambda r: rank_save(clients[r], checkpoint_id, r, data), range(len(clients)))
     )
@@ -86,8 +93,9 @@ def one_save(
         f.write(meta)
         f.truncate(len(meta))
     clients[0].commit_file(NS, checkpoint_id, ".metadata", 0, len(meta), checksum_bytes(meta))
+    holders = [f"node{r}" for r in range(len(clients))]
     t0 = time.perf_counter()
-    clients[0].commit_checkpoint(NS, checkpoint_id, [*names, ".metadata"])
+    clients[0].commit_checkpoint(NS, checkpoint_id, [*names, ".metadata"], holder_nodes=holders)
     return time.perf_counter() - t0
 
 
@@ -110,7 +118,29 @@ def wait_replicated(cluster: LocalCluster, checkpoint_id: str, timeout: float) -
     return time.perf_counter() - t0
 
 
-def run_size(n: int, saves: int, rank_bytes: int) -> dict[str, Any]:
+def save_series(
+    cluster: LocalCluster,
+    clients: list[DaemonClient],
+    prefix: str,
+    saves: int,
+    data: bytes,
+    pool: futures.Executor,
+) -> tuple[list[float], list[float], list[list[float]], list[list[float]]]:
+    """`saves` saves by one rank per node of `clients`: commit and settle times, and per
+    save the peer RPCs and replicated bytes each node of the cluster served."""
+    commit_s, settle_s, per_save_rpcs, per_save_bytes = [], [], [], []
+    for s in range(saves):
+        checkpoint_id = f"{prefix}-{s:04d}"
+        before = scrape_all(cluster)
+        commit_s.append(one_save(clients, checkpoint_id, data, pool))
+        settle_s.append(wait_replicated(cluster, checkpoint_id, 120))
+        rpcs, replicated = delta(before, scrape_all(cluster))
+        per_save_rpcs.append(rpcs)
+        per_save_bytes.append(replicated)
+    return commit_s, settle_s, per_save_rpcs, per_save_bytes
+
+
+def run_size(n: int, saves: int, rank_bytes: int, job_nodes: int) -> dict[str, Any]:
     data = os.urandom(rank_bytes)
     with ExitStack() as stack, futures.ThreadPoolExecutor(min(n, 32)) as pool:
         t0 = time.perf_counter()
@@ -132,15 +162,9 @@ def run_size(n: int, saves: int, rank_bytes: int) -> dict[str, Any]:
             stack.callback(client.close)
         one_save(clients, "warm", data, pool)
         wait_replicated(cluster, "warm", 120)
-        commit_s, settle_s, per_save_rpcs, per_save_bytes = [], [], [], []
-        for s in range(saves):
-            checkpoint_id = f"step-{s:04d}"
-            before = scrape_all(cluster)
-            commit_s.append(one_save(clients, checkpoint_id, data, pool))
-            settle_s.append(wait_replicated(cluster, checkpoint_id, 120))
-            rpcs, replicated = delta(before, scrape_all(cluster))
-            per_save_rpcs.append(rpcs)
-            per_save_bytes.append(replicated)
+        commit_s, settle_s, per_save_rpcs, per_save_bytes = save_series(
+            cluster, clients, "step", saves, data, pool
+        )
         # Background: what the heal loops cost with no save running (one heal_interval+).
         before = scrape_all(cluster)
         idle = 10.0
@@ -164,6 +188,10 @@ def run_size(n: int, saves: int, rank_bytes: int) -> dict[str, Any]:
         if Path(entry.local_path).read_bytes() != data:
             raise SystemExit(f"node {victim}'s restored file differs from what its rank wrote")
         recovery_rpcs, _ = delta(before, scrape_all(cluster))
+        # A job on the first `job_nodes` nodes while the cluster grows: what a commit
+        # costs the cluster when it spans a fixed number of nodes.
+        j = min(job_nodes, n)
+        job_commit_s, _, job_rpcs, _ = save_series(cluster, clients[:j], "job", saves, data, pool)
     others = [max(r[i] for i in range(1, n)) for r in per_save_rpcs]
     return {
         "nodes": n,
@@ -181,6 +209,10 @@ def run_size(n: int, saves: int, rank_bytes: int) -> dict[str, Any]:
         "restore_file_s": restored_s,
         "restore_rpcs_total": sum(recovery_rpcs),
         "restore_bit_exact": True,
+        "job_nodes": j,
+        "job_commit_s": statistics.median(job_commit_s),
+        "job_rpcs_total": statistics.median(sum(r) for r in job_rpcs),
+        "job_rpcs_outside": statistics.median(sum(r[j:]) for r in job_rpcs),
     }
 
 
@@ -209,11 +241,14 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--rank-mib", type=float, default=1.0)
+    parser.add_argument(
+        "--job-nodes", type=int, default=8, help="nodes of the fixed-size job series (default 8)"
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     rows = []
     for n in args.nodes:
-        row = run_size(n, args.saves, int(args.rank_mib * MiB))
+        row = run_size(n, args.saves, int(args.rank_mib * MiB), args.job_nodes)
         rows.append(row)
         print(json.dumps(row), flush=True)
     columns = [
@@ -226,6 +261,9 @@ def main() -> None:
         ("restore_listed_s", "restore: listed s"),
         ("restore_file_s", "restore: file s"),
         ("restore_rpcs_total", "restore RPCs"),
+        ("job_commit_s", "fixed job: commit s"),
+        ("job_rpcs_total", "fixed job: RPCs/save"),
+        ("job_rpcs_outside", "fixed job: RPCs outside/save"),
     ]
     print("\n| N | " + " | ".join(c[1] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")

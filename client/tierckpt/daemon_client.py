@@ -224,9 +224,10 @@ class DaemonClient:
         return error_from_status(code, details)
 
     # --- save path -------------------------------------------------------------------
-    def begin_checkpoint(self, namespace: str, checkpoint_id: str, rank: int) -> None:
+    def begin_checkpoint(self, namespace: str, checkpoint_id: str, rank: int) -> str:
+        """Start (or join) a save on this rank's daemon; returns the daemon's node id."""
         req = daemon_pb2.BeginCheckpointRequest(ref=_ref(namespace, checkpoint_id), rank=rank)
-        self._call(self._service().BeginCheckpoint, req)
+        return str(self._call(self._service().BeginCheckpoint, req).node_id)
 
     def reserve_space(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
         req = daemon_pb2.ReserveSpaceRequest(
@@ -268,14 +269,17 @@ class DaemonClient:
         required_files: Iterable[str],
         *,
         durable: bool = False,
+        holder_nodes: Iterable[str] = (),
     ) -> CheckpointInfo:
         """Commit a save (the DCP coordinator). `durable`: drain this checkpoint to the
         persistent tier whatever `[persistent] every` says, and keep it in memory until it
-        is durable (NoPersistentTier when the daemon has none)."""
+        is durable (NoPersistentTier when the daemon has none). `holder_nodes`: the
+        nodes the ranks wrote to (the daemon asks those first; empty: every peer)."""
         req = daemon_pb2.CommitCheckpointRequest(
             ref=_ref(namespace, checkpoint_id),
             required_files=sorted(required_files),
             durable=durable,
+            holder_nodes=sorted(set(holder_nodes)),
         )
         return _info_from_wire(self._call(self._service().CommitCheckpoint, req))
 

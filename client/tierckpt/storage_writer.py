@@ -52,6 +52,16 @@ class _SaveTarget:
     namespace: str
     checkpoint_id: str | None = None
     rank: int = 0
+    node_id: str = ""  # this rank's daemon
+    holder_nodes: tuple[str, ...] = ()  # every rank's daemon (the coordinator's commit)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankNode:
+    """What a rank's local plan carries to the coordinator: the node its daemon runs on,
+    so that the commit asks those nodes for their files, not every node of the cluster."""
+
+    node_id: str
 
 
 class _MemoryTierFileSystem(FileSystemBase):
@@ -195,6 +205,7 @@ class TieredStorageWriter(FileSystemWriter):
         if checkpoint_id:
             self._target.checkpoint_id = check_checkpoint_id(str(checkpoint_id))
             self.path = self._target.checkpoint_id
+        self._target.holder_nodes = ()
         self.save_id = dcp_filesystem._generate_uuid()
 
     @property
@@ -227,10 +238,26 @@ class TieredStorageWriter(FileSystemWriter):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._target.rank = rank
         # Fails fast (before planning) on a reused id or an unreachable daemon.
-        self.client.begin_checkpoint(self.namespace, self._require_id(), rank)
+        self._target.node_id = self.client.begin_checkpoint(
+            self.namespace, self._require_id(), rank
+        )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan  # FileSystemWriter's version checks a directory; the daemon already did
+        # FileSystemWriter's version checks a directory; the daemon already did.
+        return dataclasses.replace(plan, storage_data=_RankNode(self._target.node_id))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Keep the ranks' nodes for the commit, then name the files as FileSystemWriter
+        does (its prefixes replace what the local plans carried)."""
+        nodes = {p.storage_data.node_id for p in plans if isinstance(p.storage_data, _RankNode)}
+        self._target.holder_nodes = tuple(sorted(n for n in nodes if n))
+        plans = [
+            dataclasses.replace(p, storage_data=None)
+            if isinstance(p.storage_data, _RankNode)
+            else p
+            for p in plans
+        ]
+        return super().prepare_global_plan(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         memo = _MemoizedBytesPlanner(planner)
@@ -274,7 +301,11 @@ class TieredStorageWriter(FileSystemWriter):
             stream.write(data)
         required = {info.relative_path for info in metadata.storage_data.values()} | {METADATA_FILE}
         info = self.client.commit_checkpoint(
-            self.namespace, self._require_id(), required, durable=self.durable
+            self.namespace,
+            self._require_id(),
+            required,
+            durable=self.durable,
+            holder_nodes=self._target.holder_nodes,
         )
         logger.info(
             "committed %s/%s: %d files, %d bytes",

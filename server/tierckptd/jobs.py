@@ -55,6 +55,7 @@ class Heal:
 
     namespace: str
     checkpoint_id: str
+    full: bool = False  # every file, asking every peer (a peer lists it LOST)
 
 
 @dataclass(frozen=True)

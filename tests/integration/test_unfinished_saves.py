@@ -69,14 +69,16 @@ def pair() -> Iterator[Pair]:
         yield Pair(stack)
 
 
-def test_a_publish_that_never_arrives_is_pulled_by_the_sweep(
+def test_a_publish_that_never_arrives_is_pulled_by_the_sweep_or_gossip(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pair.restart_with_fault(0, "peer.publish:error", monkeypatch)
     mine = pair.save_s1()  # committed on node 0, never published to node 1
     pair.wait("node1 adopting s1 from node0", lambda: pair.node1_copy() is not None, 60)
     assert pair.node1_copy() == mine
-    assert "adopted the manifest from n0" in pair.nodes[1].log_tail(200)
+    # Whichever comes first: the sweep of unfinished saves, or the heal round's gossip.
+    log = pair.nodes[1].log_tail(200)
+    assert "adopted the manifest from n0" in log or "adopted 1 checkpoints by gossip" in log
 
 
 def test_a_coordinator_killed_before_its_publish_publishes_on_restart(

@@ -142,12 +142,19 @@ Global___BeginCheckpointRequest: _TypeAlias = BeginCheckpointRequest  # noqa: Y0
 class BeginCheckpointResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """This daemon's node id: the writer gathers its ranks' nodes into the commit's
+    `holder_nodes`.
+    """
     def __init__(
         self,
+        *,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,6 +311,7 @@ class CommitCheckpointRequest(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     REQUIRED_FILES_FIELD_NUMBER: _builtins.int
     DURABLE_FIELD_NUMBER: _builtins.int
+    HOLDER_NODES_FIELD_NUMBER: _builtins.int
     durable: _builtins.bool
     """Drain this checkpoint to the persistent tier whatever `[persistent] every` says,
     and keep it in memory until it is durable there. FAILED_PRECONDITION when the
@@ -318,16 +326,25 @@ class CommitCheckpointRequest(_message.Message):
         .metadata itself); the daemon refuses the commit while one is missing.
         """
 
+    @_builtins.property
+    def holder_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes whose daemons the ranks wrote to (the writer gathers them in the DCP
+        plan). A hint, not trusted: the commit asks these for their files first, and every
+        other peer only for files still missing, so a commit's RPCs grow with the nodes the
+        job spans, not with the cluster. Empty: ask every peer.
+        """
+
     def __init__(
         self,
         *,
         ref: _common_pb2.CheckpointRef | None = ...,
         required_files: _abc.Iterable[_builtins.str] | None = ...,
         durable: _builtins.bool = ...,
+        holder_nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "holder_nodes", b"holder_nodes", "ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,11 +9,13 @@ generated message, and can be tested with a fake client.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -22,7 +24,7 @@ from tierckpt.errors import InvalidArgument, TierckptError
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
@@ -51,6 +53,8 @@ TRANSFER_TIMEOUT = 600.0
 # A FetchFile that brings no data for this long is cancelled (a frozen peer must not hold
 # a restore, and its file lock, for TRANSFER_TIMEOUT); the serving side reads from memory.
 FETCH_STALL = 10.0
+# Concurrent calls of one parallel `each` (a commit's holdings and publishes).
+FANOUT_THREADS = 16
 
 
 class PeerCallError(SourceUnavailable):
@@ -91,6 +95,8 @@ class Manifests:
 
     records: list[CheckpointRecord]
     refused: list[str]
+    # Checkpoints the peer lists LOST: a hint to heal them in full here, never adopted.
+    lost: list[Key] = field(default_factory=list)
 
 
 def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
@@ -172,6 +178,8 @@ class PeerClient:
         # Cluster marks a peer's ListManifests answer carried (validated), by node: set
         # by `Cluster` to its `operations.ClusterOps.learn`.
         self.on_marks: Callable[[str, list[Mark]], None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     @property
     def peer_ids(self) -> list[str]:
@@ -189,20 +197,36 @@ class PeerClient:
         *,
         nodes: Iterable[str] | None = None,
         on_error: Callable[[str, PeerCallError], None] | None = None,
+        parallel: bool = False,
     ) -> dict[str, T]:
-        """`fn(node)` for every peer (or `nodes`), one after another: the results of the
+        """`fn(node)` for every peer (or `nodes`), one after another (`parallel`: up to
+        FANOUT_THREADS at a time; `fn` must then be thread-safe): the results of the
         calls that did not raise `PeerCallError`; a failed one goes to `on_error`
-        (default: logged at DEBUG)."""
+        (default: logged at DEBUG), in this thread."""
+        targets = list(self.peer_ids if nodes is None else nodes)
+        calls: dict[str, Callable[[], T]] = {}
+        if parallel and len(targets) > 1:
+            pool = self._fanout_pool()
+            futures = {node: pool.submit(fn, node) for node in targets}
+            calls = {node: fut.result for node, fut in futures.items()}
+        else:
+            calls = {node: functools.partial(fn, node) for node in targets}
         results: dict[str, T] = {}
-        for node in self.peer_ids if nodes is None else nodes:
+        for node, call in calls.items():
             try:
-                results[node] = fn(node)
+                results[node] = call()
             except PeerCallError as e:
                 if on_error is None:
                     logger.debug("%s", e)
                 else:
                     on_error(node, e)
         return results
+
+    def _fanout_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(FANOUT_THREADS, "tierckptd-fanout")
+            return self._pool
 
     # ---- control calls ----------------------------------------------------------------
     def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
@@ -281,12 +305,16 @@ class PeerClient:
                 refused.append(bounded(str(e)))
         if marks and self.on_marks is not None:
             self.on_marks(node, marks)
+        lost: list[Key] = []
         for info in resp.checkpoints:
             try:
                 records.append(record_from_info(info))
             except TierckptError as e:
                 refused.append(bounded(str(e)))
-        return Manifests(records, refused)
+                continue
+            if info.state == common_pb2.LOST:
+                lost.append(records[-1].key)
+        return Manifests(records, refused, lost)
 
     def apply_mark(self, node: str, mark: Mark) -> None:
         """ApplyMark: tell `node` of a cluster rm, pin or unpin this node made (a peer

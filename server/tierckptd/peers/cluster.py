@@ -8,7 +8,8 @@ pushed or scrubbed. A restore (EnsureLocal, a repair, the drain's `.metadata`) g
 `restore.Restorer`, whose per-file lock a pushed copy (`receive`) takes too.
 
 No consensus: the DCP coordinator's daemon decides a commit and publishes the cluster
-manifest (`peers/commit.py`); each file records its owner and replica nodes, and the
+manifest to the nodes it involves, the others learn it by gossip each heal round
+(`peers/commit.py`); each file records its owner and replica nodes, and the
 node responsible for a file (its owner, or the first reachable holder when the owner
 lost it) keeps k copies (`peers/healer.py`). `tierckpt rm`, `pin` and `unpin` reach
 every node (`peers/operations.py`: marks, journaled, re-sent, carried in ListManifests);
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -109,7 +110,14 @@ class Cluster:
         self.mutual_tls = False
         self._stop = threading.Event()
         self.jobs: JobQueue[Job] = JobQueue(self._run, name="tierckptd-replicator")
-        self.committer = Committer(catalog, client, self._queue_heal)
+        self.committer = Committer(
+            catalog,
+            client,
+            self._queue_heal,
+            heal_full=self._queue_full_heal,
+            members=self.membership.member_list,
+            replica_target=lambda: self.membership.replica_target,
+        )
         # Cluster rm / pin / unpin (peers/operations.py); the journal is re-applied now,
         # after the memory tier was adopted and before any peer is heard.
         self.ops = ClusterOps(
@@ -186,10 +194,13 @@ class Cluster:
     def _queue_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id))
 
+    def _queue_full_heal(self, namespace: str, checkpoint_id: str) -> None:
+        self.jobs.put(Heal(namespace, checkpoint_id, full=True))
+
     def _run(self, job: Job) -> float | None:
         try:
             if isinstance(job, Heal):
-                self.healer.heal(job.namespace, job.checkpoint_id)
+                self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()
@@ -203,6 +214,10 @@ class Cluster:
         while not self._stop.wait(self.heal_interval):
             if self.peer_ids:
                 self.heal_all()
+                try:
+                    self.committer.gossip()
+                except TierckptError as e:
+                    logger.warning("gossip round failed: %s", e)
 
     def heal(self, namespace: str, checkpoint_id: str) -> None:
         """Heal one checkpoint now, in the calling thread."""
@@ -210,10 +225,18 @@ class Cluster:
 
     # ---- commit and manifests ---------------------------------------------------------
     def commit(
-        self, namespace: str, checkpoint_id: str, required: list[str], *, durable: bool = False
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        required: list[str],
+        *,
+        durable: bool = False,
+        holders: Sequence[str] = (),
     ) -> CheckpointView:
         """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
-        return self.committer.commit(namespace, checkpoint_id, required, durable=durable)
+        return self.committer.commit(
+            namespace, checkpoint_id, required, durable=durable, holders=holders
+        )
 
     def published(self, rec: CheckpointRecord) -> bool:
         return self.committer.published(rec)

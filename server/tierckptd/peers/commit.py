@@ -1,31 +1,49 @@
 """Cluster commit and the manifests peers exchange.
 
 No consensus: the DCP coordinator's daemon decides a commit (finding the files other
-nodes hold through their holdings) and publishes the cluster manifest to every peer; a
-node adopts a manifest only from the checkpoint's coordinator. A replacement node that
-came back empty adopts the manifests its peers know at start-up.
+nodes hold through their holdings: first the nodes the ranks wrote to, as the writer
+hints, then every other peer only for files still missing) and publishes the cluster
+manifest to the nodes the checkpoint involves (`placement.interested`: the files'
+owners and their first placement candidates). Every other node learns it by gossip:
+each heal round asks a few random peers for their manifests (`gossip`). A node adopts a
+manifest only from the checkpoint's coordinator (a relayed one is confirmed with it).
+A replacement node that came back empty adopts the manifests its peers know at start-up.
+So a commit's RPCs grow with the nodes the job spans, never with the cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, TierckptError
+from tierckpt.errors import (
+    CheckpointIncomplete,
+    CheckpointNotFound,
+    MemoryBudgetExceeded,
+    TierckptError,
+)
 from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.unfinished import Resolution
 from tierckptd.memory.incoming import restore_plan
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, coordinator_of
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key, coordinator_of
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
+from tierckptd.peers.placement import Member, interested
 
-__all__ = ["Committer", "claims"]
+__all__ = ["GOSSIP_FANOUT", "Committer", "claims"]
 
 logger = logging.getLogger(__name__)
+
+# Peers asked for their manifests per heal round: a new checkpoint reaches every node in
+# about log2(N) rounds, at 2 RPCs per node per round whatever N is.
+GOSSIP_FANOUT = 2
+_DECLINED_MAX = 4096
 
 
 def claims(
@@ -74,22 +92,53 @@ class Committer:
 
     Args:
         heal: queues a heal of a checkpoint (replication after a commit or a publish).
+        heal_full: queues a heal of every file, asking every peer (a peer lists it LOST).
+        members, replica_target: the membership placement uses (who a commit involves).
     """
 
     def __init__(
-        self, catalog: Catalog, client: PeerClient, heal: Callable[[str, str], None]
+        self,
+        catalog: Catalog,
+        client: PeerClient,
+        heal: Callable[[str, str], None],
+        *,
+        heal_full: Callable[[str, str], None] | None = None,
+        members: Callable[[], list[Member]] = list,
+        replica_target: Callable[[], int] = lambda: 1,
     ) -> None:
         self.catalog = catalog
         self.client = client
         self.node_id = catalog.node_id
         self._heal = heal
+        self._heal_full = heal_full or heal
+        self._members = members
+        self._k = replica_target
+        self._declined: set[Key] = set()  # gossiped manifests this node refused
+
+    def interested(self, view: CheckpointView) -> list[str]:
+        """The peers a commit of `view` publishes to (see the module docstring)."""
+        near = interested(
+            view.namespace,
+            view.checkpoint_id,
+            [(f.name, f.owner_node, f.replica_nodes) for f in view.files],
+            self._members(),
+            self._k(),
+        )
+        return [n for n in self.client.peer_ids if n in near]
 
     def commit(
-        self, namespace: str, checkpoint_id: str, required: list[str], *, durable: bool = False
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        required: list[str],
+        *,
+        durable: bool = False,
+        holders: Sequence[str] = (),
     ) -> CheckpointView:
         """The DCP coordinator's commit: find remote files, commit, publish, replicate.
         `durable` (the hint) travels in the published manifest: every owner drains its
-        files of the checkpoint."""
+        files of the checkpoint. `holders`: the nodes the ranks wrote to (the writer's
+        hint, unverified): asked first; every other peer only for files still missing."""
         peers = self.client.peer_ids
         local = self.catalog.local_committed_files(namespace, checkpoint_id)
         missing = {r for r in required if r not in local}
@@ -101,11 +150,29 @@ class Committer:
                     "commit %s/%s: no holdings from %s: %s", namespace, checkpoint_id, node, e.code
                 )
 
-            held = self.client.each(
-                lambda node: self.client.holdings(node, namespace, checkpoint_id),
-                on_error=unanswered,
+            hinted = [n for n in dict.fromkeys(holders) if n in peers]
+            rounds = [hinted, [n for n in peers if n not in hinted]] if hinted else [peers]
+            asked = 0
+            for nodes in rounds:
+                still = missing - remote.keys()
+                if not still or not nodes:
+                    continue
+                asked += len(nodes)
+                held = self.client.each(
+                    lambda node: self.client.holdings(node, namespace, checkpoint_id),
+                    nodes=nodes,
+                    on_error=unanswered,
+                    parallel=True,
+                )
+                remote.update(claims(namespace, checkpoint_id, held, still))
+            logger.info(
+                "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
+                namespace,
+                checkpoint_id,
+                asked,
+                len(peers),
+                len(hinted),
             )
-            remote = claims(namespace, checkpoint_id, held, missing)
         view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
         fault("commit.before_publish")
         if peers:
@@ -113,14 +180,19 @@ class Committer:
             def unpublished(node: str, e: PeerCallError) -> None:
                 logger.warning(
                     "commit %s/%s: cannot publish to %s (%s); it adopts the manifest "
-                    "when it restarts or when a healer pushes to it",
+                    "by gossip, when it restarts or when a healer pushes to it",
                     namespace,
                     checkpoint_id,
                     node,
                     e.code,
                 )
 
-            self.client.each(lambda node: self.client.publish(node, view), on_error=unpublished)
+            self.client.each(
+                lambda node: self.client.publish(node, view),
+                nodes=self.interested(view),
+                on_error=unpublished,
+                parallel=True,
+            )
             self._heal(namespace, checkpoint_id)
         return view
 
@@ -263,6 +335,79 @@ class Committer:
             def publish(node: str, v: CheckpointView = view) -> None:
                 self.client.publish(node, v)
 
-            self.client.each(publish)
+            self.client.each(publish, nodes=self.interested(view), parallel=True)
             sent += 1
         return sent
+
+    # ---- gossip -------------------------------------------------------------------------
+    def gossip(self, fanout: int = GOSSIP_FANOUT) -> int:
+        """Ask `fanout` random peers for their manifests; adopt the committed
+        checkpoints this node does not know (confirmed with their coordinator when the
+        peer only relays them), and heal in full any checkpoint a peer lists LOST.
+        Returns how many were adopted. Cluster marks (rm, pin) ride along."""
+        peers = self.client.peer_ids
+        if not peers:
+            return 0
+        chosen = random.sample(peers, min(fanout, len(peers)))
+        known = set(self.catalog.committed_keys())
+        adopted = 0
+
+        def unanswered(node: str, e: PeerCallError) -> None:
+            logger.debug("no manifests from %s for gossip: %s", node, e.code)
+
+        got = self.client.each(
+            lambda node: self.client.list_manifests(node, wait_for_ready=False),
+            nodes=chosen,
+            on_error=unanswered,
+        )
+        for node, manifests in got.items():
+            for rec in manifests.records:
+                if rec.key in self._declined:
+                    continue
+                if rec.key in known:
+                    if coordinator_of(rec.files) == node:  # its replica lists, merged
+                        with contextlib.suppress(TierckptError):
+                            self.catalog.publish(rec)
+                    continue
+                known.add(rec.key)
+                if self._adopt_gossiped(node, rec):
+                    adopted += 1
+            for key in manifests.lost:
+                if key in known:
+                    self._heal_full(*key)
+        if adopted:
+            logger.info("adopted %d checkpoints by gossip", adopted)
+        return adopted
+
+    def _adopt_gossiped(self, node: str, rec: CheckpointRecord) -> bool:
+        """Adopt a manifest `node` gossiped: as it is when `node` coordinates it, else as
+        its coordinator confirms it (a peer cannot make up another's checkpoint). One
+        the coordinator does not know, or this node deleted, is not asked about again."""
+        coordinator = coordinator_of(rec.files)
+        try:
+            if coordinator != node:
+                if coordinator == self.node_id or coordinator not in self.client.peer_ids:
+                    return self._decline(rec.key)
+                got = self.client.list_manifests(coordinator, rec.namespace, wait_for_ready=False)
+                confirmed = [r for r in got.records if r.key == rec.key]
+                if not confirmed or coordinator_of(confirmed[0].files) != coordinator:
+                    return self._decline(rec.key)
+                rec = confirmed[0]
+            if not self.catalog.publish(rec):
+                return self._decline(rec.key)  # deleted or evicted here
+        except PeerCallError as e:
+            logger.info("gossip: %s did not confirm %s/%s: %s", coordinator, *rec.key, e.code)
+            return False  # asked again next round
+        except TierckptError as e:
+            logger.info("gossiped manifest of %s/%s not adopted: %s", *rec.key, e)
+            if isinstance(e, MemoryBudgetExceeded):
+                return False  # may fit next round
+            return self._decline(rec.key)
+        self._heal(rec.namespace, rec.checkpoint_id)
+        return True
+
+    def _decline(self, key: Key) -> bool:
+        if len(self._declined) >= _DECLINED_MAX:
+            self._declined.clear()
+        self._declined.add(key)
+        return False

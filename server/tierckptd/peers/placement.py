@@ -16,7 +16,16 @@ import xxhash
 
 from tierckptd.model import coordinator_of
 
-__all__ = ["Member", "buddies", "coordinator_of", "file_key", "preference", "replica_count"]
+__all__ = [
+    "Member",
+    "buddies",
+    "coordinator_of",
+    "file_key",
+    "interested",
+    "neighbourhood",
+    "preference",
+    "replica_count",
+]
 
 
 @dataclass(frozen=True)
@@ -59,3 +68,37 @@ def replica_count(copies: int, members: Sequence[Member]) -> int:
 def buddies(key: str, owner: str, members: Sequence[Member], copies: int) -> list[str]:
     """The `k` buddies of a file (k capped by membership), best first."""
     return preference(key, owner, members)[: replica_count(copies, members)]
+
+
+def spare_width(k: int) -> int:
+    """How many placement candidates know a file's manifest: its k buddies and one spare
+    (at least two), so the next candidate already knows it when a buddy is down."""
+    return max(k + 1, 2)
+
+
+def neighbourhood(
+    key: str, owner: str, replicas: Sequence[str], members: Sequence[Member], k: int
+) -> set[str]:
+    """The nodes a file's commit, healing and replica lists involve: its owner, the nodes
+    recorded holding a copy, and its first `spare_width(k)` placement candidates. Its
+    size does not grow with the cluster: at most 1 + len(replicas) + max(k + 1, 2)."""
+    near = {owner, *replicas, *preference(key, owner, members)[: spare_width(k)]}
+    near.discard("")
+    return near
+
+
+def interested(
+    namespace: str,
+    checkpoint_id: str,
+    files: Sequence[tuple[str, str, Sequence[str]]],
+    members: Sequence[Member],
+    k: int,
+) -> set[str]:
+    """The nodes a commit publishes to: every file's neighbourhood (`files` as
+    (name, owner, replicas)). Other nodes learn the manifest by gossip."""
+    nodes: set[str] = set()
+    for name, owner, replicas in files:
+        nodes |= neighbourhood(
+            file_key(namespace, checkpoint_id, name), owner, replicas, members, k
+        )
+    return nodes

@@ -109,7 +109,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ref = request.ref
         self._allow(context, "BeginCheckpoint", ref.namespace, begin=True)
         self.catalog.begin(ref.namespace, ref.checkpoint_id, request.rank)
-        return daemon_pb2.BeginCheckpointResponse()
+        return daemon_pb2.BeginCheckpointResponse(node_id=self.catalog.node_id)
 
     @rpc_method
     def SetNamespace(
@@ -179,6 +179,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
                 ref.checkpoint_id,
                 list(request.required_files),
                 durable=request.durable,
+                # A hint: only names of configured peers count (the commit filters).
+                holders=list(request.holder_nodes[:MAX_FILES]),
             )
         return to_info(view)
 
