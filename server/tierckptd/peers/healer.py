@@ -242,6 +242,7 @@ class Healer:
         me = self.node_id
         members, k = self._members(), self._k()
         coordinator = coordinator_of({f.name: f for f in view.files})
+        manifest = view  # every file: what a push publishes to a node that lacks it
         asked: list[str] = self.client.peer_ids
         if not (full or self.mark(namespace, checkpoint_id) == LOST):
             files, near = involved(view, members, k, me)
@@ -270,7 +271,8 @@ class Healer:
                         break
                     if self._pusher.refusing((namespace, checkpoint_id), node):
                         continue
-                    if self._pusher.push(node, view, files_by_name[p.name], holdings[node].known):
+                    f = files_by_name[p.name]
+                    if self._pusher.push(node, manifest, f, holdings[node].known):
                         had = holdings[node]
                         holdings[node] = Holdings(True, had.names | {p.name}, had.files)
                         got += 1

@@ -27,6 +27,7 @@ class CountingPeers(FakePeers):
         super().__init__(me, peers)
         self.calls: Counter[tuple[str, str]] = Counter()
         self.gossiped: dict[str, Manifests] = {}
+        self.published_files: list[set[str]] = []
 
     def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
         self.calls["Holdings", node] += 1
@@ -34,6 +35,7 @@ class CountingPeers(FakePeers):
 
     def publish(self, node: str, view: CheckpointView) -> None:
         self.calls["Publish", node] += 1
+        self.published_files.append({f.name for f in view.files})
         super().publish(node, view)
 
     def update_replicas(
@@ -75,14 +77,16 @@ def test_a_files_neighbourhood_does_not_grow_with_the_cluster(n: int) -> None:
     assert len(interested("run", "s1", files, members, 1)) <= 3 * (1 + spare_width(1))
 
 
-def _remote_commit(catalog: Catalog, fake: CountingPeers, holders: list[str]) -> CheckpointView:
-    """A two-rank save: .metadata here, __1_0.distcp on p007."""
-    remote = _file("__1_0.distcp", "p007")
-    fake.held["p007"]["__1_0.distcp"] = b"data"
+def _remote_commit(
+    catalog: Catalog, fake: CountingPeers, holders: list[str], owner: str = "p007"
+) -> CheckpointView:
+    """A two-rank save: .metadata here, __1_0.distcp on `owner`."""
+    remote = _file("__1_0.distcp", owner)
+    fake.held[owner]["__1_0.distcp"] = b"data"
 
     def holdings(node: str, namespace: str, checkpoint_id: str) -> Holdings:
         fake.calls["Holdings", node] += 1
-        files = (remote,) if node == "p007" else ()
+        files = (remote,) if node == owner else ()
         return Holdings(False, frozenset(f.name for f in files), files)
 
     fake.holdings = holdings  # type: ignore[method-assign]
@@ -93,7 +97,7 @@ def _remote_commit(catalog: Catalog, fake: CountingPeers, holders: list[str]) ->
     view = cluster.commit("run", "s1", [".metadata", "__1_0.distcp"], holders=holders)
     assert {f.name: f.owner_node for f in view.files} == {
         ".metadata": "node-a",
-        "__1_0.distcp": "p007",
+        "__1_0.distcp": owner,
     }
     assert cluster.jobs.pending() == [Heal("run", "s1")]
     return view
@@ -208,3 +212,24 @@ def test_gossip_asks_a_bounded_number_of_peers(catalog: Catalog) -> None:
     fake.calls.clear()
     cluster.committer.gossip()
     assert fake.per("ListManifests") == 2
+
+
+def test_a_heal_of_some_files_publishes_the_whole_manifest(catalog: Catalog) -> None:
+    # The coordinator is involved only in its .metadata here; a buddy that missed the
+    # commit's publish gets the manifest from the push, with every file of the checkpoint.
+    peers = _peers(40)
+    fake = CountingPeers("node-a", peers)
+    members = fake.membership.member_list()
+    k = fake.membership.replica_target
+    far = next(
+        n for n in peers if "node-a" not in neighbourhood("run/s1/__1_0.distcp", n, [], members, k)
+    )
+    _remote_commit(catalog, fake, [far], owner=far)
+    cluster = _cluster(catalog, fake)
+    fake.published_files.clear()
+    fake.knows = dict.fromkeys(peers, False)  # every publish of the commit was lost
+    cluster.heal("run", "s1")
+    assert fake.pushed and all(name == ".metadata" for _, name in fake.pushed)
+    assert fake.published_files and all(
+        names == {".metadata", "__1_0.distcp"} for names in fake.published_files
+    )
