@@ -353,9 +353,18 @@ class PeerState(PersistentMarks):
             return True
 
     def set_replicas(
-        self, namespace: str, checkpoint_id: str, name: str, replica_nodes: list[str]
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        replica_nodes: list[str],
+        *,
+        expected: list[str] | None = None,
     ) -> bool:
         """Record the nodes (other than the owner) holding verified copies of a file.
+
+        `expected`: record only if the list is still this one (what the caller's finding
+        started from); a newer list a peer sent meanwhile is kept (False).
 
         Not for a checkpoint retention left in the persistent tier only: a peer that has
         not evicted it yet would list itself, which makes the record a memory one again
@@ -366,6 +375,8 @@ class PeerState(PersistentMarks):
             if rec is None or rec.state is not State.COMMITTED or f is None:
                 return False
             if self._persistent_only(rec):
+                return False
+            if expected is not None and f.replica_nodes != expected:
                 return False
             nodes = list(dict.fromkeys(replica_nodes))
             if f.held and f.owner_node != self.node_id and self.node_id not in nodes:

@@ -293,9 +293,14 @@ class Healer:
                 )
         for name, kept in trims.items():
             self._trim(view, name, kept, k, told(name, kept))
+        recorded = {f.name: f.replica_nodes for f in view.files}
         for name, confirmed in settled_replicas(view, holdings, members).items():
             if name not in plan.replicas and name not in trims:  # recorded and told above
-                self.catalog.set_replicas(namespace, checkpoint_id, name, confirmed)
+                # Only over the list this finding started from: the responsible node's
+                # UpdateReplicas may have brought a newer one while the holdings were asked.
+                self.catalog.set_replicas(
+                    namespace, checkpoint_id, name, confirmed, expected=recorded[name]
+                )
         self._record(namespace, checkpoint_id, plan, k)
         return plan
 

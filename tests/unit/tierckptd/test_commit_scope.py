@@ -233,3 +233,39 @@ def test_a_heal_of_some_files_publishes_the_whole_manifest(catalog: Catalog) -> 
     assert fake.published_files and all(
         names == {".metadata", "__1_0.distcp"} for names in fake.published_files
     )
+
+
+def test_a_heal_never_overwrites_a_replica_list_that_arrived_while_it_asked(
+    catalog: Catalog,
+) -> None:
+    # node-a is not responsible for b's file: its finding (only c holds a copy yet) must
+    # not replace the newer list b's UpdateReplicas brought while node-a asked d.
+    domains = {"b": "r2", "c": "r3", "d": "r4"}
+    fake = CountingPeers("node-a", domains)
+    fake.membership.configure([PeerConfig(n, "x:1", d) for n, d in domains.items()], 2)
+    cluster = _cluster(catalog, fake)
+    rec = CheckpointRecord("run", "s7", State.COMMITTED, 1.0, "", 2.0, 5)
+    data = _file("__1_0.distcp", "b")
+    data.held = False
+    rec.files = {data.name: data}
+    assert catalog.publish(rec)
+    for node in ("b", "c", "d"):
+        fake.knows[node] = True
+    fake.held["b"] = {"__1_0.distcp": b"data"}
+    fake.held["c"] = {"__1_0.distcp": b"data"}
+    asked = fake.holdings
+
+    def holdings(node: str, namespace: str, checkpoint_id: str) -> Holdings:
+        got = asked(node, namespace, checkpoint_id)
+        if node == "d":  # b finished its pushes: its UpdateReplicas lands here now
+            catalog.set_replicas("run", "s7", "__1_0.distcp", ["c", "d"])
+        return got
+
+    fake.holdings = holdings  # type: ignore[method-assign]
+    cluster.heal("run", "s7")
+    assert catalog.get("run", "s7").files[0].replica_nodes == ["c", "d"]
+    # Without a newer list, the finding is recorded.
+    catalog.set_replicas("run", "s7", "__1_0.distcp", ["d"])
+    fake.holdings = asked  # type: ignore[method-assign]
+    cluster.heal("run", "s7")
+    assert catalog.get("run", "s7").files[0].replica_nodes == ["c"]
