@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +45,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.catalog.views import LOST, UNDER
 from tierckptd.model import CheckpointView, FileRecord, Key, State
 from tierckptd.ops import metrics
-from tierckptd.peers.client import Holdings, PeerClient
+from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
 from tierckptd.peers.placement import (
     Member,
     coordinator_of,
@@ -67,6 +69,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# UpdateReplicas to a busy peer: tries, and the first pause (seconds; grows with each try,
+# jittered so that many owners do not come back at once).
+BROADCAST_ATTEMPTS = 5
+BROADCAST_BACKOFF = 0.2
 
 
 @dataclass(frozen=True)
@@ -337,13 +344,46 @@ class Healer:
         nodes: list[str] | None = None,
     ) -> None:
         """Tell `nodes` (default: every peer) the file's new replica list: its
-        neighbourhood and the checkpoint's coordinator, whose manifest others adopt."""
-        self.client.each(
-            lambda node: self.client.update_replicas(
-                node, namespace, checkpoint_id, name, replicas
-            ),
-            nodes=None if nodes is None else [n for n in nodes if n in self.client.peer_ids],
-        )
+        neighbourhood and the checkpoint's coordinator, whose manifest others adopt.
+
+        A peer serving its limit of calls (RESOURCE_EXHAUSTED: every owner of a large
+        job tells the coordinator at once) or too slow to answer is asked again, up to
+        `BROADCAST_ATTEMPTS` times with a jittered backoff: nobody else re-sends it."""
+        peers = set(self.client.peer_ids)
+        targets = [n for n in (self.client.peer_ids if nodes is None else nodes) if n in peers]
+        for attempt in range(BROADCAST_ATTEMPTS):
+            busy: list[str] = []
+
+            def unanswered(node: str, e: PeerCallError, busy: list[str] = busy) -> None:
+                if e.code in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"):
+                    busy.append(node)
+                else:
+                    logger.debug("%s", e)
+
+            self.client.each(
+                lambda node: self.client.update_replicas(
+                    node, namespace, checkpoint_id, name, replicas
+                ),
+                nodes=targets,
+                on_error=unanswered,
+            )
+            if not busy or attempt + 1 == BROADCAST_ATTEMPTS:
+                if busy:
+                    logger.warning(
+                        "%s/%s/%s: %s did not take its replica list (busy); they learn it "
+                        "from the next heal or gossip",
+                        namespace,
+                        checkpoint_id,
+                        name,
+                        ", ".join(busy),
+                    )
+                return
+            targets = busy
+            pause = BROADCAST_BACKOFF * (attempt + 1) * (1 + random.random())
+            if self._stop is not None and self._stop.wait(pause):
+                return
+            if self._stop is None:
+                time.sleep(pause)
 
     def _record(self, namespace: str, checkpoint_id: str, plan: HealPlan, k: int) -> None:
         mark = plan.mark

@@ -11,7 +11,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import Heal
 from tierckptd.model import CheckpointRecord, CheckpointView, State
-from tierckptd.peers.client import Holdings, Manifests
+from tierckptd.peers.client import Holdings, Manifests, PeerCallError
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.placement import Member, interested, neighbourhood, spare_width
 from tierckptd.restore import Restorer, no_sources
@@ -269,3 +269,26 @@ def test_a_heal_never_overwrites_a_replica_list_that_arrived_while_it_asked(
     fake.holdings = asked  # type: ignore[method-assign]
     cluster.heal("run", "s7")
     assert catalog.get("run", "s7").files[0].replica_nodes == ["c"]
+
+
+def test_a_busy_peer_is_told_the_replica_list_again(catalog: Catalog) -> None:
+    # Every owner of a large job tells the coordinator at once: a peer at its call limit
+    # answers RESOURCE_EXHAUSTED, and the list is sent again after a short pause.
+    fake = CountingPeers("node-a", {"b": "r2", "c": "r3"})
+    cluster = _cluster(catalog, fake)
+    refusals = {"c": 2}
+    sent = fake.update_replicas
+
+    def update_replicas(
+        node: str, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
+    ) -> None:
+        if refusals.get(node, 0) > 0:
+            refusals[node] -= 1
+            raise PeerCallError(node, "UpdateReplicas", "RESOURCE_EXHAUSTED", "busy")
+        sent(node, namespace, checkpoint_id, name, replicas)
+
+    fake.update_replicas = update_replicas  # type: ignore[method-assign]
+    cluster.healer.broadcast_replicas("run", "s1", "f", ["b"], ["b", "c"])
+    assert fake.calls["UpdateReplicas", "b"] == 1  # told once, not again
+    assert fake.calls["UpdateReplicas", "c"] == 1 and refusals["c"] == 0
+    assert ("c", "f", ["b"]) in fake.replicas
