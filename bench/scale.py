@@ -171,7 +171,8 @@ def run_size(n: int, saves: int, rank_bytes: int, job_nodes: int) -> dict[str, A
             metrics_all=True,
             overrides={
                 "memory": {"budget": "256MiB", "scrub_rate": 0},
-                "retention": {"memory_keep_last": 2},
+                # Both series and the restore's checkpoint stay in memory.
+                "retention": {"memory_keep_last": 2 * saves + 4},
             },
         )
         started = time.perf_counter() - t0
@@ -185,6 +186,11 @@ def run_size(n: int, saves: int, rank_bytes: int, job_nodes: int) -> dict[str, A
         idle = 15.0
         idle_rate = idle_rates(cluster, idle)
         series = save_series(cluster, clients, "step", saves, data, pool, idle_rate)
+        # A job on the first `job_nodes` nodes while the cluster grows: what a commit
+        # costs the cluster when it spans a fixed number of nodes (before the restore,
+        # whose healing would count against it).
+        j = min(job_nodes, n)
+        job = save_series(cluster, clients[:j], "job", saves, data, pool, idle_rate)
         # Restore: lose a node that is not the coordinator's, start an empty replacement.
         victim = n // 2
         newest = f"step-{saves - 1:04d}"
@@ -203,10 +209,6 @@ def run_size(n: int, saves: int, rank_bytes: int, job_nodes: int) -> dict[str, A
         if Path(entry.local_path).read_bytes() != data:
             raise SystemExit(f"node {victim}'s restored file differs from what its rank wrote")
         recovery_rpcs, _ = delta(before, scrape_all(cluster))
-        # A job on the first `job_nodes` nodes while the cluster grows: what a commit
-        # costs the cluster when it spans a fixed number of nodes.
-        j = min(job_nodes, n)
-        job = save_series(cluster, clients[:j], "job", saves, data, pool, idle_rate)
     raw, net = series["rpcs"], series["net"]
     return {
         "nodes": n,
