@@ -207,7 +207,11 @@ class PeerState(PersistentMarks):
             )
 
     def _merge_published(self, rec: CheckpointRecord, published: CheckpointRecord) -> None:
-        """A known checkpoint published again: merge replica lists (persisted first)."""
+        """A known checkpoint published again: merge replica lists (persisted first).
+        Not into one retention let go to the persistent tier only (as `set_replicas`):
+        a peer's lists would make it a memory one again here, for good."""
+        if self._persistent_only(rec):
+            return
         merged: dict[str, FileRecord] = {}
         for f in published.files.values():
             mine = rec.files.get(f.name)

@@ -7,8 +7,10 @@ into nodes that had evicted it, every heal interval.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tierckptd.catalog import Catalog
-from tierckptd.model import State
+from tierckptd.model import CheckpointRecord, State
 
 from .conftest import MakeCatalog, Save
 from .test_healer import PEERS, FakePeers, _cluster
@@ -51,3 +53,29 @@ def test_a_peer_cannot_list_itself_as_holder_of_a_persistent_only_checkpoint(
     assert catalog.get("run", "s1").tiers == ("persistent",)
     catalog.forget_persistent("run", "s1")  # the persistent tier's retention deleted it
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s2"]
+
+
+def test_a_manifest_published_again_does_not_bring_a_persistent_only_one_back(
+    make_catalog: MakeCatalog, save: Save
+) -> None:
+    """The same through a publish of the known manifest (gossip merges the coordinator's
+    replica lists every heal round): found by the soak smoke, nodes kept a durable
+    checkpoint in memory past `memory_keep_last`."""
+    catalog: Catalog = make_catalog(memory_keep_last=1)
+    catalog.drain_every = 1
+    save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 300})
+    view = catalog.get("run", "s1")
+    save(catalog, "run", "s2", {".metadata": b"n" * 10, "__0_0.distcp": b"y" * 300})
+    assert catalog.mark_durable("run", "s1")
+    assert catalog.get("run", "s1").tiers == ("persistent",)
+
+    # The coordinator's manifest, with replica lists from before the eviction here.
+    again = CheckpointRecord(
+        "run", "s1", State.COMMITTED, view.created_unix, "", view.committed_unix, view.sequence
+    )
+    again.files = {
+        f.name: dataclasses.replace(f, held=False, replica_nodes=["b"]) for f in view.files
+    }
+    catalog.publish(again)
+    assert catalog.get("run", "s1").tiers == ("persistent",)
+    assert not any(f.replica_nodes for f in catalog.get("run", "s1").files)
