@@ -204,7 +204,7 @@ class PeerClient:
         calls that did not raise `PeerCallError`; a failed one goes to `on_error`
         (default: logged at DEBUG), in this thread."""
         targets = list(self.peer_ids if nodes is None else nodes)
-        calls: dict[str, Callable[[], T]] = {}
+        calls: dict[str, Callable[[], T]]
         if parallel and len(targets) > 1:
             pool = self._fanout_pool()
             futures = {node: pool.submit(fn, node) for node in targets}

@@ -102,15 +102,15 @@ class Committer:
         client: PeerClient,
         heal: Callable[[str, str], None],
         *,
-        heal_full: Callable[[str, str], None] | None = None,
-        members: Callable[[], list[Member]] = list,
-        replica_target: Callable[[], int] = lambda: 1,
+        heal_full: Callable[[str, str], None],
+        members: Callable[[], list[Member]],
+        replica_target: Callable[[], int],
     ) -> None:
         self.catalog = catalog
         self.client = client
         self.node_id = catalog.node_id
         self._heal = heal
-        self._heal_full = heal_full or heal
+        self._heal_full = heal_full
         self._members = members
         self._k = replica_target
         self._declined: set[Key] = set()  # gossiped manifests this node refused
@@ -118,11 +118,7 @@ class Committer:
     def interested(self, view: CheckpointView) -> list[str]:
         """The peers a commit of `view` publishes to (see the module docstring)."""
         near = interested(
-            view.namespace,
-            view.checkpoint_id,
-            [(f.name, f.owner_node, f.replica_nodes) for f in view.files],
-            self._members(),
-            self._k(),
+            view.namespace, view.checkpoint_id, view.files, self._members(), self._k()
         )
         return [n for n in self.client.peer_ids if n in near]
 
@@ -208,17 +204,24 @@ class Committer:
         """The manifest `node` keeps of a checkpoint, validated (a publish by a node that
         does not coordinate the checkpoint is taken as a hint to ask its coordinator)."""
         try:
-            got = self.client.list_manifests(node, namespace, wait_for_ready=False)
+            rec = self._manifest_or_none(node, namespace, checkpoint_id)
         except PeerCallError as e:
             if e.code == "NOT_A_PEER":
                 raise CheckpointNotFound(f"node {node} is not a configured peer") from None
             raise CheckpointNotFound(
                 f"node {node} did not answer for {namespace}/{checkpoint_id}: {e.code}"
             ) from None
-        for rec in got.records:
-            if rec.key == (namespace, checkpoint_id):
-                return rec
-        raise CheckpointNotFound(f"node {node} does not know {namespace}/{checkpoint_id}")
+        if rec is None:
+            raise CheckpointNotFound(f"node {node} does not know {namespace}/{checkpoint_id}")
+        return rec
+
+    def _manifest_or_none(
+        self, node: str, namespace: str, checkpoint_id: str
+    ) -> CheckpointRecord | None:
+        """`node`'s manifest of a checkpoint, None when it does not know it (PeerCallError
+        when it did not answer: the caller tells the two apart)."""
+        got = self.client.list_manifests(node, namespace, wait_for_ready=False)
+        return next((r for r in got.records if r.key == (namespace, checkpoint_id)), None)
 
     def pull_manifests(self) -> int:
         """At start: adopt committed checkpoints peers know and this node does not (a
@@ -388,11 +391,10 @@ class Committer:
             if coordinator != node:
                 if coordinator == self.node_id or coordinator not in self.client.peer_ids:
                     return self._decline(rec.key)
-                got = self.client.list_manifests(coordinator, rec.namespace, wait_for_ready=False)
-                confirmed = [r for r in got.records if r.key == rec.key]
-                if not confirmed or coordinator_of(confirmed[0].files) != coordinator:
+                confirmed = self._manifest_or_none(coordinator, *rec.key)
+                if confirmed is None or coordinator_of(confirmed.files) != coordinator:
                     return self._decline(rec.key)
-                rec = confirmed[0]
+                rec = confirmed
             if not self.catalog.publish(rec):
                 return self._decline(rec.key)  # deleted or evicted here
         except PeerCallError as e:

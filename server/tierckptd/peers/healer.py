@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import random
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -210,7 +209,7 @@ class Healer:
         self._k = replica_target
         self._members = members
         self._on_corrupt = on_corrupt
-        self._stop = stop
+        self._stop = stop if stop is not None else threading.Event()
         self._pusher = Pusher(catalog, client, on_corrupt, stop=stop)
         self._lock = threading.Lock()
         self._marks: dict[Key, str] = {}
@@ -268,9 +267,9 @@ class Healer:
             )
         )
         view = let_go(view, holdings, me)
+        files_by_name = {f.name: f for f in view.files}  # as recorded when this heal began
         plan = plan_heal(view, holdings, members, k, me)
         if plan.pushes:
-            files_by_name = {f.name: f for f in view.files}
             for p in plan.pushes:
                 got = 0
                 for node in p.targets:
@@ -287,7 +286,7 @@ class Healer:
         trims = plan_trim(view, holdings, members, k, me)
 
         def told(name: str, replicas: list[str]) -> list[str]:
-            f = next(f for f in view.files if f.name == name)
+            f = files_by_name[name]
             key = file_key(namespace, checkpoint_id, name)
             near = neighbourhood(key, f.owner_node, [*f.replica_nodes, *replicas], members, k)
             return sorted((near | {coordinator}) - {me, ""})
@@ -300,13 +299,16 @@ class Healer:
                 )
         for name, kept in trims.items():
             self._trim(view, name, kept, k, told(name, kept))
-        recorded = {f.name: f.replica_nodes for f in view.files}
         for name, confirmed in settled_replicas(view, holdings, members).items():
             if name not in plan.replicas and name not in trims:  # recorded and told above
                 # Only over the list this finding started from: the responsible node's
                 # UpdateReplicas may have brought a newer one while the holdings were asked.
                 self.catalog.set_replicas(
-                    namespace, checkpoint_id, name, confirmed, expected=recorded[name]
+                    namespace,
+                    checkpoint_id,
+                    name,
+                    confirmed,
+                    expected=files_by_name[name].replica_nodes,
                 )
         self._record(namespace, checkpoint_id, plan, k)
         return plan
@@ -380,10 +382,8 @@ class Healer:
                 return
             targets = busy
             pause = BROADCAST_BACKOFF * (attempt + 1) * (1 + random.random())
-            if self._stop is not None and self._stop.wait(pause):
+            if self._stop.wait(pause):
                 return
-            if self._stop is None:
-                time.sleep(pause)
 
     def _record(self, namespace: str, checkpoint_id: str, plan: HealPlan, k: int) -> None:
         mark = plan.mark

@@ -9,12 +9,12 @@ the owner is never its own buddy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from tierckptd.model import coordinator_of
+from tierckptd.model import FileRecord, coordinator_of
 
 __all__ = [
     "Member",
@@ -90,15 +90,14 @@ def neighbourhood(
 def interested(
     namespace: str,
     checkpoint_id: str,
-    files: Sequence[tuple[str, str, Sequence[str]]],
+    files: Iterable[FileRecord],
     members: Sequence[Member],
     k: int,
 ) -> set[str]:
-    """The nodes a commit publishes to: every file's neighbourhood (`files` as
-    (name, owner, replicas)). Other nodes learn the manifest by gossip."""
+    """The nodes a commit publishes to: every file's neighbourhood. Other nodes learn
+    the manifest by gossip."""
     nodes: set[str] = set()
-    for name, owner, replicas in files:
-        nodes |= neighbourhood(
-            file_key(namespace, checkpoint_id, name), owner, replicas, members, k
-        )
+    for f in files:
+        key = file_key(namespace, checkpoint_id, f.name)
+        nodes |= neighbourhood(key, f.owner_node, f.replica_nodes, members, k)
     return nodes

@@ -4,29 +4,50 @@ not the whole cluster; the plans DCP writes with keep FileSystemWriter's file pr
 
 from __future__ import annotations
 
+import contextlib
+import io
 import pickle
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 from tierckpt.storage_writer import TieredStorageWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 
 class _Client:
-    """Records the commit call (the RPC itself is covered by the integration tests)."""
+    """The daemon calls `finish` makes, recorded (the RPCs themselves are covered by the
+    integration tests)."""
 
     def __init__(self) -> None:
         self.commits: list[dict[str, Any]] = []
+
+    def reserve_space(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:
+        return nbytes
 
     def commit_checkpoint(
         self, namespace: str, checkpoint_id: str, required: Any, **kw: Any
     ) -> Any:
         self.commits.append(dict(kw, required=sorted(required)))
+        return SimpleNamespace(file_count=1, size_bytes=1)
 
-        class Info:
-            file_count, size_bytes = 1, 1
 
-        return Info()
+class _Files:
+    """Where `finish` writes `.metadata` (kept in memory here)."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, bytes] = {}
+
+    def concat_path(self, path: str, suffix: str) -> str:
+        return f"{path}/{suffix}"
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str, mode: str) -> Iterator[io.BytesIO]:
+        stream = io.BytesIO()
+        yield stream
+        self.written[path] = stream.getvalue()
 
 
 def _rank_plan(node: str) -> SavePlan:
@@ -49,15 +70,14 @@ def test_the_coordinator_gathers_the_ranks_nodes_and_keeps_the_file_prefixes() -
 
 
 def test_finish_passes_the_holders_to_the_commit(monkeypatch: Any) -> None:
-    writer = TieredStorageWriter("ns", daemon="unix:///tmp/x.sock")
+    writer = TieredStorageWriter("ns", daemon="unix:///tmp/x.sock", durable=True)
     writer.reset("step-1")
     writer.prepare_global_plan([_rank_plan("n2"), _rank_plan("n5")])
-    client = _Client()
+    client, files = _Client(), _Files()
     monkeypatch.setattr(writer, "client", client)
-    info = writer.client.commit_checkpoint(
-        "ns", "step-1", [".metadata"], durable=False, holder_nodes=writer._target.holder_nodes
-    )
-    assert info.file_count == 1
+    monkeypatch.setattr(writer, "fs", files)
+    writer.finish(Metadata(state_dict_metadata={}), [[], []])
+    assert list(files.written) == ["step-1/.metadata"]
     assert client.commits == [
-        {"durable": False, "holder_nodes": ("n2", "n5"), "required": [".metadata"]}
+        {"durable": True, "holder_nodes": ("n2", "n5"), "required": [".metadata"]}
     ]

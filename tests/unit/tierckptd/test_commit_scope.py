@@ -73,7 +73,7 @@ def test_a_files_neighbourhood_does_not_grow_with_the_cluster(n: int) -> None:
         for name in ("f", "g", ".metadata"):
             near = neighbourhood(f"run/s1/{name}", "a", [], members, k)
             assert "a" in near and len(near) == 1 + min(spare_width(k), n)
-    files = [(f"__{r}_0.distcp", f"p{r:03d}", []) for r in range(3)]
+    files = [_file(f"__{r}_0.distcp", f"p{r:03d}") for r in range(3)]
     assert len(interested("run", "s1", files, members, 1)) <= 3 * (1 + spare_width(1))
 
 
@@ -112,9 +112,7 @@ def test_a_hinted_commit_asks_the_ranks_nodes_and_publishes_to_the_files_neighbo
     published = {node for (m, node), _ in fake.calls.items() if m == "Publish"}
     members = fake.membership.member_list()
     k = fake.membership.replica_target
-    expected = interested(
-        "run", "s1", [(f.name, f.owner_node, f.replica_nodes) for f in view.files], members, k
-    ) - {"node-a"}
+    expected = interested("run", "s1", view.files, members, k) - {"node-a"}
     assert published == expected and "p007" in published
     assert len(published) <= 2 * (1 + spare_width(k))  # not the 40 peers
 
