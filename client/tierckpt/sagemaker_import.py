@@ -16,7 +16,8 @@ length)``. Converting one step therefore rewrites no data:
    manifest, the original `.metadata`), so a daemon whose ``[persistent] url`` is
    `dest` adopts and restores the checkpoint like one it drained itself;
 4. `.metadata` is written LAST (the commit marker stock DCP and the daemon look for),
-   then the namespace's durable index entry ``<dest>/<ns>/.tierckpt/durable/step_N``.
+   then the namespace's durable index entry ``<dest>/<ns>/.tierckpt/durable/step_N``
+   (a re-run writes an entry a cut-off run left out, so listings find every step).
 
 ``metadata.metadata`` is a pickle from a bucket: it is decoded with the allow-list
 decoder (`tierckpt.dcp_metadata`), the seed's storage-info class replaced by an inert
@@ -205,7 +206,12 @@ def _import_step(
 ) -> ImportedStep:
     cid = step_checkpoint_id(step)
     ckpt = f"{dst_root}/{ns}/{cid}"
+    index_entry = f"{dst_root}/{ns}/{DURABLE_INDEX}/{cid}"
     if dst_fs.exists(f"{ckpt}/{METADATA_FILE}"):
+        # Imported before. A run cut off between `.metadata` and the index entry left a
+        # step that listings (the index) would not show: write the entry now.
+        if not dst_fs.exists(index_entry):
+            _put(dst_fs, index_entry, b"")
         return ImportedStep(step, cid, 0, 0, skipped=True)
     md_rank = 0 if 0 in ranks else min(ranks)
     md_path = f"{src_root}/rank_{md_rank}/{cid}/{SEED_METADATA}"
@@ -259,7 +265,7 @@ def _import_step(
     _put(dst_fs, f"{book}/{MANIFEST_OBJECT}", json.dumps(manifest).encode())
     _put(dst_fs, f"{book}/{METADATA_OBJECT}", metadata)
     _put(dst_fs, f"{ckpt}/{METADATA_FILE}", metadata)  # the commit marker, last
-    _put(dst_fs, f"{dst_root}/{ns}/{DURABLE_INDEX}/{cid}", b"")
+    _put(dst_fs, index_entry, b"")
     return ImportedStep(step, cid, len(items) + 1, total + len(metadata), skipped=False)
 
 

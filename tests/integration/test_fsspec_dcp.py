@@ -4,7 +4,9 @@ The ranks (tests/support/fsspec_jobs.py) import only torch, fsspec and the test'
 helpers, and check that nothing imported tierckpt before their first DCP call: the
 `fsspec.specs` entry point is what routes `checkpoint_id="tierckpt://..."` to the daemon.
 Each load is bit-exact against a snapshot taken at save time (FSDP2 model, AdamW, a
-Stateful loader, RNG state, a replicated tensor).
+Stateful loader, RNG state, a replicated tensor). Also: a 3-rank save loaded by 2 ranks; a
+second save into a committed id refused with CheckpointExists, the first intact; loads that
+fall through to a peer and to the persistent tier (moto S3) after the node lost its memory.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.support import fsspec_jobs
+from tests.support import fsspec_jobs, moto_s3
 from tests.support.cli import ls_json
 from tests.support.cluster import local_cluster
 from tests.support.dist_job import RankContext, run_job
 from tests.support.state_dicts import assert_state_equal, plain_tensor_state, snapshot
 
 pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
 
 NS = "run7"
 
@@ -93,3 +99,58 @@ def test_loads_fall_through_to_a_peer_and_repair_a_corrupt_copy(
         target = plain_tensor_state(98, 3 << 20)
         dcp.load(target, checkpoint_id=f"tierckpt://{NS}/latest")
         assert_state_equal(actual=target, expected=expected, what="load after a repair")
+
+
+@pytest.mark.timeout(300)
+def test_load_at_another_world_size_in_a_multi_rank_job(daemon: Any, tmp_path: Path) -> None:
+    # FSDP2 + AdamW saved by 3 gloo ranks, loaded by 2: DCP reshards every DTensor, and
+    # each loading rank's own keys (loader position, RNG) are the ones its rank saved.
+    env = {"TIERCKPT_DAEMON": daemon.address}
+    url, expected = f"tierckpt://{NS}/step-003000", str(tmp_path / "exp")
+    assert run_job(fsspec_jobs.save_with_url, 3, url, expected, 91, timeout=200, env=env) == [3] * 3
+    results = run_job(fsspec_jobs.load_with_url, 2, url, expected, 92_000, timeout=200, env=env)
+    assert [r["world"] for r in results] == [2, 2]
+    assert all(r["leaves"] >= 20 for r in results), results
+
+
+def test_a_second_save_into_a_committed_id_is_refused_and_the_first_survives(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERCKPT_DAEMON", daemon.address)
+    url = f"tierckpt://{NS}/step-000042"
+    first = plain_tensor_state(42, 1 << 20)
+    expected = snapshot(first)
+    dcp.save(first, checkpoint_id=url)
+    with pytest.raises(CheckpointException) as raised:  # DCP wraps the rank's error
+        dcp.save(plain_tensor_state(43, 1 << 20), checkpoint_id=url)
+    ((failure, _),) = raised.value.failures.values()  # (exception, traceback)
+    assert isinstance(failure, FileExistsError) and type(failure).__name__ == "CheckpointExists"
+    assert f"{NS}/step-000042 is already committed" in str(failure), failure
+    (row,) = [r for r in ls_json(daemon.address, NS) if r["id"] == "step-000042"]
+    assert row["state"] == "COMMITTED"
+    target = plain_tensor_state(44, 1 << 20)
+    dcp.load(target, checkpoint_id=url)
+    assert_state_equal(actual=target, expected=expected, what="the first save, after a refused one")
+
+
+def test_a_load_falls_through_to_the_persistent_tier(
+    s3: moto_s3.S3Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Drained to S3, then the node loses its memory and no peer holds a copy: each file
+    # the load opens is fetched from S3 by the daemon and read verified.
+    overrides = {"persistent": {"url": s3.url(), "storage_options": dict(s3.storage_options)}}
+    url = f"tierckpt://{NS}/step-000009"
+    state = plain_tensor_state(9, 2 << 20)
+    expected = snapshot(state)
+    with local_cluster(1, namespace=NS, overrides=overrides) as c:
+        monkeypatch.setenv("TIERCKPT_DAEMON", c.nodes[0].address)
+        dcp.save(state, checkpoint_id=url)
+        c.wait_state("step-000009", "DURABLE")
+        c.lose(0)
+        c.replace(0)
+        assert not c.nodes[0].data_dir(NS, "step-000009").exists()
+        target = plain_tensor_state(10, 2 << 20)
+        dcp.load(target, checkpoint_id=f"tierckpt://{NS}/latest")
+        assert_state_equal(actual=target, expected=expected, what="load from the persistent tier")
+        row = c.rows()["step-000009"]
+        assert "memory" in row["tiers"] and "persistent" in row["tiers"], row

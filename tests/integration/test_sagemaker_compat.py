@@ -56,9 +56,9 @@ def _rank_state(rank: int, step: int) -> dict[str, Any]:
     }
 
 
-def _template(step: int) -> dict[str, Any]:
+def _template(step: int, ranks: tuple[int, ...] = (0, 1)) -> dict[str, Any]:
     state: dict[str, Any] = {}
-    for rank in (0, 1):
+    for rank in ranks:
         for key, value in _rank_state(rank, step).items():
             if isinstance(value, torch.Tensor):
                 state[key] = torch.zeros_like(value)
@@ -193,3 +193,42 @@ def test_save_to_s3_is_never_silently_dropped(s3: moto_s3.S3Bucket) -> None:
             dcp.save(state, storage_writer=writer)  # memory only: a warning, no error
         finally:
             daemon.cleanup()
+
+
+def test_step_none_finds_a_newer_step_in_s3_past_an_older_one_in_memory(
+    s3: moto_s3.S3Bucket,
+) -> None:
+    """A replacement node: the job's newest step (4) reached S3 from the node that died;
+    the new node then saved an older step (2, memory only: a job that restarted from an
+    older copy). step=None must restore 4 from S3, not the newest in memory."""
+    base = s3.url("jobs", "team-b")
+    config = _config(s3, s3.url("cluster-default"), [s3.url("jobs")], every=100)
+
+    def sm_config(save_to_s3: bool) -> SageMakerCheckpointConfig:
+        return SageMakerCheckpointConfig(
+            namespace=NS, world_size=1, s3_tier_base_path=base, save_to_s3=save_to_s3
+        )
+
+    old = DaemonProcess(config, name="sm-old")
+    try:
+        writer = SageMakerTieredStorageWriter(sm_config(True), step=4, daemon=old.address)
+        dcp.save(_rank_state(0, 4), storage_writer=writer)  # returns once durable
+    finally:
+        old.cleanup()
+    new = DaemonProcess(config, name="sm-new")
+    try:
+        writer = SageMakerTieredStorageWriter(sm_config(False), step=2, daemon=new.address)
+        dcp.save(_rank_state(0, 2), storage_writer=writer)
+        reader = SageMakerTieredStorageReader(sm_config(False), daemon=new.address)
+        state = _template(4, ranks=(0,))
+        dcp.load(state, storage_reader=reader)
+        assert reader.step == 4
+        assert sagemaker_seed._equal(state, _rank_state(0, 4)), "step 4 differs"
+        assert set(reader.sources.values()) == {"fetched"}  # from S3, verified
+        # The older step is still there, in memory, by its step.
+        older = SageMakerTieredStorageReader(sm_config(False), step=2, daemon=new.address)
+        state = _template(2, ranks=(0,))
+        dcp.load(state, storage_reader=older)
+        assert sagemaker_seed._equal(state, _rank_state(0, 2)), "step 2 differs"
+    finally:
+        new.cleanup()

@@ -19,7 +19,7 @@ from tests.support.dist_job import RankContext
 from tests.support.jobs import _train_one_more_step, _wait_async, verify_loaded
 from tests.support.state_dicts import assert_all_differ, build_state, load_expected, save_expected
 
-__all__ = ["load_with_url", "save_load_retain"]
+__all__ = ["load_with_url", "save_load_retain", "save_with_url"]
 
 _STEP = re.compile(r"step[-=]0*(\d+)$")
 
@@ -120,3 +120,13 @@ def load_with_url(
         _assert_no_tierckpt_import()
     expected = load_expected(expected_dir, ctx.rank)
     return {"leaves": _load_and_check(ctx, url, expected, seed), "world": ctx.world_size}
+
+
+def save_with_url(ctx: RankContext, url: str, expected_dir: str, seed: int) -> int:
+    """One stock `dcp.save` to `url` at this job's world size, recording what each rank
+    saved (the snapshot a load at another world size compares with)."""
+    _assert_no_tierckpt_import()
+    src = build_state(seed, ctx.rank)
+    save_expected(src.state_dict, expected_dir, ctx.rank)
+    dcp.save(src.state_dict, checkpoint_id=url)
+    return ctx.world_size

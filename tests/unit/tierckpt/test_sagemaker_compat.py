@@ -191,3 +191,19 @@ def test_file_url_import_loads_with_stock_dcp(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFound, match="found steps: 4, 8"):
         import_sagemaker(f"file://{base}", "job-1", steps=[5])
     assert cli.main(["import-sagemaker", f"file://{base}", "job-1", "--steps", "8"]) == 1
+
+
+def test_a_rerun_repairs_an_import_cut_off_before_its_index_entry(tmp_path: Path) -> None:
+    """A crash between `.metadata` and the index entry: the step is committed but the
+    namespace's listing (the durable index) would miss it; the re-run writes the entry."""
+    fs = fsspec.filesystem("file", auto_mkdir=True)
+    base, dst = str(tmp_path / "seed"), tmp_path / "dst"
+    for step in (4, 6):
+        sagemaker_seed.seed_save(fs, base, "job-1", step, [{"w": torch.full((3,), float(step))}])
+    import_sagemaker(f"file://{base}", "job-1", dest_url=f"file://{dst}")
+    entry = dst / "job-1" / ".tierckpt" / "durable" / "step_6"
+    entry.unlink()  # as if the run died right after step_6/.metadata
+    done = import_sagemaker(f"file://{base}", "job-1", dest_url=f"file://{dst}")
+    assert [(r.checkpoint_id, r.skipped) for r in done] == [("step_4", True), ("step_6", True)]
+    assert entry.exists()
+    assert sorted(p.name for p in entry.parent.iterdir()) == ["step_4", "step_6"]
