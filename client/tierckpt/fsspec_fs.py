@@ -21,7 +21,8 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
   with the allow-list decoder before DCP unpickles it.
 - ``ls``/``info``/``exists``: a namespace lists its committed checkpoints (oldest commit
   first) as directories, a checkpoint its files; a save in progress is invisible until
-  its commit, so "isfile(step/.metadata)" means committed. ``rm(ckpt, recursive=True)``
+  its commit, so "isfile(step/.metadata)" means committed (and not LOST: a checkpoint
+  with a file on no tier is listed with its state, but has no files to find). ``rm(ckpt, recursive=True)``
   is ``tierckpt rm``; ``rm`` of a file of a save in progress (DCP's error cleanup)
   aborts that save.
 - ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
@@ -384,6 +385,13 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         info = self._checkpoint(p)
         if p.depth == 2:
             return self._checkpoint_entry(p.name, info)
+        if info.state == "LOST":
+            # "isfile(step/.metadata)" is how frameworks find a loadable step: a checkpoint
+            # with a file on no tier has none (it stays listed, with its state, for rm).
+            raise FileNotFoundError(
+                f"tierckpt://{p.name}: checkpoint {info.checkpoint_id} is LOST (a file has no "
+                "copy left on any tier); load an older one"
+            )
         try:
             f = info.file(p.file_name)
         except KeyError:

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from tierckpt import TieredStorageReader
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import CHECKPOINT_LOST_PREFIX, CheckpointLost
+from tierckpt.fsspec_fs import TierckptFileSystem
 
 from tests.support import jobs
 from tests.support.backends import Nodes
@@ -125,6 +126,14 @@ def test_a_lost_file_is_listed_lost_everywhere_and_the_newest_complete_one_loads
             assert c.rows(i)["step-1"]["state"] in ("COMMITTED", "REPLICATED")
         listing = cli(c.nodes[0].address, "ls", NS).stdout
         assert f"step-2 is LOST: no copy of {', '.join(lost_files)} is left" in listing, listing
+        # tierckpt://: listed with its state (retention can rm it), but a framework's
+        # "highest step with a .metadata" discovery passes over it; `latest` too.
+        fs = TierckptFileSystem(daemon=c.nodes[2].address)
+        rows = {e["checkpoint_id"]: e["state"] for e in fs.ls(f"tierckpt://{NS}")}
+        assert rows["step-2"] == "LOST" and rows["step-1"] in ("COMMITTED", "REPLICATED")
+        assert not fs.isfile(f"tierckpt://{NS}/step-2/.metadata")
+        assert fs.isfile(f"tierckpt://{NS}/step-1/.metadata")
+        assert fs.info(f"tierckpt://{NS}/latest")["checkpoint_id"] == "step-1"
 
         # Loading it names the file and the node that held it; not a checksum error.
         for i in (0, 1):

@@ -359,11 +359,25 @@ class SageMakerTieredStorageReader(TieredStorageReader):
             rows = self.client.list_checkpoints(self.namespace)
         except TierckptError as e:
             raise _in_memory_error(e) from e
-        steps = [int(m.group(1)) for r in rows if (m := _STEP_ID.fullmatch(r.checkpoint_id))]
+        # A LOST step (a file left on no tier after a node loss) cannot be restored: the
+        # newest step that can is the answer, as the seed falls back to an older step.
+        found = [
+            (int(m.group(1)), r.state) for r in rows if (m := _STEP_ID.fullmatch(r.checkpoint_id))
+        ]
+        steps = [step for step, state in found if state != "LOST"]
+        lost = sorted(step for step, state in found if state == "LOST")
+        if lost:
+            logger.warning(
+                "%s: step(s) %s are LOST (a file has no copy on any tier); step=None restores "
+                "the newest step that is whole",
+                self.namespace,
+                ", ".join(map(str, lost)),
+            )
         if not steps:
             raise SageMakerTieredStorageError(
                 f"No checkpoints to read metadata: {self.namespace} has no step_N checkpoint "
-                f"in any tier of the daemon at {self.client.address} (S3 was looked up under "
+                + (f"that is whole (LOST: {', '.join(map(str, lost))}) " if lost else "")
+                + f"in any tier of the daemon at {self.client.address} (S3 was looked up under "
                 f"s3_tier_base_path {self.s3_base_path or 'unset: the daemon [persistent] url'}); "
                 "checkpoints the SageMaker client wrote need `tierckpt import-sagemaker` first"
             )

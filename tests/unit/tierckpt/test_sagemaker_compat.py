@@ -8,6 +8,7 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import fsspec
@@ -120,6 +121,31 @@ def test_reader_step_names_the_checkpoint() -> None:
     newest = SageMakerTieredStorageReader(_config(), daemon=DAEMON)
     newest.reset()
     assert newest.step is None and newest.checkpoint_id == ""
+
+
+class _Listing:
+    """A daemon client that only lists (the reader's `newest_step` asks nothing else)."""
+
+    address = DAEMON
+
+    def __init__(self, rows: list[tuple[str, str]]) -> None:
+        self.rows = rows
+
+    def list_checkpoints(self, namespace: str) -> list[Any]:
+        return [SimpleNamespace(checkpoint_id=cid, state=state) for cid, state in self.rows]
+
+
+def test_step_none_passes_over_lost_steps() -> None:
+    """After a node loss the newest step may be LOST (a file on no tier): step=None takes
+    the newest whole step, as the seed falls back to an older one."""
+    reader = SageMakerTieredStorageReader(_config(), daemon=DAEMON)
+    reader.client = _Listing(  # type: ignore[assignment]
+        [("step_10", "DURABLE"), ("step_30", "LOST"), ("step_20", "COMMITTED"), ("other", "X")]
+    )
+    assert reader.newest_step() == 20
+    reader.client = _Listing([("step_30", "LOST")])  # type: ignore[assignment]
+    with pytest.raises(SageMakerTieredStorageError, match=r"whole \(LOST: 30\)"):
+        reader.newest_step()
 
 
 # ---- the importer -------------------------------------------------------------------------
