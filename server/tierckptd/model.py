@@ -72,6 +72,9 @@ class FileRecord:
     owner_node: str = ""
     replica_nodes: list[str] = field(default_factory=list)
     held: bool = True
+    # Written into pages this save allocated (no warm segment): touched once, so when
+    # the file is recycled the next-save warmer touches them again (`WarmPool.activate`).
+    fresh_pages: bool = False
 
     @property
     def committed(self) -> bool:

@@ -163,7 +163,7 @@ class Catalog(UnfinishedSaves):
                 metrics.RECYCLED_BYTES.inc(seg.size)
             else:
                 self.tier.create_file(path)
-            rec.files[name] = FileRecord(name=name, rank=rank)
+            rec.files[name] = FileRecord(name=name, rank=rank, fresh_pages=seg is None)
             self._track(rec)
             return str(path), preallocated
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tierckpt.names import METADATA_FILE
@@ -35,7 +35,7 @@ from tierckpt.names import METADATA_FILE
 from tierckptd.memory.pool import Segment, pick
 from tierckptd.ops import metrics
 
-__all__ = ["RETRY", "NextSavePlan", "NextSaveWarmer", "PoolUse", "shortfall"]
+__all__ = ["RETRY", "NextSavePlan", "NextSaveWarmer", "PoolUse", "assign", "shortfall"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,13 @@ Plan = list[tuple[int, str | None]]
 @dataclass(frozen=True)
 class NextSavePlan:
     """The segments to make, (size, name), and the bytes the next save will reserve
-    (what this node wrote last time): its reservation must leave them in the pool."""
+    (what this node wrote last time): its reservation must leave them in the pool.
+    `activate`: pooled segments the next save will take whose pages were touched once
+    (files saved into new pages, since recycled), to touch again first."""
 
     segments: list[tuple[int, str]]
     save_bytes: int
+    activate: list[Segment] = field(default_factory=list)
 
 
 def shortfall(
@@ -60,7 +63,14 @@ def shortfall(
     """(size, name) of the segments to prewarm so that every file of `files` (name, size,
     rank: what this node wrote in the namespace's last save) finds a warm one at least
     its size: the files `pick` would give no such segment of `segments`, assuming the
-    next save writes the same files. At most `cap` bytes (0: no cap beyond that).
+    next save writes the same files. At most `cap` bytes (0: no cap beyond that)."""
+    return assign(files, segments, namespace, cap)[0]
+
+
+def assign(
+    files: Iterable[tuple[str, int, int]], segments: list[Segment], namespace: str, cap: int = 0
+) -> tuple[list[tuple[int, str]], list[Segment]]:
+    """`shortfall`'s plan, and the segments of `segments` that cover the other files.
 
     The rank's remaining reservation `pick` sees is the rank's bytes (each rank reserves
     its data files before opening any), and for `.metadata` (reserved by itself after
@@ -73,6 +83,7 @@ def shortfall(
             per_rank[rank] = per_rank.get(rank, 0) + size
     free = list(segments)
     plan: list[tuple[int, str]] = []
+    covered: list[Segment] = []
     total = 0
     for name, size, rank in wanted:
         if size <= 0:
@@ -81,12 +92,13 @@ def shortfall(
         seg = pick(free, name, remaining, namespace)
         if seg is not None and seg.size >= size:
             free.remove(seg)  # that file is covered; the segment serves no other
+            covered.append(seg)
             continue
         if cap and total + size > cap:
             continue  # a smaller file may still fit the cap
         plan.append((size, name))
         total += size
-    return plan
+    return plan, covered
 
 
 @dataclass
@@ -117,6 +129,10 @@ class Prewarmable(Protocol):
     def saving(self, within: float = ...) -> bool: ...
 
     def next_save_plan(self, namespace: str, cap: int = 0) -> NextSavePlan: ...
+
+    def activate_segments(
+        self, segments: list[Segment], stop: Callable[[], bool] | None = None
+    ) -> int: ...
 
     def prewarm_segments(
         self,
@@ -164,6 +180,10 @@ class NextSaveWarmer:
         if self._catalog.saving():
             return self.retry  # plan once the save is over: it may change the pool
         plan = self._catalog.next_save_plan(namespace, self.max_bytes)
+        if plan.activate:  # the segments it will surely take first
+            touched = self._catalog.activate_segments(plan.activate, self._stop_now)
+            if touched < sum(seg.size for seg in plan.activate) and self._catalog.saving():
+                return None if self._stopping.is_set() else self.retry
         if not plan.segments:
             return None
         wanted = sum(size for size, _ in plan.segments)

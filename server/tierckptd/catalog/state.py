@@ -21,12 +21,12 @@ from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd.catalog.budget import Budget
-from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, shortfall
+from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, assign
 from tierckptd.catalog.retention import evictions_by_coordinator
 from tierckptd.catalog.views import Health, all_lost, is_lost, view_of
 from tierckptd.memory.manifest import to_json as manifest_to_json
 from tierckptd.memory.manifest import write_manifest
-from tierckptd.memory.pool import PREWARM_SEGMENT, WarmPool
+from tierckptd.memory.pool import PREWARM_SEGMENT, Segment, WarmPool
 from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.ops import metrics
@@ -261,7 +261,7 @@ class CatalogState:
                 freed += st.st_size
             try:
                 if self.recycle:
-                    self.pool.to_pool(path, f.name, rec.namespace)
+                    self.pool.to_pool(path, f.name, rec.namespace, touched_once=f.fresh_pages)
                 else:
                     self.tier.remove_file(path)
             except (OSError, UnsafePath) as e:
@@ -462,8 +462,18 @@ class CatalogState:
                 for f in rec.files.values()
                 if f.committed and f.held and f.owner_node == self.node_id
             ]
-            plan = shortfall(files, self.pool.segments, namespace, cap)
-            return NextSavePlan(plan, sum(size for _, size, _ in files))
+            plan, covered = assign(files, self.pool.segments, namespace, cap)
+            activate = [seg for seg in covered if seg.touched_once]
+            return NextSavePlan(plan, sum(size for _, size, _ in files), activate)
+
+    def activate_segments(
+        self, segments: list[Segment], stop: Callable[[], bool] | None = None
+    ) -> int:
+        """Touch pooled segments again before a save takes them (`WarmPool.activate`;
+        takes the lock itself, around short steps)."""
+        done = self.pool.activate(segments, stop)
+        metrics.PREWARM_BYTES.labels(kind="activate").inc(done)
+        return done
 
     def _prewarm_once(self, namespace: str) -> None:
         """At the first Begin of a namespace since start (e.g. after a restart adopted

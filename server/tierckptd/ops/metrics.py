@@ -88,7 +88,8 @@ POOL_MISSES = Counter(
 PREWARM_BYTES = Counter(
     "tierckpt_prewarm_bytes",
     "Bytes of pool segments allocated and touched ahead of use, by kind (start: "
-    "[memory] prewarm, next_save: [memory] prewarm_next, restore: files to fetch)",
+    "[memory] prewarm, next_save: [memory] prewarm_next, restore: files to fetch, "
+    "activate: recycled segments touched again before the next save takes them)",
     ["kind"],
 )
 PREWARM_USED_BYTES = Counter(

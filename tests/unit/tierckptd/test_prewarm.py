@@ -272,3 +272,63 @@ def test_a_restarted_daemon_prewarms_at_the_first_begin(
     assert catalog.status().prewarm_ready_bytes == sum(map(len, FILES.values()))
     catalog.begin("run", "s3", 0)
     assert warmer.pending() == []  # once per namespace; commits schedule the rest
+
+
+# ---- touching recycled pages again (`activate`) ---------------------------------------------
+def test_files_saved_into_new_pages_are_touched_again_once_recycled(
+    make_catalog: MakeCatalog, save: Save, clock: FakeClock
+) -> None:
+    # A page written once is off the kernel's active list: the save that overwrites it
+    # first pays for the move. s1 was saved into new pages; once s2 evicts it, its
+    # segments are touched again before s3 takes them; s2's (saved into warm segments)
+    # need no second pass.
+    catalog = make_catalog(memory_keep_last=1)
+    warmer = _warmer(catalog, clock)
+    save(catalog, "run", "s1", FILES)
+    warmer.run_due()  # prewarms s2's segments (touched twice already)
+    save(catalog, "run", "s2", FILES)
+    plan = catalog.next_save_plan("run")
+    assert plan.segments == []
+    assert sorted(str(seg.previous_name) for seg in plan.activate) == sorted(FILES)
+    for seg in plan.activate:  # s1's bytes are still in them
+        assert seg.path.read_bytes()[:1] in (b"a", b"b", b"m")
+    assert warmer.run_due() == 1
+    assert not any(seg.touched_once for seg in catalog.pool.segments)
+    for seg in catalog.pool.segments:
+        assert seg.path.read_bytes() == bytes(seg.size)
+    status = catalog.status()
+    size = sum(map(len, FILES.values()))
+    assert (status.pool_bytes, status.prewarm_pending_bytes) == (size, 0)
+    assert catalog.next_save_plan("run").activate == []
+    save(catalog, "run", "s3", FILES)  # takes them; evicts s2
+    assert catalog.status().pool_hits == 6
+    assert catalog.next_save_plan("run").activate == []
+
+
+def test_touching_again_steps_aside_for_a_save_and_never_writes_a_taken_segment(
+    make_catalog: MakeCatalog, save: Save, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_module, "PREWARM_STEP", 16 * KiB)
+    catalog = make_catalog(memory_keep_last=1, recycle=True)
+    save(catalog, "run", "s1", {"__0_0.distcp": DATA0})
+    save(catalog, "run", "s2", {"__0_1.distcp": DATA1})  # evicts s1 into the pool
+    [seg] = catalog.pool.segments
+    assert seg.touched_once
+    calls = 0
+
+    def stop_after_two_steps() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > 2
+
+    assert catalog.activate_segments([seg], stop_after_two_steps) == 0
+    assert catalog.pool.segments == [seg] and seg.touched_once  # pooled, not done
+    assert catalog.pool.pending == 0
+    # Taken by a save meanwhile: not in the pool any more, so never written.
+    catalog.begin("run", "s3", 0)
+    catalog.reserve("run", "s3", 0, len(DATA0))
+    path, preallocated = catalog.open_file("run", "s3", "__0_0.distcp", 0)
+    assert preallocated == len(DATA0)
+    Path(path).write_bytes(b"x" * len(DATA0))
+    assert catalog.activate_segments([seg]) == 0
+    assert Path(path).read_bytes() == b"x" * len(DATA0)
