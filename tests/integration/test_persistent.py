@@ -247,3 +247,26 @@ def test_retention_per_tier(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
         assert set(rows) == want_s3
         assert set(p.name for p in c.nodes[0].data_dir(NS).iterdir()) == want_memory
         _tiered_load(c, 2, 2, "step-000005", tmp_path)  # from S3 only
+
+
+def test_a_kill_after_the_metadata_upload_still_leaves_the_checkpoint_indexed(
+    s3: moto_s3.S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kill -9 right after `.metadata` went up, before the index entry and before this node
+    # marked it durable: the restart drains it again (idempotent), so the namespace's
+    # durable index (what other clusters list) names it when the catalog says DURABLE.
+    monkeypatch.setenv("TIERCKPT_FAULT", "drain.after_metadata:kill")
+    with cluster(1, persistent(s3)) as c:
+        monkeypatch.delenv("TIERCKPT_FAULT")  # the running daemon read it at start
+        save_job(c, 2, 2, ["step-000001"], tmp_path, 11)
+        node = c.nodes[0]
+        c.wait("the daemon killed at drain.after_metadata", lambda: not node.running)
+        fs = s3.fs()
+        entry = f"{s3.name}/{NS}/.tierckpt/durable/step-000001"
+        fs.invalidate_cache()
+        assert fs.exists(f"{s3.name}/{NS}/step-000001/.metadata") and not fs.exists(entry)
+        node.start()
+        c.wait_state("step-000001", "DURABLE")
+        fs.invalidate_cache()
+        assert fs.exists(entry)
+        stock_load(s3, NS, 2, "step-000001", tmp_path)

@@ -58,6 +58,7 @@ __all__ = [
     "adopt_checkpoint",
     "durable_ids",
     "remove_index_entry",
+    "repair_index",
     "write_index_entry",
 ]
 
@@ -110,15 +111,36 @@ def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
     return tier.retrying(scan, f"list {prefix}")
 
 
+def _indexed_ids(tier: PersistentTier, namespace: str) -> set[str]:
+    index = _index_dir(tier, namespace)
+    names = [p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)]
+    return _valid_ids(names, f"{namespace} index")
+
+
+def repair_index(tier: PersistentTier, namespace: str, durable: set[str]) -> int:
+    """Write the index entries that `durable` (a full scan's ids: `.metadata` keys) has and
+    the index lacks: a drain cut off by a kill -9 between `.metadata` and its entry, or a
+    namespace drained before the index existed. Only from a complete scan, so an index
+    once started lists every durable checkpoint. Returns entries written; an outage or a
+    refused write only warns (the entries are hints for discovery)."""
+    try:
+        missing = sorted(durable - _indexed_ids(tier, namespace))
+        for checkpoint_id in missing:
+            write_index_entry(tier, namespace, checkpoint_id)
+    except (PersistentTierUnavailable, OSError) as e:
+        logger.warning("%s: durable index not repaired: %s", namespace, e)
+        return 0
+    if missing:
+        logger.info("%s: wrote %d missing durable index entries", namespace, len(missing))
+    return len(missing)
+
+
 def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> set[str]:
     """Ids of the namespace's durable checkpoints, as listed. Without `scan` the index
     entries (a hint: `.metadata` is checked before one is trusted), or the flat prefix
     scan when there are none; with `scan` only the scan (its ``<id>/.metadata`` keys)."""
     if not scan:
-        index = _index_dir(tier, namespace)
-        ids = _valid_ids(
-            [p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)], f"{namespace} index"
-        )
+        ids = _indexed_ids(tier, namespace)
         if ids:
             return ids
     base = f"{tier.root}/{namespace}/"
@@ -211,6 +233,7 @@ def adopt_all(tier: PersistentTier, catalog: Catalog, url: str = "") -> int:
     adopted = 0
     for namespace in tier.list_namespaces():
         ids = durable_ids(tier, namespace, scan=True)  # .metadata keys: verified
+        repair_index(tier, namespace, ids)
         adopted += _adopt_ids(tier, catalog, namespace, ids, verified=True, url=url)
     if adopted:
         logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))

@@ -111,6 +111,15 @@ Restore = Callable[[str, str, str], tuple[FileRecord, str]]
 copy of a committed file (record, path), from a peer or the persistent tier."""
 
 
+def _index(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
+    """Write the namespace's durable index entry (after `.metadata`: a hint for other
+    clusters' discovery, never a commit, so an outage only warns)."""
+    try:
+        write_index_entry(tier, namespace, checkpoint_id)
+    except (PersistentTierUnavailable, OSError) as e:
+        logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
+
+
 class _StepAsideForSaves:
     """A file source whose reads wait while a save is writing on this node, so a drain
     in flight does not compete with training; each file waits `jobs.SAVE_YIELD_MAX` at
@@ -310,6 +319,8 @@ class Drainer:
             return Outcome.DURABLE  # deleted meanwhile
         tier = self._tier(namespace, checkpoint_id, view.persistent_url)
         if tier.is_durable(namespace, checkpoint_id):
+            # Drained before a restart cut it short: its index entry may be missing.
+            _index(tier, namespace, checkpoint_id)
             self.catalog.mark_durable(namespace, checkpoint_id)
             return Outcome.DURABLE
         files = {f.name: f for f in view.files}
@@ -390,6 +401,10 @@ class Drainer:
             logger.debug("drain of %s/%s waits for other nodes: %s", namespace, checkpoint_id, e)
             return Outcome.WAITING if by_rule else Outcome.UPLOADED
         fault("drain.after_metadata")
+        # The index entry before the catalog says DURABLE: a kill -9 in between drains
+        # again after the restart, which finds `.metadata` up and writes the entry then,
+        # instead of leaving a durable checkpoint that other clusters' listings never show.
+        _index(tier, namespace, checkpoint_id)
         self.catalog.mark_durable(namespace, checkpoint_id)
         try:
             committed = self.catalog.get(namespace, checkpoint_id).committed_unix
@@ -400,10 +415,6 @@ class Drainer:
             logger.info(
                 "%s/%s committed on SIGTERM by a holder of .metadata", namespace, checkpoint_id
             )
-        try:  # after .metadata: a hint for other clusters' discovery, never a commit
-            write_index_entry(tier, namespace, checkpoint_id)
-        except (PersistentTierUnavailable, OSError) as e:
-            logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
         if by_rule:
             self.retention.apply(tier, namespace)
         return Outcome.DURABLE

@@ -13,7 +13,13 @@ from tierckpt.errors import CheckpointNotFound, InvalidName, TierUnavailable
 from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig, parse_config
 from tierckptd.memory.tier import MemoryTier
-from tierckptd.persistent.discovery import INDEX_DIR, Discovery, durable_ids
+from tierckptd.persistent.discovery import (
+    INDEX_DIR,
+    Discovery,
+    adopt_all,
+    durable_ids,
+    repair_index,
+)
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
@@ -184,3 +190,32 @@ def test_an_index_entry_without_its_metadata_is_not_trusted(
     other_view = Discovery(store, other, relist_interval=0.0)
     other.forget_persistent(NS, "step-000001")
     assert other_view.refresh(NS) == 0 and not other.is_durable(NS, "step-000001")
+
+
+def test_a_start_writes_the_index_entries_a_cut_off_drain_left_out(
+    other: Catalog, save: Save, store: PersistentTier, tmp_path: Path
+) -> None:
+    # Three durable checkpoints; the entry of the newest is missing (a kill -9 between its
+    # `.metadata` and its entry): a listing of the index would hide it from every other
+    # cluster. A daemon's start (adopt_all: a full scan) writes it, and only it.
+    for i in range(1, 4):
+        _drain_elsewhere(other, save, store, tmp_path, f"step-00000{i}", seed=i)
+    index = tmp_path / "store" / NS / INDEX_DIR
+    (index / "step-000003").unlink()
+    assert durable_ids(store, NS) == {"step-000001", "step-000002"}
+    before = {p.name: p.stat().st_mtime_ns for p in index.iterdir()}
+    assert repair_index(store, NS, durable_ids(store, NS, scan=True)) == 1
+    assert durable_ids(store, NS) == {"step-000001", "step-000002", "step-000003"}
+    assert {p.name: p.stat().st_mtime_ns for p in index.iterdir() if p.name in before} == before
+    assert repair_index(store, NS, durable_ids(store, NS, scan=True)) == 0
+    # Through a start: the catalog of a node that knew nothing adopts all three.
+    (index / "step-000002").unlink()
+    fresh = MemoryTier(tmp_path / "fresh-mem")
+    fresh.open_layout()
+    catalog = Catalog(fresh, node_id="node-f", failure_domain="rack-f", budget=64 << 20)
+    catalog.adopt()
+    try:
+        assert adopt_all(store, catalog) == 3
+        assert (index / "step-000002").exists()
+    finally:
+        fresh.close()
