@@ -66,6 +66,14 @@ class SaveTarget:
 
 
 # --- torch.save's CRC32 ---------------------------------------------------------------
+class _CrcState(threading.local):
+    depth = 0  # tierckpt:// data files open in this thread
+    previous = True  # torch.save's CRC32 setting before the first of them
+
+
+_CRC = _CrcState()
+
+
 @contextlib.contextmanager
 def crc32_disabled() -> Iterator[None]:
     """torch.save's CRC32 off in this thread while a tierckpt:// data file is written.
@@ -79,14 +87,18 @@ def crc32_disabled() -> Iterator[None]:
     if os.environ.get(CRC32_ENV, "") not in ("", "0"):
         yield
         return
-    previous = torch.serialization.get_crc32_options()
     owner = threading.get_ident()
-    torch.serialization.set_crc32_options(False)
+    if _CRC.depth == 0:  # the outermost open stream of this thread keeps the user's setting
+        _CRC.previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+    _CRC.depth += 1
     try:
         yield
     finally:
         if threading.get_ident() == owner:  # another thread's switch is not ours to set
-            torch.serialization.set_crc32_options(previous)
+            _CRC.depth -= 1
+            if _CRC.depth == 0:  # streams may close in any order: the last one restores
+                torch.serialization.set_crc32_options(_CRC.previous)
 
 
 # --- write ------------------------------------------------------------------------------

@@ -292,6 +292,13 @@ def test_crc32_is_off_only_while_a_data_file_is_written(
             sidecar.write(b"z")  # not a DCP data file: no change
             assert crc32() is bool(keep)
     assert crc32()
+    # Streams that close in another order than they opened: the last one restores.
+    first = fs.open("tierckpt://run7/step-3/__0_0.distcp", "wb")
+    second = fs.open("tierckpt://run7/step-3/__1_0.distcp", "wb")
+    first.close()
+    assert crc32() is bool(keep)
+    second.close()
+    assert crc32()
 
     # What torch.save writes into such a stream (as DCP's writer thread does) has no CRC.
     with fs.open("tierckpt://run7/step-2/__0_0.distcp", "wb") as data:
