@@ -179,10 +179,16 @@ def _in_memory_error(e: TierckptError) -> SageMakerInMemoryTierError:
     return SageMakerInMemoryTierError(f"{type(e).__name__}: {e}")
 
 
-def _set_base_path(client: DaemonClient, config: SageMakerCheckpointConfig) -> None:
+def _set_base_path(
+    client: DaemonClient, config: SageMakerCheckpointConfig, *, reset: bool = True
+) -> None:
     """Make ``s3_tier_base_path`` the namespace's persistent URL on this rank's daemon.
-    Refused (not allowed, no persistent tier): raise when this step needs S3, else warn."""
+    Refused (not allowed, no persistent tier): raise when this step needs S3, else warn.
+    An unset base path resets the namespace to the daemon's ``[persistent] url`` only
+    with `reset` (writers): a reader without one must not redirect a running job's drain."""
     base = str(config.s3_tier_base_path or "")
+    if not base and not reset:
+        return
     try:
         client.set_namespace(config.namespace, persistent_url=base)
     except (PermissionDenied, InvalidArgument) as e:
@@ -386,7 +392,7 @@ class SageMakerTieredStorageReader(TieredStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Every rank reads the metadata first: its daemon then looks up S3 under the
         # job's base path (a replacement node finds the job's durable checkpoints there).
-        _set_base_path(self.client, self.checkpoint_config)
+        _set_base_path(self.client, self.checkpoint_config, reset=False)
         if self.step is None:
             self.step = self.newest_step()
             super().reset(checkpoint_id_of_step(self.step))

@@ -24,6 +24,7 @@ from tierckpt.compat.sagemaker import (
     SageMakerTieredStorageError,
     SageMakerTieredStorageReader,
     SageMakerTieredStorageWriter,
+    _set_base_path,
     step_from,
 )
 from tierckpt.errors import CheckpointNotFound, UnsafeMetadata
@@ -133,6 +134,21 @@ class _Listing:
 
     def list_checkpoints(self, namespace: str) -> list[Any]:
         return [SimpleNamespace(checkpoint_id=cid, state=state) for cid, state in self.rows]
+
+
+def test_a_reader_without_a_base_path_leaves_the_namespace_url_alone() -> None:
+    """Only writers reset the namespace's persistent URL when s3_tier_base_path is unset:
+    a restore tool without one must not redirect a running job's drain."""
+    calls: list[tuple[str, str]] = []
+    client = SimpleNamespace(
+        address=DAEMON,
+        set_namespace=lambda ns, persistent_url: calls.append((ns, persistent_url)),
+    )
+    _set_base_path(client, _config(), reset=False)  # type: ignore[arg-type]
+    assert calls == []
+    _set_base_path(client, _config())  # type: ignore[arg-type]
+    _set_base_path(client, _config(s3_tier_base_path="s3://b/p"), reset=False)  # type: ignore[arg-type]
+    assert calls == [("job-1", ""), ("job-1", "s3://b/p")]
 
 
 def test_step_none_passes_over_lost_steps() -> None:
