@@ -182,8 +182,9 @@ class NextSaveWarmer:
         plan = self._catalog.next_save_plan(namespace, self.max_bytes)
         if plan.activate:  # the segments it will surely take first
             touched = self._catalog.activate_segments(plan.activate, self._stop_now)
-            if touched < sum(seg.size for seg in plan.activate) and self._catalog.saving():
-                return None if self._stopping.is_set() else self.retry
+            to_touch = sum(seg.size for seg in plan.activate)
+            if touched < to_touch and self._catalog.saving() and not self._stopping.is_set():
+                return self.retry  # a save started: the rest (re-planned) after it
         if not plan.segments:
             return None
         wanted = sum(size for size, _ in plan.segments)

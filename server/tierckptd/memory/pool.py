@@ -203,10 +203,23 @@ class WarmPool:
         return self.tier.pool_dir / f".prewarm-{final.name}", final
 
     @staticmethod
-    def _touch(fd: int, start: int, end: int) -> None:
-        zeros = memoryview(bytes(min(end - start, _TOUCH_CHUNK)))
-        for offset in range(start, end, _TOUCH_CHUNK):
-            os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, end - offset)], offset)
+    def _write_zeros(
+        fd: int, size: int, stop: Callable[[], bool] | None, *, allocate: bool, passes: int
+    ) -> int:
+        """Write zeros `passes` times over the first `size` bytes of `fd`, a step of
+        PREWARM_STEP at a time (posix_fallocate'd first with `allocate`); `stop()` is
+        asked between steps. Returns the bytes done (`size` unless stopped)."""
+        zeros = memoryview(bytes(min(size, _TOUCH_CHUNK)))
+        for step in range(0, size, PREWARM_STEP):
+            if step and stop is not None and stop():
+                return step
+            end = min(size, step + PREWARM_STEP)
+            if allocate:
+                os.posix_fallocate(fd, step, end - step)
+            for _ in range(passes):
+                for offset in range(step, end, _TOUCH_CHUNK):
+                    os.pwrite(fd, zeros[: min(_TOUCH_CHUNK, end - offset)], offset)
+        return size
 
     @staticmethod
     def preallocate(tmp: Path, size: int, stop: Callable[[], bool] | None = None) -> int:
@@ -222,14 +235,7 @@ class WarmPool:
         for that move (its first overwrite measured 20-25% slower than the next one)."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, POOL_MODE)
         try:
-            for step in range(0, size, PREWARM_STEP):
-                if step and stop is not None and stop():
-                    return step
-                end = min(size, step + PREWARM_STEP)
-                os.posix_fallocate(fd, step, end - step)
-                for _ in range(_TOUCH_PASSES):
-                    WarmPool._touch(fd, step, end)
-            return size
+            return WarmPool._write_zeros(fd, size, stop, allocate=True, passes=_TOUCH_PASSES)
         finally:
             os.close(fd)
 
@@ -318,12 +324,8 @@ class WarmPool:
             try:
                 fd, _ = self.tier.open_regular(seg.path, os.O_WRONLY)
                 try:
-                    for step in range(0, seg.size, PREWARM_STEP):
-                        if step and stop is not None and stop():
-                            break
-                        self._touch(fd, step, min(seg.size, step + PREWARM_STEP))
-                    else:
-                        finished = True
+                    made = self._write_zeros(fd, seg.size, stop, allocate=False, passes=1)
+                    finished = made == seg.size
                 finally:
                     os.close(fd)
             except (OSError, UnsafePath) as e:

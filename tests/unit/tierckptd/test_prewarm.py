@@ -108,22 +108,36 @@ def test_another_tenant_never_gets_them(
     assert preallocated == 0
 
 
-def test_retention_recycled_files_are_not_prewarmed_again(
+def test_retention_recycled_files_are_not_prewarmed_again_but_touched_again(
     make_catalog: MakeCatalog, save: Save, clock: FakeClock
 ) -> None:
+    # s1 was saved into new pages (touched once: a page written once is off the kernel's
+    # active list, and the save that overwrites it first pays for the move). Once s2
+    # evicts it, its segments are not prewarmed again, only touched again before s3
+    # takes them; s2's (saved into warm segments) need no second pass.
     catalog = make_catalog(memory_keep_last=1)
     warmer = _warmer(catalog, clock)
     save(catalog, "run", "s1", FILES)
-    warmer.run_due()
+    warmer.run_due()  # prewarms s2's segments (touched twice already)
     save(catalog, "run", "s2", FILES)  # writes into the prewarmed segments; evicts s1
     size = sum(map(len, FILES.values()))
     assert catalog.status().pool_bytes == size  # s1's files, recycled
-    assert catalog.next_save_plan("run").segments == []
-    warmer.run_due()
+    plan = catalog.next_save_plan("run")
+    assert plan.segments == []
+    assert sorted(str(seg.previous_name) for seg in plan.activate) == sorted(FILES)
+    for seg in plan.activate:  # s1's bytes are still in them
+        assert seg.path.read_bytes()[:1] in (b"a", b"b", b"m")
+    assert warmer.run_due() == 1
+    assert not any(seg.touched_once for seg in catalog.pool.segments)
+    for seg in catalog.pool.segments:
+        assert seg.path.read_bytes() == bytes(seg.size)
     status = catalog.status()
     assert (status.pool_bytes, status.prewarm_ready_bytes) == (size, 0)  # not doubled
-    save(catalog, "run", "s3", FILES)
+    assert status.prewarm_pending_bytes == 0
+    assert catalog.next_save_plan("run").activate == []
+    save(catalog, "run", "s3", FILES)  # takes them; evicts s2
     assert catalog.status().pool_hits == 6
+    assert catalog.next_save_plan("run").activate == []
 
 
 def test_the_budget_bounds_it_and_a_reservation_still_fits(
@@ -275,36 +289,6 @@ def test_a_restarted_daemon_prewarms_at_the_first_begin(
 
 
 # ---- touching recycled pages again (`activate`) ---------------------------------------------
-def test_files_saved_into_new_pages_are_touched_again_once_recycled(
-    make_catalog: MakeCatalog, save: Save, clock: FakeClock
-) -> None:
-    # A page written once is off the kernel's active list: the save that overwrites it
-    # first pays for the move. s1 was saved into new pages; once s2 evicts it, its
-    # segments are touched again before s3 takes them; s2's (saved into warm segments)
-    # need no second pass.
-    catalog = make_catalog(memory_keep_last=1)
-    warmer = _warmer(catalog, clock)
-    save(catalog, "run", "s1", FILES)
-    warmer.run_due()  # prewarms s2's segments (touched twice already)
-    save(catalog, "run", "s2", FILES)
-    plan = catalog.next_save_plan("run")
-    assert plan.segments == []
-    assert sorted(str(seg.previous_name) for seg in plan.activate) == sorted(FILES)
-    for seg in plan.activate:  # s1's bytes are still in them
-        assert seg.path.read_bytes()[:1] in (b"a", b"b", b"m")
-    assert warmer.run_due() == 1
-    assert not any(seg.touched_once for seg in catalog.pool.segments)
-    for seg in catalog.pool.segments:
-        assert seg.path.read_bytes() == bytes(seg.size)
-    status = catalog.status()
-    size = sum(map(len, FILES.values()))
-    assert (status.pool_bytes, status.prewarm_pending_bytes) == (size, 0)
-    assert catalog.next_save_plan("run").activate == []
-    save(catalog, "run", "s3", FILES)  # takes them; evicts s2
-    assert catalog.status().pool_hits == 6
-    assert catalog.next_save_plan("run").activate == []
-
-
 def test_touching_again_steps_aside_for_a_save_and_never_writes_a_taken_segment(
     make_catalog: MakeCatalog, save: Save, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
