@@ -213,7 +213,7 @@ def data_path_costs(directory: str, nbytes: int = 256 * MiB, repeat: int = 5) ->
     dst.copy_(src)
     s_view = memoryview(src.numpy()).cast("B")
     d_view = memoryview(dst.numpy()).cast("B")
-    step = 4 * MiB
+    step = MiB  # the memory tier's I/O chunk (tierckpt.memory_files._IO_CHUNK)
     fd, path = tempfile.mkstemp(prefix="tierckpt-bench-costs-", dir=directory)
     try:
         os.pwrite(fd, s_view, 0)  # warm pages, as the pool's segments are

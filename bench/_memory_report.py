@@ -41,12 +41,16 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
         "load_stock_over_load": min(res["stock_load_s"]) / min(res["load_s"]),
         "async_tier_over_stock": {},
     }
+    if res.get("verified_copy_s"):  # results recorded before this figure existed lack it
+        out["verified_copy_ref_s"] = min(res["verified_copy_s"])
+        out["ceiling_memcpy_over_verified_copy"] = memcpy / out["verified_copy_ref_s"]
     for executor in ("thread", "process"):
         stock = res["async"].get(f"stock {executor}")
         if stock is None:
             continue
         ref = min(stock["blocking_s"][1:])
         out[f"async_stock_{executor}_ref_s"] = ref
+        out[f"async_floor_{executor}_memcpy_over_stock"] = memcpy / ref
         for variant in ("reused", "new"):
             tier = res["async"][f"tierckpt {executor} {variant} writer"]["blocking_s"]
             out["async_tier_over_stock"][f"{executor} {variant}"] = [s / ref for s in tier]
@@ -77,6 +81,14 @@ def render(res: dict[str, Any], saves: int) -> str:
         f"{rate(min(res['memcpy_1thread_s']))}  runs {_fmt(res['memcpy_1thread_s'])}",
         f"  {'memcpy reference (fastest of the above, start and end)':<58}{rate(r['memcpy_ref_s'])}",
     ]
+    if "verified_copy_ref_s" in r:
+        runs = res["verified_copy_s"]
+        label = f"verified copy: copy_ + xxh3 per MiB, {threads} thread(s), no file"
+        lines.append(f"  {label:<58}{rate(r['verified_copy_ref_s'])}  runs {_fmt(runs)}")
+        lines.append(
+            f"    memcpy / verified copy {r['ceiling_memcpy_over_verified_copy']:.2f}x: the "
+            "ceiling of memcpy / save and memcpy / load while every byte is verified"
+        )
     for tc in (1, 2):
         runs = res[f"stock_fsw_tc{tc}_s"]
         label = f"stock FileSystemWriter -> new tmpfs dir, thread_count={tc}"
@@ -155,25 +167,59 @@ def summary(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
         for key, values in r["async_tier_over_stock"].items():
             if key.endswith(" new"):
                 later = values[1:]
-                label = f"async blocking {key.split()[0].upper()} new writer, calls 2..N: tier/stock <= 0.25"
-                items.append(_item(title, label, later, max(later) <= ASYNC_MAX))
+                executor = key.split()[0]
+                label = (
+                    f"async blocking {executor.upper()} new writer, calls 2..N: tier/stock <= 0.25"
+                )
+                floor = r[f"async_floor_{executor}_memcpy_over_stock"]
+                items.append(_item(title, label, later, max(later) <= ASYNC_MAX, floor=floor))
+        ceiling = r.get("ceiling_memcpy_over_verified_copy")
         steady = r["steady_memcpy_over_save"]
         items.append(
-            _item(title, "steady-state save: memcpy/save >= 0.5", [steady], steady >= STEADY_MIN)
+            _item(
+                title,
+                "steady-state save: memcpy/save >= 0.5",
+                [steady],
+                steady >= STEADY_MIN,
+                ceiling=ceiling,
+            )
         )
         load = r["load_memcpy_over_load"]
-        items.append(_item(title, "load: memcpy/load >= 0.75", [load], load >= LOAD_MIN))
+        items.append(
+            _item(title, "load: memcpy/load >= 0.75", [load], load >= LOAD_MIN, ceiling=ceiling)
+        )
     text = ["\n## Done-when (issue 10), ratios from this run"]
     for it in items:
         values = " ".join(f"{v:.2f}" for v in it["values"])
-        text.append(f"  {it['verdict']:<5} {it['scenario']:<22} {it['label']:<68} {values}")
+        limit = ""
+        if it.get("floor") is not None:
+            limit = f"  (floor memcpy/stock {it['floor']:.2f})"
+        elif it.get("ceiling") is not None:
+            limit = f"  (ceiling, verified copy {it['ceiling']:.2f})"
+        text.append(f"  {it['verdict']:<5} {it['scenario']:<22} {it['label']:<68} {values}{limit}")
     return {"items": items, "text": "\n".join(text)}
 
 
-def _item(scenario: str, label: str, values: list[float], ok: bool) -> dict[str, Any]:
-    return {
+def _item(
+    scenario: str,
+    label: str,
+    values: list[float],
+    ok: bool,
+    *,
+    floor: float | None = None,
+    ceiling: float | None = None,
+) -> dict[str, Any]:
+    """One Done-when check. `floor`: the lowest ratio a one-copy stage allows (memcpy over
+    stock); `ceiling`: the highest one a verified one-copy path allows (memcpy over a
+    verified copy); either says how far the bar is from what this machine can do."""
+    item: dict[str, Any] = {
         "scenario": scenario,
         "label": label,
         "values": values,
         "verdict": "PASS" if ok else "MISS",
     }
+    if floor is not None:
+        item["floor"] = floor
+    if ceiling is not None:
+        item["ceiling"] = ceiling
+    return item

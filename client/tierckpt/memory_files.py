@@ -28,10 +28,11 @@ from tierckpt.errors import ChecksumMismatch
 __all__ = ["ChecksummingWriter", "VerifiedFile", "wait_all"]
 
 _SMALL_WRITE = 256 << 10
-# Bytes per write(2) and per preadv of whole blocks: a few blocks, so there are fewer
-# syscalls and GIL hand-offs per byte, and the chunk is still in the (shared) L3 cache
-# between the kernel's copy and the hash, for each of a few threads at once.
-_IO_CHUNK = 4 << 20
+# Bytes per write(2) and per preadv of whole blocks: one 1 MiB block, so the chunk is
+# still in the core's own L2 cache between the hash and the kernel's copy. Measured with
+# 2 threads on 2 cores, 1 GiB into tmpfs: a steady save took 0.164 s with 1 MiB chunks,
+# 0.175 s with 4 MiB; a load 0.156 s against 0.160 s (128 KiB lost again: more syscalls).
+_IO_CHUNK = 1 << 20
 _MAX_TASK_BLOCKS = 8  # blocks per parallel read task: small, so threads stay balanced
 
 
@@ -39,7 +40,7 @@ class ChecksummingWriter(io.RawIOBase):
     """A write-only stream over a file descriptor that block-hashes what it writes.
 
     Small writes (torch.save's zip headers) are coalesced in a buffer; large ones
-    (tensor storages) go straight to the file a few blocks (`_IO_CHUNK`) at a time,
+    (tensor storages) go straight to the file a block (`_IO_CHUNK`) at a time,
     hashed just before the write, so the kernel's copy reads them from cache, not RAM.
     The file may be a recycled segment that is longer than what is written:
     `finish()` truncates it to the bytes written.
