@@ -110,8 +110,11 @@ def render(res: dict[str, Any], saves: int) -> str:
         ),
     ]
     steady, load = res["steady_saves_s"], res["load_s"]
+    settling = res.get("settling_saves_s", [])
     lines += [
-        f"steady state (after {saves} saves, retention recycling), best of {len(steady)}",
+        f"steady state (after {saves + len(settling)} saves back to back, retention "
+        f"recycling), best of {len(steady)}",
+        f"  {'settling saves #' + str(saves + 1) + '.. (s)':<58}{_fmt(settling)}",
         f"  {'sync save, new writer':<58}{rate(min(steady))}  runs {_fmt(steady)}",
         f"    memcpy / save {r['steady_memcpy_over_save']:.2f}x   "
         f"stock best / save {r['steady_stock_over_save']:.2f}x",
