@@ -7,7 +7,7 @@ shared memory, and commits it with its size and block checksums. `finish()` writ
 `.metadata` the same way and commits the checkpoint.
 
 Copies per byte on `dcp.save`: one (tensor -> tmpfs page). `async_save` adds the
-staging copy into the process's shared-memory staging buffers (tierckpt.staging: reused by
+staging copy into the process's staging buffers (tierckpt.staging: reused by
 every writer for the same namespace and layout), which is all the training loop waits for.
 """
 
@@ -326,9 +326,10 @@ class TieredStorageWriter(FileSystemWriter):
         """Copy the state into the process's staging buffers (one copy; see tierckpt.staging).
 
         The buffers belong to the process, keyed by namespace and state-dict layout, so a
-        new writer per save still copies into warm pages. They are shared memory (the
-        PROCESS executor pickles a handle), pinned when the state is on a CUDA device. A
-        stage never overwrites buffers an unfinished save still holds: it takes another set.
+        new writer per save still copies into warm pages. They start as private memory
+        (the PROCESS executor's first hand-off moves them into shared memory once; then it
+        pickles handles), and are pinned shared memory when the state is on a CUDA device.
+        A stage never overwrites buffers an unfinished save still holds: it takes another set.
         """
         self.per_thread_copy_ahead = 0  # the staged state is on the host already
         return stage_state_dict(self.namespace, state_dict)

@@ -1,7 +1,8 @@
 """Process-owned async_save staging buffers (tierckpt.staging), without a daemon.
 
 `TieredStorageWriter.stage()` never talks to the daemon, so these tests call it directly,
-as `dcp.async_save` does, with real shared-memory buffers. Reuse is asserted by buffer
+as `dcp.async_save` does, with real buffers (private, moved into shared memory by a PROCESS
+hand-off's pickling, as in DCP's executor thread). Reuse is asserted by buffer
 identity (data pointers) and the registry's counters, never by timing.
 """
 
@@ -110,21 +111,35 @@ def test_new_writers_copy_into_the_same_buffers() -> None:
     assert stats.bytes == sum(t.numel() * t.element_size() for t in _tensors(_state()))
 
 
-def test_every_staged_tensor_is_shared_memory_and_pickles_as_a_handle() -> None:
+def test_buffers_start_private_and_the_first_process_hand_off_shares_them_once() -> None:
     state = _state(4)
     state["param"] = torch.nn.Parameter(torch.ones(5))  # requires grad
     staged = _writer().stage(state)
-    assert all(t.is_shared() for t in _tensors(staged))  # 0-d and empty ones too
+    # Private pages fault in faster: the job's first async_save blocks less.
+    assert not any(t.is_shared() for t in _tensors(staged))
     assert not staged["param"].requires_grad and staged["param"].grad_fn is None
-    # The PROCESS executor sends the staged dict through torch's ForkingPickler: a plain
-    # dict arrives, the tensors travel as shared-memory handles (same pages).
+    # The PROCESS executor sends the staged dict through torch's ForkingPickler (in DCP's
+    # executor thread): a plain dict arrives, the storages having moved into shared
+    # memory in place, and the tensors travel as handles to those pages.
     copy = pickle.loads(ForkingPickler.dumps(staged))
     assert type(copy) is dict
-    assert all(t.is_shared() for t in _tensors(copy) if t.numel())  # torch rebuilds empty ones
+    assert all(t.is_shared() for t in _tensors(staged) if t.numel())  # torch keeps empty ones
+    assert all(t.is_shared() for t in _tensors(copy) if t.numel())
     _assert_same(copy, state)
-    pointers = _pointers(staged)
+    moved = _pointers(staged)
     del staged, copy
-    assert _pointers(_writer().stage(state)) == pointers  # pickling moved nothing
+    # The next stage reuses the moved (now shared) buffers, and pickles them as handles:
+    # the pages it copied into are the pages the child sees.
+    state = _state(5)
+    state["param"] = torch.nn.Parameter(torch.full((5,), 2.0))  # the same layout
+    again = _writer().stage(state)
+    assert _pointers(again) == moved
+    copy = pickle.loads(ForkingPickler.dumps(again))
+    assert _pointers(again) == moved  # nothing moved a second time
+    _assert_same(copy, state)
+    again["w"][0] += 1.0  # same pages: what the child reads is what the stage wrote
+    assert torch.equal(copy["w"], again["w"])
+    assert staging_stats().allocations == 1
 
 
 def test_the_staged_copy_does_not_follow_the_training_state() -> None:
@@ -293,7 +308,7 @@ def test_the_writer_keeps_nothing_staged_and_still_pickles() -> None:
     assert writer.per_thread_copy_ahead == 0  # the staged state is on the host already
     copy = pickle.loads(pickle.dumps(writer))
     assert copy.state_dict_cache is None and copy.checkpoint_id == "step-1"
-    assert all(t.is_shared() for t in _tensors(staged))
+    _assert_same(staged, _state(17))
 
 
 # --- DTensor ----------------------------------------------------------------------------------
