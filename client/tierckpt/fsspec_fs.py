@@ -57,14 +57,19 @@ from tierckpt.errors import (
     TierckptError,
 )
 from tierckpt.fsspec_files import ReadStream, SaveTarget, WriteStream
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import (
+    LATEST,
+    METADATA_FILE,
+    check_checkpoint_id,
+    check_file_name,
+    check_namespace,
+)
 
 __all__ = ["LATEST", "PROTOCOL", "TierPath", "TierckptFileSystem", "parse_path"]
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "tierckpt"
-LATEST = "latest"
 METADATA_TMP = METADATA_FILE + ".tmp"
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 

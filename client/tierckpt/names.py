@@ -15,10 +15,12 @@ import re
 from tierckpt.errors import InvalidName
 
 __all__ = [
+    "LATEST",
     "METADATA_FILE",
     "check_checkpoint_id",
     "check_file_name",
     "check_namespace",
+    "check_new_checkpoint_id",
     "check_persistent_url",
     "is_checkpoint_id",
     "step_of",
@@ -31,6 +33,8 @@ _URL = re.compile(r"([a-z][a-z0-9+.-]{0,31})://(/?)([^/].*?)/*")
 _URL_SEGMENT = re.compile(r"[A-Za-z0-9._~=:+-]{1,255}")
 MAX_URL = 1024
 METADATA_FILE = ".metadata"
+# In a `tierckpt://<namespace>/latest` URL: the newest committed checkpoint of the namespace.
+LATEST = "latest"
 
 
 def _shown(value: object) -> str:
@@ -57,6 +61,18 @@ def check_checkpoint_id(value: object) -> str:
     """Return `value` if it is a valid checkpoint id (``step-000100``, ``epoch=0-step=100``),
     else raise InvalidName."""
     return _check("checkpoint id", value, _CHECKPOINT_ID, " and '='")
+
+
+def check_new_checkpoint_id(value: object) -> str:
+    """`check_checkpoint_id` for a checkpoint about to be created, which may not take an id
+    that `tierckpt://` URLs reserve: saved as ``latest``, it could never be reached there."""
+    checkpoint_id = check_checkpoint_id(value)
+    if checkpoint_id == LATEST:
+        raise InvalidName(
+            f"checkpoint id {LATEST!r} is reserved: tierckpt://<namespace>/{LATEST} names the "
+            "newest committed checkpoint; save under another id (step-000100)"
+        )
+    return checkpoint_id
 
 
 def is_checkpoint_id(value: object) -> bool:

@@ -34,7 +34,12 @@ from torch.futures import Future
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import CheckpointIncomplete, MemoryBudgetExceeded, TierckptError
 from tierckpt.memory_files import ChecksummingWriter
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
+from tierckpt.names import (
+    METADATA_FILE,
+    check_namespace,
+    check_new_checkpoint_id,
+    is_checkpoint_id,
+)
 from tierckpt.staging import stage_state_dict
 
 __all__ = ["TieredStorageWriter"]
@@ -203,7 +208,7 @@ class TieredStorageWriter(FileSystemWriter):
     # --- identity ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self._target.checkpoint_id = check_checkpoint_id(str(checkpoint_id))
+            self._target.checkpoint_id = check_new_checkpoint_id(str(checkpoint_id))
             self.path = self._target.checkpoint_id
         self._target.holder_nodes = ()
         self.save_id = dcp_filesystem._generate_uuid()

@@ -18,15 +18,18 @@ from tierckpt import (
     CheckpointExists,
     CheckpointNotFound,
     DaemonUnavailable,
+    InvalidArgument,
     InvalidName,
     MemoryBudgetExceeded,
 )
+from tierckpt.daemon_client import DaemonClient
 
 from tests.support import jobs
 from tests.support.backends import Tiered
 from tests.support.cli import cli_json, ls_ids, ls_json
 from tests.support.dist_job import run_job
 from tests.support.errors import assert_error, capture
+from tests.support.raw_rpc import write_files
 from tests.support.state_dicts import assert_state_equal, plain_tensor_state, snapshot
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -62,6 +65,22 @@ def test_invalid_checkpoint_id_is_refused(daemon: Any, bad_id: str) -> None:
     exc = capture(lambda: backend.load(state, bad_id), within=30)
     assert_error(exc, InvalidName, "checkpoint id", load=True)
     assert ls_json(daemon.address, NS, include_all=True) == []
+
+
+def test_latest_is_refused_as_a_new_checkpoint_id_by_the_daemon(daemon: Any) -> None:
+    """`tierckpt://<namespace>/latest` means the newest checkpoint, so the daemon refuses
+    to create one under that id, whatever the client (the check is at BeginCheckpoint)."""
+    backend = Tiered(NS, daemon.address)
+    state = plain_tensor_state(1, 4096)
+    exc = capture(lambda: backend.save(state, "latest"), within=30)
+    assert_error(exc, InvalidName, r"'latest' is reserved")  # the writer checks first
+    client = DaemonClient(daemon.address)
+    with pytest.raises(InvalidArgument, match=r"'latest' is reserved"):  # any other client
+        write_files(client, NS, "latest", {"__0_0.distcp": b"x" * 10})
+    client.close()
+    assert ls_json(daemon.address, NS, include_all=True) == []
+    backend.save(state, "latest-000001")  # only the exact id is taken
+    assert ls_ids(daemon.address, NS) == ["latest-000001"]
 
 
 def test_reusing_a_committed_id_fails_on_every_rank_and_keeps_the_first(

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 from tierckpt.errors import CheckpointNotFound, PermissionDenied, TierUnavailable
-from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.names import check_checkpoint_id, check_namespace, check_new_checkpoint_id
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
@@ -108,6 +108,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> daemon_pb2.BeginCheckpointResponse:
         ref = request.ref
         self._allow(context, "BeginCheckpoint", ref.namespace, begin=True)
+        check_new_checkpoint_id(ref.checkpoint_id)  # a new id: `latest` is taken by URLs
         self.catalog.begin(ref.namespace, ref.checkpoint_id, request.rank)
         return daemon_pb2.BeginCheckpointResponse(node_id=self.catalog.node_id)
 

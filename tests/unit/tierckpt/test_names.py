@@ -9,6 +9,7 @@ from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
     check_namespace,
+    check_new_checkpoint_id,
     step_of,
 )
 
@@ -95,3 +96,17 @@ def test_error_quotes_a_huge_name_bounded(kind: str) -> None:
     message = str(info.value)
     assert len(message) < 300
     assert "5000002 characters" in message
+
+
+def test_latest_is_reserved_for_new_checkpoints_only() -> None:
+    # tierckpt://<namespace>/latest names the newest checkpoint: one saved as "latest"
+    # could never be reached through a URL, so a new checkpoint may not take the id...
+    with pytest.raises(InvalidName, match=r"'latest' is reserved.*newest committed"):
+        check_new_checkpoint_id("latest")
+    assert check_new_checkpoint_id("latest-100") == "latest-100"
+    assert check_new_checkpoint_id("Latest") == "Latest"
+    # ...while reading, listing and deleting still accept it (a checkpoint an older
+    # version saved under that id stays reachable natively).
+    assert check_checkpoint_id("latest") == "latest"
+    with pytest.raises(InvalidName, match="checkpoint id"):
+        check_new_checkpoint_id("../latest")
