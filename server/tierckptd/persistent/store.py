@@ -16,20 +16,8 @@ after the object is complete, so a marker never describes bytes that are not the
 marker and an object of that size, rewrites `.metadata` for the compressed files, and
 PUTs it (atomic per object). Without `.metadata` a checkpoint is not durable.
 
-Every remote operation runs under a declared `RetryPolicy`: transient failures
-(connection errors, timeouts, 5xx and SlowDown, which s3fs turns into plain `OSError`)
-are retried with capped, jittered exponential backoff and a warning per retry;
-permanent ones (403, 404 on write, bad arguments, a corrupt source) raise at once. When
-the policy is exhausted `PersistentTierUnavailable` is raised: the caller keeps the
-checkpoint pending and tries again later. Uploads are idempotent, so that is safe. s3fs
-and botocore retry underneath too; tighten their ``config_kwargs`` in
-``storage_options`` if a fast failure matters more than riding out blips.
-
-`PersistentTier.set_deadline` bounds all of that at shutdown: every operation (retries,
-the one in flight, s3fs's and botocore's own retries underneath) gives up with
-`PersistentTierUnavailable` once the deadline passes. Each attempt runs on a helper
-thread the caller stops waiting for at the deadline; the attempt is idempotent, so one
-that still completes afterwards changes nothing a retry would not.
+Every remote operation runs under a declared `RetryPolicy` and, at shutdown, a deadline
+(`tierckptd.persistent.remote`).
 
 What is read back from the store is not trusted: names that are not valid namespaces or
 checkpoint ids are skipped when listing, and an upload marker whose fields are out of
@@ -44,9 +32,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import fsspec
 from tierckpt.errors import CheckpointIncomplete, InvalidName
 from tierckpt.names import (
     METADATA_FILE,
@@ -75,6 +62,7 @@ from tierckptd.persistent.markers import (
     as_range_source,
     check_relative_path,
 )
+from tierckptd.persistent.remote import RemoteStore
 from tierckptd.persistent.retry import (
     PersistentTierUnavailable,
     RetryPolicy,
@@ -102,7 +90,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 BOOKKEEPING_DIR = ".tierckpt"
 DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
-_DEADLINE_POLL = 0.2  # how often a waiting caller looks at the shutdown deadline
 _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
 
 T = TypeVar("T")
@@ -114,7 +101,7 @@ class _Counter:
     index: FileIndex | None = field(default=None)
 
 
-class PersistentTier:
+class PersistentTier(RemoteStore):
     """One persistent-tier root (an fsspec URL) and the operations a drain needs.
 
     Thread-safe: uploads from many threads share one bounded set of upload slots
@@ -149,20 +136,12 @@ class PersistentTier:
             raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 ({max_concurrency=})")
-        self.url = url
+        super().__init__(url, storage_options, retry=retry, sleep=sleep, clock=clock)
         self.compression = compression
         self.level = level
         self.max_concurrency = max_concurrency
-        self.retry = retry or RetryPolicy()
         self.block_size = block_size
-        self._sleep = sleep
-        self._clock = clock
-        self._until: float | None = None
         self._slots = threading.BoundedSemaphore(max_concurrency)
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        self.fs: Any = fs
-        self.root: str = root.rstrip("/")
-        self._local = "file" in _protocols(fs)
 
     @classmethod
     def from_config(cls, config: PersistentConfig, **kwargs: Any) -> PersistentTier:
@@ -195,75 +174,6 @@ class PersistentTier:
 
     def _marker_path(self, namespace: str, checkpoint_id: str, name: str) -> str:
         return f"{self._bookkeeping_path(namespace, checkpoint_id)}/files/{name}.json"
-
-    # ---- plumbing ----------------------------------------------------------------
-
-    def set_deadline(self, seconds: float | None) -> None:
-        """From now on every operation gives up `seconds` from now (None: no deadline).
-
-        For shutdown: operations in flight on other threads honour it too, so the
-        caller can count on the tier returning by then plus `_DEADLINE_POLL`.
-        """
-        self._until = None if seconds is None else self._clock() + seconds
-
-    def find(self, path: str, *, detail: bool = False) -> Any:
-        """Every object under `path`, flat; an unreadable local directory raises (an
-        outage), where fsspec's walk would skip it as if empty."""
-        if "file" in _protocols(self.fs):
-            return self.fs.find(path, detail=detail, on_error="raise")
-        return self.fs.find(path, detail=detail)
-
-    def retrying(self, fn: Callable[[], T], what: str) -> T:
-        return retry_call(
-            lambda: self._attempt(fn, what),
-            what,
-            self.retry,
-            sleep=self._sleep,
-            clock=self._clock,
-            until=lambda: self._until,
-        )
-
-    def _attempt(self, fn: Callable[[], T], what: str) -> T:
-        """One attempt on a helper thread, abandoned at the deadline (if one is set)."""
-        result: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                result.append((True, fn()))
-            except BaseException as e:
-                result.append((False, e))
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="tierckpt-persistent-call", daemon=True).start()
-        while not done.wait(_DEADLINE_POLL):
-            until = self._until
-            if until is not None and self._clock() >= until:
-                raise PersistentTierUnavailable(
-                    f"{what}: abandoned at the shutdown deadline; the checkpoint stays pending"
-                )
-        ok, value = result[0]
-        if ok:
-            return cast(T, value)
-        raise value
-
-    def _mkdirs(self, path: str) -> None:
-        if self._local:  # object stores have no directories to create
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-
-    def put_object(self, path: str, data: bytes) -> None:
-        self._mkdirs(path)
-        self.fs.pipe_file(path, data)
-        self.fs.invalidate_cache(path)
-
-    def remove_object(self, path: str, *, recursive: bool = False) -> None:
-        self.fs.invalidate_cache(path)
-        try:
-            self.fs.rm(path, recursive=recursive)
-        except FileNotFoundError:
-            pass
-        self.fs.invalidate_cache(path)
 
     # ---- uploads -----------------------------------------------------------------
 
@@ -576,11 +486,6 @@ class PersistentTier:
         book = self._bookkeeping_path(namespace, checkpoint_id)
         self.retrying(lambda: self.remove_object(book, recursive=True), f"{what} (bookkeeping)")
         logger.info("deleted %s/%s from %s", namespace, checkpoint_id, self.url)
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
 def _valid_namespace(name: str) -> bool:
