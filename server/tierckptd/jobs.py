@@ -68,6 +68,15 @@ class Repair:
 
 
 @dataclass(frozen=True)
+class Landed:
+    """Tell the peers this node's replica list of a file a copy of which landed here."""
+
+    namespace: str
+    checkpoint_id: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Drain:
     """Make a committed checkpoint durable on the persistent tier."""
 

@@ -221,7 +221,8 @@ class Daemon:
                 """Peers, then the persistent tier the checkpoint drained to (its own)."""
                 tier = stores.tier(catalog.persistent_url(namespace, checkpoint_id))
                 persistent = [PersistentSource(tier)] if tier is not None else []
-                return [*peer_sources(peer_client, f), *persistent]
+                landed = self.cluster.copy_landed if self.cluster is not None else None
+                return [*peer_sources(peer_client, f, landed), *persistent]
 
             restorer = Restorer(catalog, sources_for)
             cluster = Cluster(

@@ -84,6 +84,36 @@ def test_replacement_fetches_then_heals(nodes_factory: Callable[..., Nodes]) -> 
     assert ok and not corrupt
 
 
+def test_a_copy_restored_from_a_peer_is_told_by_a_queued_job(
+    nodes_factory: Callable[..., Nodes],
+) -> None:
+    """A node that restores a copy from a peer (here a reader's pull onto a node that held
+    none) does not tell the peers in the restore's thread: it queues a job that tells the
+    file's neighbourhood and the coordinator its replica list, which names it. No heal
+    round runs (heal_interval is an hour), so only that queued job can tell n0."""
+    nodes = nodes_factory(3, heal_interval=3600.0)
+    nodes.save("step-4", FILES)
+    nodes.wait_replicated("step-4")
+    f = next(
+        f for f in nodes.clients[0].get_checkpoint(NS, "step-4").files if f.name == ".metadata"
+    )
+    assert f.owner_node == "n0" and len(f.replica_nodes) == 1
+    reader = next(i for i in (1, 2) if f"n{i}" not in f.replica_nodes)
+    entry = nodes.clients[reader].ensure_local(NS, "step-4", ".metadata")
+    assert entry.local_path and Path(entry.local_path).read_bytes() == FILES[0][".metadata"]
+    nodes.wait(
+        f"n0 lists n{reader} as a holder of .metadata",
+        lambda: (
+            f"n{reader}"
+            in next(
+                g.replica_nodes
+                for g in nodes.clients[0].get_checkpoint(NS, "step-4").files
+                if g.name == ".metadata"
+            )
+        ),
+    )
+
+
 def test_lost_buddy_shows_under_replicated(nodes_factory: Callable[..., Nodes]) -> None:
     nodes = nodes_factory(2, heal_interval=0.3)
     nodes.save("step-3", {0: FILES[0], 1: FILES[1]})

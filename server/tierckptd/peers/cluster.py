@@ -31,7 +31,7 @@ from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.unfinished import Resolution
 from tierckptd.config import PeerConfig
-from tierckptd.jobs import Heal, JobQueue, Repair
+from tierckptd.jobs import Heal, JobQueue, Landed, Repair
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
@@ -47,7 +47,7 @@ __all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 
-Job = Heal | Repair
+Job = Heal | Repair | Landed
 
 
 class LocalRestore(Protocol):
@@ -194,6 +194,11 @@ class Cluster:
     def _queue_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id))
 
+    def copy_landed(self, namespace: str, checkpoint_id: str, name: str) -> None:
+        """A copy from a peer was installed here (`PeerSource.landed`): queue telling the
+        file's neighbourhood and the coordinator (`Healer.tell_landed`), off the restore."""
+        self.jobs.put(Landed(namespace, checkpoint_id, name))
+
     def _queue_full_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id, full=True))
 
@@ -201,6 +206,8 @@ class Cluster:
         try:
             if isinstance(job, Heal):
                 self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
+            elif isinstance(job, Landed):
+                self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()

@@ -178,6 +178,22 @@ def involved(
     return tuple(files), asked
 
 
+def told_nodes(
+    view: CheckpointView,
+    f: FileRecord,
+    replicas: Sequence[str],
+    members: Sequence[Member],
+    k: int,
+    me: str,
+) -> list[str]:
+    """Whom a new replica list of `f` goes to: the file's neighbourhood (as recorded and
+    as about to be) and the checkpoint's coordinator, whose manifest others adopt."""
+    key = file_key(view.namespace, view.checkpoint_id, f.name)
+    near = neighbourhood(key, f.owner_node, [*f.replica_nodes, *replicas], members, k)
+    coordinator = coordinator_of({g.name: g for g in view.files})
+    return sorted((near | {coordinator}) - {me, ""})
+
+
 def let_go(view: CheckpointView, holdings: Mapping[str, Holdings], me: str) -> CheckpointView:
     """`view` without the files of a DURABLE checkpoint whose owner answered that it
     knows the checkpoint but holds none of it: retention let it go to the persistent
@@ -247,7 +263,6 @@ class Healer:
             return None
         me = self.node_id
         members, k = self._members(), self._k()
-        coordinator = coordinator_of({f.name: f for f in view.files})
         manifest = view  # every file: what a push publishes to a node that lacks it
         asked: list[str] = self.client.peer_ids
         if not (full or self.mark(namespace, checkpoint_id) == LOST):
@@ -286,10 +301,7 @@ class Healer:
         trims = plan_trim(view, holdings, members, k, me)
 
         def told(name: str, replicas: list[str]) -> list[str]:
-            f = files_by_name[name]
-            key = file_key(namespace, checkpoint_id, name)
-            near = neighbourhood(key, f.owner_node, [*f.replica_nodes, *replicas], members, k)
-            return sorted((near | {coordinator}) - {me, ""})
+            return told_nodes(manifest, files_by_name[name], replicas, members, k, me)
 
         for name, replicas in plan.replicas.items():
             if name not in trims:
@@ -336,6 +348,21 @@ class Healer:
         )
         self.catalog.set_replicas(namespace, checkpoint_id, name, kept)
         self.broadcast_replicas(namespace, checkpoint_id, name, kept, told)
+
+    def tell_landed(self, namespace: str, checkpoint_id: str, name: str) -> None:
+        """A copy of `name` from a peer was installed here: tell the file's neighbourhood
+        and the coordinator the replica list this node now records (it names this node),
+        so that the next heal or trim anywhere counts this copy."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return  # deleted or evicted meanwhile
+        f = next((g for g in view.files if g.name == name), None)
+        if f is None or f.owner_node == self.node_id:
+            return
+        replicas = list(f.replica_nodes)
+        nodes = told_nodes(view, f, replicas, self._members(), self._k(), self.node_id)
+        self.broadcast_replicas(namespace, checkpoint_id, name, replicas, nodes)
 
     def broadcast_replicas(
         self,

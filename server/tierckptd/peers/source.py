@@ -9,7 +9,7 @@ is *corrupt* (DATA_LOSS -> `ChecksumMismatch`). Bytes are verified where they la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
@@ -17,15 +17,24 @@ from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 from tierckptd.model import FileRecord
 from tierckptd.peers.client import PeerCallError, PeerClient
 
-__all__ = ["PeerSource", "peer_sources"]
+__all__ = ["OnLanded", "PeerSource", "peer_sources"]
+
+OnLanded = Callable[[str, str, str], None]
+"""Called with (namespace, checkpoint id, file name) once a peer's copy is installed here."""
 
 
 class PeerSource:
-    """A peer node's copy of a committed file (see the module docstring)."""
+    """A peer node's copy of a committed file (see the module docstring).
 
-    def __init__(self, client: PeerClient, node: str) -> None:
+    `on_landed`: what to do once its copy is installed here, so that the peers learn this
+    node holds one; it must not block the restore (the daemon queues a job that tells the
+    file's neighbourhood and the coordinator, with retries, in the background).
+    """
+
+    def __init__(self, client: PeerClient, node: str, on_landed: OnLanded | None = None) -> None:
         self.client = client
         self.node = node
+        self._on_landed = on_landed
 
     @property
     def name(self) -> str:
@@ -54,24 +63,23 @@ class PeerSource:
             raise
 
     def landed(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None:
-        """The copy is installed here: tell the peers this node now holds one (unless it
-        is the owner's own copy coming back)."""
-        if f.owner_node == self.client.node_id:
-            return
-        self.client.each(
-            lambda node: self.client.update_replicas(
-                node, namespace, checkpoint_id, f.name, list(f.replica_nodes)
-            )
-        )
+        """The copy is installed here: have the peers learn that this node holds one
+        (unless it is the owner's own copy coming back). Not here and not now: telling
+        every peer in the restore's thread cost the reader one call per peer per file,
+        and a full deadline for each peer that is down."""
+        if f.owner_node != self.client.node_id and self._on_landed is not None:
+            self._on_landed(namespace, checkpoint_id, f.name)
 
 
-def peer_sources(client: PeerClient, f: FileRecord) -> list[PeerSource]:
+def peer_sources(
+    client: PeerClient, f: FileRecord, on_landed: OnLanded | None = None
+) -> list[PeerSource]:
     """The peers to ask for `f`, in order: its owner, each replica holder, then every
     other configured peer (each once, never this node)."""
     me = client.node_id
     peers = client.peer_ids
     order = [f.owner_node, *f.replica_nodes, *peers]
     return [
-        PeerSource(client, node)
+        PeerSource(client, node, on_landed)
         for node in dict.fromkeys(n for n in order if n and n != me and n in peers)
     ]
