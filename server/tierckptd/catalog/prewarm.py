@@ -9,7 +9,7 @@ most exposed ones) are the slow ones. After every commit, the daemon knows the f
 node wrote for the namespace (name, size, rank) and can have the next save's segments
 ready before training stops for it.
 
-`shortfall` plans what to make: only the files `pick` would not already find a big enough
+`assign` plans what to make: only the files `pick` would not already find a big enough
 segment for (evicted files' segments, earlier prewarms), so the pool never holds two
 segments for one file. `NextSaveWarmer.run_pass` makes them as the handler of a job queue
 of namespaces on one worker thread (`jobs.JobQueue`, deduplicated; main.py wires it, as
@@ -35,7 +35,7 @@ from tierckpt.names import METADATA_FILE
 from tierckptd.memory.pool import Segment, pick
 from tierckptd.ops import metrics
 
-__all__ = ["RETRY", "NextSavePlan", "NextSaveWarmer", "PoolUse", "assign", "shortfall"]
+__all__ = ["RETRY", "NextSavePlan", "NextSaveWarmer", "PoolUse", "assign"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,20 +57,14 @@ class NextSavePlan:
     activate: list[Segment] = field(default_factory=list)
 
 
-def shortfall(
-    files: Iterable[tuple[str, int, int]], segments: list[Segment], namespace: str, cap: int = 0
-) -> list[tuple[int, str]]:
-    """(size, name) of the segments to prewarm so that every file of `files` (name, size,
-    rank: what this node wrote in the namespace's last save) finds a warm one at least
-    its size: the files `pick` would give no such segment of `segments`, assuming the
-    next save writes the same files. At most `cap` bytes (0: no cap beyond that)."""
-    return assign(files, segments, namespace, cap)[0]
-
-
 def assign(
     files: Iterable[tuple[str, int, int]], segments: list[Segment], namespace: str, cap: int = 0
 ) -> tuple[list[tuple[int, str]], list[Segment]]:
-    """`shortfall`'s plan, and the segments of `segments` that cover the other files.
+    """(size, name) of the segments to prewarm so that every file of `files` (name, size,
+    rank: what this node wrote in the namespace's last save) finds a warm one at least
+    its size: the files `pick` would give no such segment of `segments`, assuming the
+    next save writes the same files. At most `cap` bytes (0: no cap beyond that). Also
+    the segments of `segments` that cover the other files (the ones the save will take).
 
     The rank's remaining reservation `pick` sees is the rank's bytes (each rank reserves
     its data files before opening any), and for `.metadata` (reserved by itself after

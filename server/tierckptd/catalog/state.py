@@ -452,7 +452,7 @@ class CatalogState:
 
     def next_save_plan(self, namespace: str, cap: int = 0) -> NextSavePlan:
         """The segments `namespace`'s next save lacks: one per file this node wrote in its
-        newest checkpoint that no pool segment covers (`shortfall`), and those files' bytes."""
+        newest checkpoint that no pool segment covers (`assign`), and those files' bytes."""
         with self._lock:
             rec = self._newest(namespace)
             if rec is None:

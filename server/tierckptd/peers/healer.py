@@ -185,12 +185,13 @@ def told_nodes(
     members: Sequence[Member],
     k: int,
     me: str,
+    coordinator: str,
 ) -> list[str]:
     """Whom a new replica list of `f` goes to: the file's neighbourhood (as recorded and
-    as about to be) and the checkpoint's coordinator, whose manifest others adopt."""
+    as about to be) and the checkpoint's `coordinator` (`placement.coordinator_of` of all
+    its files, computed once per checkpoint), whose manifest others adopt."""
     key = file_key(view.namespace, view.checkpoint_id, f.name)
     near = neighbourhood(key, f.owner_node, [*f.replica_nodes, *replicas], members, k)
-    coordinator = coordinator_of({g.name: g for g in view.files})
     return sorted((near | {coordinator}) - {me, ""})
 
 
@@ -263,6 +264,7 @@ class Healer:
             return None
         me = self.node_id
         members, k = self._members(), self._k()
+        coordinator = coordinator_of({f.name: f for f in view.files})
         manifest = view  # every file: what a push publishes to a node that lacks it
         asked: list[str] = self.client.peer_ids
         if not (full or self.mark(namespace, checkpoint_id) == LOST):
@@ -301,7 +303,8 @@ class Healer:
         trims = plan_trim(view, holdings, members, k, me)
 
         def told(name: str, replicas: list[str]) -> list[str]:
-            return told_nodes(manifest, files_by_name[name], replicas, members, k, me)
+            f = files_by_name[name]
+            return told_nodes(manifest, f, replicas, members, k, me, coordinator)
 
         for name, replicas in plan.replicas.items():
             if name not in trims:
@@ -361,7 +364,9 @@ class Healer:
         if f is None or f.owner_node == self.node_id:
             return
         replicas = list(f.replica_nodes)
-        nodes = told_nodes(view, f, replicas, self._members(), self._k(), self.node_id)
+        coordinator = coordinator_of({g.name: g for g in view.files})
+        members, k = self._members(), self._k()
+        nodes = told_nodes(view, f, replicas, members, k, self.node_id, coordinator)
         self.broadcast_replicas(namespace, checkpoint_id, name, replicas, nodes)
 
     def broadcast_replicas(

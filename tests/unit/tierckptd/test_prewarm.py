@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tierckptd.catalog import Catalog
-from tierckptd.catalog.prewarm import NextSaveWarmer, shortfall
+from tierckptd.catalog.prewarm import NextSaveWarmer, assign
 from tierckptd.jobs import JobQueue
 from tierckptd.memory import pool as pool_module
 from tierckptd.memory.pool import Segment
@@ -44,22 +44,22 @@ LAST_PLAN = [(10, ".metadata"), (100, "__0_0.distcp"), (60, "__0_1.distcp")]
 
 
 def test_an_empty_pool_plans_every_file() -> None:
-    assert shortfall(LAST, [], "run") == LAST_PLAN
+    assert assign(LAST, [], "run")[0] == LAST_PLAN
 
 
 def test_segments_the_next_save_would_get_are_not_made_twice() -> None:
     # Evicted files of the same names (retention recycled them) cover their files; a
     # fresh segment large enough covers another by best fit; one too small does not.
     pool = [_seg(100, "__0_0.distcp"), _seg(70, None, ""), _seg(5, ".metadata")]
-    assert shortfall(LAST, pool, "run") == [(10, ".metadata")]
+    assert assign(LAST, pool, "run")[0] == [(10, ".metadata")]
     # Each segment serves one file only; one larger than the rank's reservation none.
-    assert shortfall(LAST, [_seg(200, None)], "run") == LAST_PLAN
-    assert shortfall(LAST, [_seg(150, None)], "run") == [(10, ".metadata"), (60, "__0_1.distcp")]
+    assert assign(LAST, [_seg(200, None)], "run")[0] == LAST_PLAN
+    assert assign(LAST, [_seg(150, None)], "run")[0] == [(10, ".metadata"), (60, "__0_1.distcp")]
 
 
 def test_another_namespaces_segments_do_not_count() -> None:
     pool = [_seg(100, "__0_0.distcp", "other"), _seg(60, "__0_1.distcp", "other")]
-    assert [name for _, name in shortfall(LAST, pool, "run")] == [
+    assert [name for _, name in assign(LAST, pool, "run")[0]] == [
         ".metadata",
         "__0_0.distcp",
         "__0_1.distcp",
@@ -67,8 +67,8 @@ def test_another_namespaces_segments_do_not_count() -> None:
 
 
 def test_the_cap_bounds_the_plan() -> None:
-    assert shortfall(LAST, [], "run", cap=75) == [(10, ".metadata"), (60, "__0_1.distcp")]
-    assert shortfall([("f", 0, 0)], [], "run") == []
+    assert assign(LAST, [], "run", cap=75)[0] == [(10, ".metadata"), (60, "__0_1.distcp")]
+    assert assign([("f", 0, 0)], [], "run")[0] == []
 
 
 # ---- the worker on a real catalog -----------------------------------------------------------
