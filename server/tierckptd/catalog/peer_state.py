@@ -402,12 +402,20 @@ class PeerState(PersistentMarks):
         with "lost", the files no node holds: the checkpoint is then shown LOST (unless
         durable), never picked as the newest (`views.is_lost`)."""
         with self._lock:
-            if (namespace, checkpoint_id) not in self._records:
+            rec = self._records.get((namespace, checkpoint_id))
+            if rec is None:
                 return
-            if mark:
-                self._health[(namespace, checkpoint_id)] = Health(mark, tuple(sorted(lost)))
-            else:
-                self._health.pop((namespace, checkpoint_id), None)
+            if not mark:
+                self._health.pop(rec.key, None)
+                return
+            health: Health | None = Health(mark, tuple(sorted(lost)))
+            # A finding is as old as the holdings its heal asked for: a copy installed
+            # here meanwhile (`install_copy` clears its file the same way) is not lost.
+            for name, f in rec.files.items():
+                if f.held:
+                    health = found(health, name)
+            assert health is not None
+            self._health[rec.key] = health
 
     # ---- cluster marks (peers/operations.py) ------------------------------------------
     def remove_marked(

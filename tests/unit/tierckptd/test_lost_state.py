@@ -38,10 +38,16 @@ def _two(catalog: Catalog, save: Save) -> None:
     save(catalog, NS, "s2", {"__0_0.distcp": b"b" * 100})
 
 
+def _lose(catalog: Catalog, checkpoint_id: str) -> None:
+    """This node's copy goes (a node holding a copy never finds its file lost)."""
+    assert catalog.drop_local_copy(NS, checkpoint_id, "__0_0.distcp")
+
+
 def test_a_lost_mark_makes_it_lost_never_the_newest_and_heals_back(
     catalog: Catalog, save: Save
 ) -> None:
     _two(catalog, save)
+    _lose(catalog, "s2")
     catalog.set_health(NS, "s2", "lost", ["__0_0.distcp"])
     view = catalog.get(NS, "s2")
     assert view.state is State.LOST and view.lost_files == ("__0_0.distcp",)
@@ -71,6 +77,19 @@ def test_durable_wins_over_lost_and_other_marks_are_not_lost(catalog: Catalog, s
     assert catalog.get(NS, "").checkpoint_id == "s2"
 
 
+def test_a_finding_older_than_a_copy_here_does_not_mark_it_lost(
+    catalog: Catalog, save: Save
+) -> None:
+    # A heal asked the holdings, a copy of the file landed here, then the heal recorded
+    # "no copy anywhere": stale for that file, which this node holds.
+    _two(catalog, save)
+    catalog.set_health(NS, "s2", "lost", ["__0_0.distcp"])
+    view = catalog.get(NS, "s2")
+    assert view.state is State.COMMITTED and view.lost_files == ()
+    assert "under-replicated" in view.tiers  # until the next heal says more
+    assert catalog.get(NS, "").checkpoint_id == "s2"
+
+
 def test_a_copy_arriving_here_clears_that_file_at_once(catalog: Catalog) -> None:
     # A replica pushed (or restored) after the heal that found no copy anywhere: this
     # node holds one now, so the checkpoint is not lost, without waiting for a heal.
@@ -91,6 +110,7 @@ def test_a_copy_arriving_here_clears_that_file_at_once(catalog: Catalog) -> None
 def test_newest_when_every_checkpoint_is_lost_says_so(catalog: Catalog, save: Save) -> None:
     _two(catalog, save)
     for cid in ("s1", "s2"):
+        _lose(catalog, cid)
         catalog.set_health(NS, cid, "lost", ["__0_0.distcp"])
     with pytest.raises(CheckpointLost) as e:
         catalog.get(NS, "")
