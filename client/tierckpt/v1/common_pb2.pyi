@@ -177,6 +177,8 @@ class CheckpointInfo(_message.Message):
     DURABLE_REQUESTED_FIELD_NUMBER: _builtins.int
     PERSISTENT_URL_FIELD_NUMBER: _builtins.int
     LOST_FILES_FIELD_NUMBER: _builtins.int
+    OWNER_UID_FIELD_NUMBER: _builtins.int
+    OWNER_CLAIM_NODE_FIELD_NUMBER: _builtins.int
     state: Global___CheckpointState.ValueType
     size_bytes: _builtins.int
     file_count: _builtins.int
@@ -194,6 +196,13 @@ class CheckpointInfo(_message.Message):
     namespace's own URL (SetNamespace) when it was committed; travels with the manifest
     so every owner drains its files to the same place.
     """
+    owner_uid: _builtins.int
+    """With `[security] local_isolation = "uid"` on the node whose user committed it: the
+    uid that owns the namespace, and the node where that claim was made. Travels with the
+    manifest, so every node refuses other uids this checkpoint (and a claim of its
+    namespace by another uid). Unset: saved without isolation (operators only, there).
+    """
+    owner_claim_node: _builtins.str
     @_builtins.property
     def ref(self) -> Global___CheckpointRef: ...
     @_builtins.property
@@ -222,11 +231,15 @@ class CheckpointInfo(_message.Message):
         durable_requested: _builtins.bool = ...,
         persistent_url: _builtins.str = ...,
         lost_files: _abc.Iterable[_builtins.str] | None = ...,
+        owner_uid: _builtins.int | None = ...,
+        owner_claim_node: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "owner_uid", b"owner_uid", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "owner_claim_node", b"owner_claim_node", "owner_uid", b"owner_uid", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
+    _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__owner_uid) -> _WhichOneofReturnType__owner_uid | None: ...
 
 Global___CheckpointInfo: _TypeAlias = CheckpointInfo  # noqa: Y015

@@ -103,11 +103,16 @@ class CheckpointMark(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     STAMP_UNIX_FIELD_NUMBER: _builtins.int
     ORIGIN_NODE_FIELD_NUMBER: _builtins.int
+    CALLER_UID_FIELD_NUMBER: _builtins.int
     kind: Global___MarkKind.ValueType
     stamp_unix: _builtins.float
     """when the origin applied it; the newest mark wins"""
     origin_node: _builtins.str
     """the node a user asked (ties break by node id)"""
+    caller_uid: _builtins.int
+    """The uid that asked, when the origin runs local_isolation = "uid" and the caller is no
+    operator: a node applies it only to checkpoints of a namespace that uid owns.
+    """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     def __init__(
@@ -117,12 +122,15 @@ class CheckpointMark(_message.Message):
         kind: Global___MarkKind.ValueType = ...,
         stamp_unix: _builtins.float = ...,
         origin_node: _builtins.str = ...,
+        caller_uid: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid", "caller_uid", b"caller_uid", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "origin_node", b"origin_node", "ref", b"ref", "stamp_unix", b"stamp_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid", "caller_uid", b"caller_uid", "kind", b"kind", "origin_node", b"origin_node", "ref", b"ref", "stamp_unix", b"stamp_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__caller_uid: _TypeAlias = _typing.Literal["caller_uid"]  # noqa: Y015
+    _WhichOneofArgType__caller_uid: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__caller_uid) -> _WhichOneofReturnType__caller_uid | None: ...
 
 Global___CheckpointMark: _TypeAlias = CheckpointMark  # noqa: Y015
 
@@ -360,6 +368,13 @@ class ListManifestsResponse(_message.Message):
 
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
     MARKS_FIELD_NUMBER: _builtins.int
+    NAMESPACE_OWNER_UID_FIELD_NUMBER: _builtins.int
+    NAMESPACE_OWNER_NODE_FIELD_NUMBER: _builtins.int
+    namespace_owner_uid: _builtins.int
+    """With local_isolation = "uid" and a request for one namespace: its owner here (the
+    uid and the node where it was claimed), so a node asked to claim it first asks this.
+    """
+    namespace_owner_node: _builtins.str
     @_builtins.property
     def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.CheckpointInfo]: ...
     @_builtins.property
@@ -371,11 +386,15 @@ class ListManifestsResponse(_message.Message):
         *,
         checkpoints: _abc.Iterable[_common_pb2.CheckpointInfo] | None = ...,
         marks: _abc.Iterable[Global___CheckpointMark] | None = ...,
+        namespace_owner_uid: _builtins.int | None = ...,
+        namespace_owner_node: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid", "namespace_owner_uid", b"namespace_owner_uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "marks", b"marks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid", "checkpoints", b"checkpoints", "marks", b"marks", "namespace_owner_node", b"namespace_owner_node", "namespace_owner_uid", b"namespace_owner_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__namespace_owner_uid: _TypeAlias = _typing.Literal["namespace_owner_uid"]  # noqa: Y015
+    _WhichOneofArgType__namespace_owner_uid: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__namespace_owner_uid) -> _WhichOneofReturnType__namespace_owner_uid | None: ...
 
 Global___ListManifestsResponse: _TypeAlias = ListManifestsResponse  # noqa: Y015
