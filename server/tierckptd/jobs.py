@@ -3,7 +3,10 @@
 `JobQueue` runs typed jobs (frozen dataclasses: `Heal`, `Repair`, `Drain`, ...) on its
 own worker thread(s): replication and healing on the peer tier, drains on the persistent
 tier. A job is queued at most once (dedup by value); queueing it again keeps the earlier
-due time. The handler returns None (done) or a delay in seconds after which the job runs
+due time and the higher priority. Among the jobs due, the one of the highest priority
+runs first (`URGENT` before `NORMAL` before `BACKGROUND`; then by due time), so a new
+commit's replication is not queued behind a heal round over every older checkpoint.
+The handler returns None (done) or a delay in seconds after which the job runs
 again (retry with backoff, see `backoff`). `put` never blocks, so it is safe under the
 catalog lock (lock order: catalog lock -> queue condition; the handler runs with no
 queue lock held).
@@ -29,7 +32,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 __all__ = [
+    "BACKGROUND",
+    "NORMAL",
     "SAVE_YIELD_MAX",
+    "URGENT",
     "Drain",
     "Heal",
     "JobHandler",
@@ -46,6 +52,10 @@ Sleep = Callable[[float], None]
 
 # Longest one file's push or upload, in total, steps aside for saves on this node.
 SAVE_YIELD_MAX = 30.0
+
+# Job priorities (lower runs first among the jobs due): a new commit's replication, other
+# work, and the periodic heal round over every committed checkpoint.
+URGENT, NORMAL, BACKGROUND = 0, 1, 2
 
 
 # ---- typed jobs -----------------------------------------------------------------------
@@ -74,6 +84,17 @@ class Landed:
     namespace: str
     checkpoint_id: str
     name: str
+
+
+@dataclass(frozen=True)
+class Tell:
+    """Send `node` this node's replica list of one file again (it did not take it)."""
+
+    namespace: str
+    checkpoint_id: str
+    name: str
+    node: str
+    tries: int = 1
 
 
 @dataclass(frozen=True)
@@ -121,23 +142,29 @@ class JobQueue(Generic[J]):
         self._workers = workers
         self._clock = clock
         self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, J]] = []
+        self._heap: list[tuple[float, int, J]] = []  # (due, seq, job), superseded ones too
+        self._ready: list[tuple[int, float, int, J]] = []  # due: (priority, due, seq, job)
         self._when: dict[J, float] = {}
+        self._priority: dict[J, int] = {}
         self._running: set[J] = set()
         self._seq = itertools.count()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # ---- queueing ---------------------------------------------------------------------
-    def put(self, job: J, delay: float = 0.0) -> bool:
+    def put(self, job: J, delay: float = 0.0, *, priority: int = NORMAL) -> bool:
         """Queue `job` to run after `delay` seconds (never blocks); False when it was
-        already queued to run no later (dedup)."""
+        already queued to run no later and at no lower a priority (dedup)."""
         when = self._clock() + delay
         with self._cv:
             queued = self._when.get(job)
-            if queued is not None and queued <= when:
-                return False
+            if queued is not None:
+                had = self._priority.get(job, NORMAL)
+                if queued <= when and had <= priority:
+                    return False
+                when, priority = min(when, queued), min(priority, had)
             self._when[job] = when
+            self._priority[job] = priority
             heapq.heappush(self._heap, (when, next(self._seq), job))
             self._cv.notify()
             return True
@@ -156,6 +183,7 @@ class JobQueue(Generic[J]):
     def discard(self, job: J) -> bool:
         """Drop a queued `job` (not one running); True if it was queued."""
         with self._cv:
+            self._priority.pop(job, None)
             return self._when.pop(job, None) is not None
 
     def __len__(self) -> int:
@@ -168,22 +196,35 @@ class JobQueue(Generic[J]):
 
     # ---- running ----------------------------------------------------------------------
     def _pop_due(self, now: float) -> tuple[J | None, float | None]:
-        """(a due job, None) or (None, seconds until the next one / None when empty).
-        Call with the condition held."""
-        while self._heap:
-            when, _, job = self._heap[0]
-            if self._when.get(job) != when or job in self._running:
-                if self._when.get(job) != when:
-                    heapq.heappop(self._heap)  # superseded entry
-                    continue
-                # The same job is running on another worker: let it finish first.
-                return None, 0.05
-            if when > now:
-                return None, when - now
-            heapq.heappop(self._heap)
-            del self._when[job]
-            self._running.add(job)
-            return job, None
+        """(the due job of the highest priority, None) or (None, seconds until the next
+        one / None when empty). Call with the condition held."""
+        while self._heap and self._heap[0][0] <= now:
+            when, seq, job = heapq.heappop(self._heap)
+            if self._when.get(job) == when:  # else a superseded entry
+                heapq.heappush(self._ready, (self._priority.get(job, NORMAL), when, seq, job))
+        busy: list[tuple[int, float, int, J]] = []
+        found: J | None = None
+        while self._ready:
+            entry = heapq.heappop(self._ready)
+            job = entry[3]
+            if self._when.get(job) != entry[1]:
+                continue  # ran, discarded, or queued again (its entry is in the heap)
+            if job in self._running:
+                busy.append(entry)  # running on another worker: it finishes first
+                continue
+            found = job
+            break
+        for entry in busy:
+            heapq.heappush(self._ready, entry)
+        if found is not None:
+            del self._when[found]
+            self._priority.pop(found, None)
+            self._running.add(found)
+            return found, None
+        if busy:
+            return None, 0.05
+        if self._heap:
+            return None, max(0.0, self._heap[0][0] - now)
         return None, None
 
     def _run_one(self, job: J) -> None:

@@ -51,6 +51,8 @@ __all__ = [
     "TRIMMED_COPIES",
     "REFUSED_METADATA",
     "DRAIN_FAILED",
+    "PEER_BACKOFF",
+    "PEER_CALLS_SKIPPED",
     "PEER_REFUSED",
     "POOL_HITS",
     "POOL_MISSES",
@@ -224,6 +226,20 @@ def peer_answered(node: str, code: str = "") -> None:
     of the failure (an answer too, unless it says the peer was not reached)."""
     with _peer_lock:
         _peer_up[node] = code not in PEER_DOWN_CODES
+
+
+# The circuit breaker of the peer fan-out (peers/breaker.py): a peer that did not answer
+# its last call is skipped for a back-off period; the series goes when it answers again.
+PEER_BACKOFF = Gauge(
+    "tierckpt_peer_backoff_seconds",
+    "The back-off period (seconds) this node skips the peer for in its fan-out calls "
+    "(heals, publishes, replica lists, marks): it did not answer its last call",
+    ["peer"],
+)
+PEER_CALLS_SKIPPED = Counter(
+    "tierckpt_peer_calls_skipped",
+    "Calls to a peer not made because it is backing off (it did not answer its last call)",
+)
 
 
 class _Live(Collector):

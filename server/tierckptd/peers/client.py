@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,7 @@ from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
+from tierckptd.peers.breaker import MISSED_CODES, Breaker
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
@@ -50,11 +52,29 @@ T = TypeVar("T")
 
 CONTROL_TIMEOUT = 2.0
 TRANSFER_TIMEOUT = 600.0
-# A FetchFile that brings no data for this long is cancelled (a frozen peer must not hold
-# a restore, and its file lock, for TRANSFER_TIMEOUT); the serving side reads from memory.
+# A FetchFile that brings no message for this long is cancelled (a frozen peer must not
+# hold a restore, and its file lock, for TRANSFER_TIMEOUT); the serving side reads from
+# memory and sends at most 1 MiB per message (peers/serve.py), so a link still has to
+# carry only 1 MiB within this window: about 0.9 Mbit/s.
 FETCH_STALL = 10.0
+# A test hook, inert unless set: the fetch stall window in seconds (tests of slow links).
+FETCH_STALL_ENV = "TIERCKPTD_TEST_FETCH_STALL"
 # Concurrent calls of one parallel `each` (a commit's holdings and publishes).
 FANOUT_THREADS = 16
+
+
+# What a probe of a backing-off peer asks the holdings of (any answer will do).
+PROBE_NAMESPACE = "tierckpt-probe"
+PROBE_CHECKPOINT = "probe"
+
+
+def _fetch_stall() -> float:
+    raw = os.environ.get(FETCH_STALL_ENV, "")
+    try:
+        value = float(raw) if raw else FETCH_STALL
+    except ValueError:
+        value = FETCH_STALL
+    return value if 0 < value <= FETCH_STALL else FETCH_STALL
 
 
 class PeerCallError(SourceUnavailable):
@@ -126,6 +146,11 @@ class StallWatch:
     def touch(self) -> None:
         self._last = time.monotonic()
 
+    @property
+    def idle(self) -> float:
+        """Seconds since the last `touch`."""
+        return time.monotonic() - self._last
+
     def stop(self) -> None:
         self._done.set()
 
@@ -171,10 +196,12 @@ class PeerClient:
         fetch_stall: seconds without data after which a FetchFile is cancelled.
     """
 
-    def __init__(self, membership: Membership, *, fetch_stall: float = FETCH_STALL) -> None:
+    def __init__(self, membership: Membership, *, fetch_stall: float | None = None) -> None:
         self.membership = membership
         self.node_id = membership.node_id
-        self.fetch_stall = fetch_stall
+        self.fetch_stall = _fetch_stall() if fetch_stall is None else fetch_stall
+        # Peers that did not answer their last call: skipped by `each` for a back-off.
+        self.breaker = Breaker()
         # Cluster marks a peer's ListManifests answer carried (validated), by node: set
         # by `Cluster` to its `operations.ClusterOps.learn`.
         self.on_marks: Callable[[str, list[Mark]], None] | None = None
@@ -202,8 +229,17 @@ class PeerClient:
         """`fn(node)` for every peer (or `nodes`), one after another (`parallel`: up to
         FANOUT_THREADS at a time; `fn` must then be thread-safe): the results of the
         calls that did not raise `PeerCallError`; a failed one goes to `on_error`
-        (default: logged at DEBUG), in this thread."""
-        targets = list(self.peer_ids if nodes is None else nodes)
+        (default: logged at DEBUG), in this thread.
+
+        A peer that did not answer its last call is not called while it backs off
+        (`breaker`): it fails at once, UNAVAILABLE, and is probed in the background."""
+        skipped: list[str] = []
+        targets: list[str] = []
+        for node in self.peer_ids if nodes is None else nodes:
+            skip, probe = self.breaker.skip(node)
+            (skipped if skip else targets).append(node)
+            if probe:
+                self._fanout_pool().submit(self.probe, node)
         calls: dict[str, Callable[[], T]]
         if parallel and len(targets) > 1:
             pool = self._fanout_pool()
@@ -212,15 +248,45 @@ class PeerClient:
         else:
             calls = {node: functools.partial(fn, node) for node in targets}
         results: dict[str, T] = {}
+        failed: list[tuple[str, PeerCallError]] = []
         for node, call in calls.items():
             try:
                 results[node] = call()
+                self.breaker.answered(node)
             except PeerCallError as e:
-                if on_error is None:
-                    logger.debug("%s", e)
-                else:
-                    on_error(node, e)
+                self.breaker.missed(node, e.code)
+                failed.append((node, e))
+        for node in skipped:
+            left = self.breaker.left(node)
+            details = "skipped: it did not answer its last call" + (
+                f"; asked again in {left:.0f} s" if left >= 1 else "; being probed"
+            )
+            failed.append((node, PeerCallError(node, "call", "UNAVAILABLE", details)))
+        for node, e in failed:
+            if on_error is None:
+                logger.debug("%s", e)
+            else:
+                on_error(node, e)
         return results
+
+    def probe_backed_off(self) -> None:
+        """Start a probe (in the fan-out pool) of every peer whose back-off is over, so
+        that one that answers again is used at once, whether or not a fan-out asked for
+        it meanwhile (the heal loop calls this each round)."""
+        for node, left in self.breaker.backing_off().items():
+            if left <= 0 and self.breaker.skip(node)[1]:
+                self._fanout_pool().submit(self.probe, node)
+
+    def probe(self, node: str) -> bool:
+        """Whether `node` answers a cheap call now (Holdings of a checkpoint nobody has);
+        the breaker learns the outcome."""
+        try:
+            self.holdings(node, PROBE_NAMESPACE, PROBE_CHECKPOINT)
+        except PeerCallError as e:
+            self.breaker.missed(node, e.code)
+            return e.code not in MISSED_CODES
+        self.breaker.answered(node)
+        return True
 
     def _fanout_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -352,22 +418,44 @@ class PeerClient:
         self, node: str, namespace: str, checkpoint_id: str, name: str
     ) -> Iterator[tuple[int, memoryview]]:
         """FetchFile: the data of a file `node` holds, as (offset, bytes) pieces (views
-        into the received messages); a failure, at any point, is a `PeerCallError` (code
-        "STALLED" when no data came for `fetch_stall` seconds)."""
+        into the received messages); a failure, at any point, is a `PeerCallError`.
+
+        Progress is any message received (the peer sends at most 1 MiB in one, its
+        header first): a fetch that receives none for `fetch_stall` seconds is cancelled
+        (code "STALLED"), saying "no answer" when the peer never answered the call
+        (frozen, gray), else "too slow" with the bytes received and the seconds they took
+        (a slow or congested link, or a peer that froze mid-file)."""
         stub = self._stub(node, "FetchFile")
         request = peer_pb2.FetchFileRequest(ref=ref(namespace, checkpoint_id), file_name=name)
         call = stub.FetchFile(request, timeout=TRANSFER_TIMEOUT)
         watch = StallWatch(call.cancel, self.fetch_stall)
+        started = time.monotonic()
+        messages = received = 0
         try:
             for chunk in call:
                 watch.touch()
+                messages += 1
+                received += chunk.data.nbytes
                 fault("peer.fetch.chunk", lambda: PeerCallError(node, "FetchFile", "INJECTED"))
                 if chunk.data:
                     yield chunk.offset, chunk.data
         except grpc.RpcError as e:
             if watch.fired:
+                took = time.monotonic() - started
+                if messages:
+                    raise PeerCallError(
+                        node,
+                        "FetchFile",
+                        "STALLED",
+                        f"too slow ({received:,} bytes in {took:.1f} s; no message for "
+                        f"{self.fetch_stall:g} s): the link is slow or congested, or the peer froze",
+                    ) from None
                 raise PeerCallError(
-                    node, "FetchFile", "STALLED", f"no data for {self.fetch_stall:g} s"
+                    node,
+                    "FetchFile",
+                    "STALLED",
+                    f"no answer for {self.fetch_stall:g} s: it accepted the call but sent "
+                    "nothing (frozen or overloaded)",
                 ) from None
             raise _error(node, "FetchFile", e) from None
         finally:

@@ -31,7 +31,7 @@ from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.unfinished import Resolution
 from tierckptd.config import PeerConfig
-from tierckptd.jobs import Heal, JobQueue, Landed, Repair
+from tierckptd.jobs import BACKGROUND, NORMAL, URGENT, Heal, JobQueue, Landed, Repair, Tell
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
@@ -47,7 +47,12 @@ __all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 
-Job = Heal | Repair | Landed
+Job = Heal | Repair | Landed | Tell
+
+# Replicator threads: a slow push or a peer's deadline holds one of them, not every heal.
+REPLICATORS = 4
+# A heal of a checkpoint another replicator is healing runs again after this long.
+BUSY_RETRY = 0.2
 
 
 class LocalRestore(Protocol):
@@ -109,7 +114,13 @@ class Cluster:
         # then the node its client cert names, not the node it claims to be.
         self.mutual_tls = False
         self._stop = threading.Event()
-        self.jobs: JobQueue[Job] = JobQueue(self._run, name="tierckptd-replicator")
+        # Several replicators, new commits first (URGENT), the periodic heal round last
+        # (BACKGROUND): one gray peer or one big push does not hold every replication.
+        self.jobs: JobQueue[Job] = JobQueue(
+            self._run, name="tierckptd-replicator", workers=REPLICATORS
+        )
+        self._healing: set[tuple[str, str]] = set()  # checkpoints a replicator heals now
+        self._healing_lock = threading.Lock()
         self.committer = Committer(
             catalog,
             client,
@@ -134,6 +145,7 @@ class Cluster:
             members=self.membership.member_list,
             on_corrupt=self.corrupt,
             stop=self._stop,
+            retry_tell=self._queue_tell,
         )
         self.serving = Serving(catalog, self.corrupt)
         self._heal_thread: threading.Thread | None = None
@@ -147,6 +159,7 @@ class Cluster:
         peers = list(peers)
         before = {n: self.membership.address_of(n) for n in self.membership.peer_ids}
         self.membership.configure(peers, copies)
+        self.client.breaker.forget(set(self.membership.peer_ids))
         self._sync_replica_target()
         joined = sorted(
             p.id for p in peers if p.id != self.node_id and before.get(p.id) != p.address
@@ -156,9 +169,10 @@ class Cluster:
             self.heal_all()
 
     def heal_all(self) -> None:
-        """Queue a heal of every committed checkpoint (deduplicated by the queue)."""
+        """Queue a heal of every committed checkpoint (deduplicated by the queue), behind
+        the heals of new commits."""
         for namespace, checkpoint_id in self.catalog.committed_keys():
-            self._queue_heal(namespace, checkpoint_id)
+            self.jobs.put(Heal(namespace, checkpoint_id), priority=BACKGROUND)
 
     def _sync_replica_target(self) -> None:
         # The catalog shows "replicated" once every file has k extra copies.
@@ -192,7 +206,13 @@ class Cluster:
         self.membership.close()
 
     def _queue_heal(self, namespace: str, checkpoint_id: str) -> None:
-        self.jobs.put(Heal(namespace, checkpoint_id))
+        """A checkpoint committed, published or adopted just now: replicated first."""
+        self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
+
+    def _queue_tell(
+        self, namespace: str, checkpoint_id: str, name: str, node: str, tries: int, delay: float
+    ) -> None:
+        self.jobs.put(Tell(namespace, checkpoint_id, name, node, tries), delay, priority=NORMAL)
 
     def copy_landed(self, namespace: str, checkpoint_id: str, name: str) -> None:
         """A copy from a peer was installed here (`PeerSource.landed`): queue telling the
@@ -205,9 +225,20 @@ class Cluster:
     def _run(self, job: Job) -> float | None:
         try:
             if isinstance(job, Heal):
-                self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
+                key = (job.namespace, job.checkpoint_id)
+                with self._healing_lock:
+                    if key in self._healing:
+                        return BUSY_RETRY  # a full and a plain heal: one at a time
+                    self._healing.add(key)
+                try:
+                    self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
+                finally:
+                    with self._healing_lock:
+                        self._healing.discard(key)
             elif isinstance(job, Landed):
                 self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
+            elif isinstance(job, Tell):
+                self.healer.tell(job.namespace, job.checkpoint_id, job.name, job.node, job.tries)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()
@@ -219,6 +250,7 @@ class Cluster:
 
     def _heal_loop(self) -> None:
         while not self._stop.wait(self.heal_interval):
+            self.client.probe_backed_off()
             if self.peer_ids:
                 self.heal_all()
                 try:

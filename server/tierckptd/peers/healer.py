@@ -42,6 +42,7 @@ from tierckpt.units import format_size
 
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.views import LOST, UNDER
+from tierckptd.jobs import backoff
 from tierckptd.model import CheckpointView, FileRecord, Key, State
 from tierckptd.ops import metrics
 from tierckptd.peers.client import Holdings, PeerCallError, PeerClient
@@ -69,10 +70,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# UpdateReplicas to a busy peer: tries, and the first pause (seconds; grows with each try,
-# jittered so that many owners do not come back at once).
-BROADCAST_ATTEMPTS = 5
-BROADCAST_BACKOFF = 0.2
+# UpdateReplicas a peer did not take (busy, or not answering): sent again by a queued job
+# (`Tell`), never inline, up to this many times in all, the first pause (seconds) doubling
+# up to the cap, jittered so that many owners do not come back at once.
+BROADCAST_ATTEMPTS = 8
+BROADCAST_BACKOFF = 1.0
+BROADCAST_BACKOFF_CAP = 30.0
+
+RetryTell = Callable[[str, str, str, str, int, float], None]
+"""(namespace, checkpoint id, file name, node, tries so far, delay): queue a `Tell`."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,7 @@ class Healer:
         members: Callable[[], list[Member]],
         on_corrupt: OnCorrupt,
         stop: threading.Event | None = None,
+        retry_tell: RetryTell | None = None,
     ) -> None:
         self.catalog = catalog
         self.client = client
@@ -226,6 +233,7 @@ class Healer:
         self._k = replica_target
         self._members = members
         self._on_corrupt = on_corrupt
+        self._retry_tell = retry_tell
         self._stop = stop if stop is not None else threading.Event()
         self._pusher = Pusher(catalog, client, on_corrupt, stop=stop)
         self._lock = threading.Lock()
@@ -278,9 +286,13 @@ class Healer:
         holdings: dict[str, Holdings] = {
             me: Holdings(True, frozenset(f.name for f in view.files if f.held))
         }
+        # All at once (the fan-out pool); a peer that did not answer its last call is
+        # skipped while it backs off (`PeerClient.breaker`): it is unreachable here.
         holdings.update(
             self.client.each(
-                lambda node: self.client.holdings(node, namespace, checkpoint_id), nodes=asked
+                lambda node: self.client.holdings(node, namespace, checkpoint_id),
+                nodes=asked,
+                parallel=True,
             )
         )
         view = let_go(view, holdings, me)
@@ -377,45 +389,70 @@ class Healer:
         replicas: list[str],
         nodes: list[str] | None = None,
     ) -> None:
-        """Tell `nodes` (default: every peer) the file's new replica list: its
-        neighbourhood and the checkpoint's coordinator, whose manifest others adopt.
+        """Tell `nodes` (default: every peer) the file's new replica list, all at once:
+        its neighbourhood and the checkpoint's coordinator, whose manifest others adopt.
 
         A peer serving its limit of calls (RESOURCE_EXHAUSTED: every owner of a large
-        job tells the coordinator at once) or too slow to answer is asked again, up to
-        `BROADCAST_ATTEMPTS` times with a jittered backoff: nobody else re-sends it."""
+        job tells the coordinator at once), not answering, or backing off (it did not
+        answer its last call) is told again by a queued job (`retry_tell`), up to
+        `BROADCAST_ATTEMPTS` times with a jittered backoff, never inline: a gray peer
+        holds no heal. Nobody else re-sends it."""
         peers = set(self.client.peer_ids)
         targets = [n for n in (self.client.peer_ids if nodes is None else nodes) if n in peers]
-        for attempt in range(BROADCAST_ATTEMPTS):
-            busy: list[str] = []
+        missed = self._send_replicas(namespace, checkpoint_id, name, replicas, targets)
+        for node in missed:
+            self._queue_tell(namespace, checkpoint_id, name, node, 1)
 
-            def unanswered(node: str, e: PeerCallError, busy: list[str] = busy) -> None:
-                if e.code in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"):
-                    busy.append(node)
-                else:
-                    logger.debug("%s", e)
+    def _send_replicas(
+        self, namespace: str, checkpoint_id: str, name: str, replicas: list[str], nodes: list[str]
+    ) -> list[str]:
+        """UpdateReplicas to `nodes` at once; the nodes to tell again later."""
+        missed: list[str] = []
 
-            self.client.each(
-                lambda node: self.client.update_replicas(
-                    node, namespace, checkpoint_id, name, replicas
-                ),
-                nodes=targets,
-                on_error=unanswered,
+        def unanswered(node: str, e: PeerCallError) -> None:
+            if e.code in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE"):
+                missed.append(node)
+            else:
+                logger.debug("%s", e)
+
+        self.client.each(
+            lambda node: self.client.update_replicas(
+                node, namespace, checkpoint_id, name, replicas
+            ),
+            nodes=nodes,
+            on_error=unanswered,
+            parallel=True,
+        )
+        return missed
+
+    def _queue_tell(
+        self, namespace: str, checkpoint_id: str, name: str, node: str, tries: int
+    ) -> None:
+        if tries >= BROADCAST_ATTEMPTS or self._retry_tell is None:
+            logger.warning(
+                "%s/%s/%s: %s did not take its replica list (busy or not answering); it "
+                "learns it from the next heal or gossip",
+                namespace,
+                checkpoint_id,
+                name,
+                node,
             )
-            if not busy or attempt + 1 == BROADCAST_ATTEMPTS:
-                if busy:
-                    logger.warning(
-                        "%s/%s/%s: %s did not take its replica list (busy); they learn it "
-                        "from the next heal or gossip",
-                        namespace,
-                        checkpoint_id,
-                        name,
-                        ", ".join(busy),
-                    )
-                return
-            targets = busy
-            pause = BROADCAST_BACKOFF * (attempt + 1) * (1 + random.random())
-            if self._stop.wait(pause):
-                return
+            return
+        delay = backoff(tries, BROADCAST_BACKOFF, BROADCAST_BACKOFF_CAP) * (1 + random.random())
+        self._retry_tell(namespace, checkpoint_id, name, node, tries, delay)
+
+    def tell(self, namespace: str, checkpoint_id: str, name: str, node: str, tries: int) -> None:
+        """A queued `Tell`: send `node` the replica list this node records for `name` now
+        (the one a heal or trim recorded, or newer); queue it again if it is missed."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return  # deleted or evicted meanwhile
+        f = next((g for g in view.files if g.name == name), None)
+        if f is None or node not in self.client.peer_ids:
+            return
+        if self._send_replicas(namespace, checkpoint_id, name, list(f.replica_nodes), [node]):
+            self._queue_tell(namespace, checkpoint_id, name, node, tries + 1)
 
     def _record(self, namespace: str, checkpoint_id: str, plan: HealPlan, k: int) -> None:
         mark = plan.mark

@@ -32,6 +32,7 @@ from tierckptd.memory.tier import UnsafePath
 from tierckptd.model import CheckpointView, FileRecord, Key
 from tierckptd.ops import logs, metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
+from tierckptd.peers.serve import MESSAGE_BYTES
 
 __all__ = ["HEARTBEAT", "REFUSAL_BACKOFF", "OnCorrupt", "Pusher"]
 
@@ -194,12 +195,14 @@ class Pusher:
             return False
 
     def _read(self, fd: int, f: FileRecord, unread: list[OSError]) -> Iterator[tuple[int, bytes]]:
-        """The file's bytes in checksum blocks, unverified (the receiver verifies);
-        stepping aside between blocks while a save writes, with heartbeats. A read
-        error ends the stream (recorded in `unread`): the receiver refuses the short
-        copy, and no exception reaches gRPC's request thread."""
+        """The file's bytes in messages of one checksum block, at most MESSAGE_BYTES (a
+        slow link still shows progress within the receiver's stall window), unverified
+        (the receiver verifies); stepping aside between messages while a save writes,
+        with heartbeats. A read error ends the stream (recorded in `unread`): the
+        receiver refuses the short copy, and no exception reaches gRPC's request
+        thread."""
         assert f.checksums is not None
-        step = f.checksums.block_size
+        step = min(f.checksums.block_size, MESSAGE_BYTES)
         aside = StepAside(self.catalog.saving, stop=self._stop)
         pos = 0
         while pos < f.size:

@@ -12,11 +12,17 @@ from tierckpt.memory_files import VerifiedFile
 from tierckptd.catalog import Catalog
 from tierckptd.model import FileRecord, State
 
-__all__ = ["CHUNK_BLOCKS", "Served", "Serving"]
+__all__ = ["FIRST_MESSAGE", "MESSAGE_BYTES", "READ_BYTES", "Served", "Serving"]
 
-# Checksum blocks per FetchFile message: fewer, larger messages halve gRPC's per-message
-# cost; each is still verified block by block on both ends.
-CHUNK_BLOCKS = 4
+# Bytes per FetchFile message at most: the fetcher counts any message as progress
+# (peers/client.py FETCH_STALL), so a slow link must carry only this much within its
+# stall window (1 MiB in 10 s: 0.9 Mbit/s). The first data message is smaller, so that
+# even a very slow link shows bytes flowing at once (a "too slow" error, not "no answer").
+MESSAGE_BYTES = 1 << 20
+FIRST_MESSAGE = 64 << 10
+# Bytes read and verified at once (whole checksum blocks, at least one), then sent in
+# messages of MESSAGE_BYTES.
+READ_BYTES = 4 << 20
 
 OnCorrupt = Callable[[str, str, str, str, str], None]
 """(namespace, checkpoint_id, name, reason, where): a local copy failed verification."""
@@ -46,7 +52,8 @@ class Serving:
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
     ) -> Served:
         """A held file's bytes `offset`..`offset+length` (0: to the end), verified as read
-        in pieces of CHUNK_BLOCKS blocks; a corrupt copy raises ChecksumMismatch
+        (READ_BYTES of whole blocks at a time), in pieces of MESSAGE_BYTES at most (the
+        first FIRST_MESSAGE); a corrupt copy raises ChecksumMismatch
         (DATA_LOSS for the fetcher) and is dropped and repaired here."""
         f, path = self.catalog.file_view(namespace, checkpoint_id, name)
         what = f"{namespace}/{checkpoint_id}/{name} on node {self.node_id}"
@@ -67,12 +74,20 @@ class Serving:
         assert f.checksums is not None
         step = f.checksums.block_size
         what = f"{namespace}/{checkpoint_id}/{f.name} on node {self.node_id}"
+        blocks = max(1, READ_BYTES // step)
+        first = True
         try:
             with VerifiedFile(path, f.size, f.checksums, what=what) as vf:
                 pos = offset
                 while pos < end:
-                    n = min((pos // step + CHUNK_BLOCKS) * step, end) - pos
-                    yield pos, vf.read_blocks_bytes(pos, n)
+                    n = min((pos // step + blocks) * step, end) - pos
+                    data = vf.read_blocks_bytes(pos, n)
+                    at = 0
+                    while at < n:
+                        size = min(FIRST_MESSAGE if first else MESSAGE_BYTES, n - at)
+                        yield pos + at, data if size == n else data[at : at + size]
+                        first = False
+                        at += size
                     pos += n
         except ChecksumMismatch as e:
             self.on_corrupt(namespace, checkpoint_id, f.name, str(e), "served")

@@ -75,11 +75,13 @@ def peer_sources(
     client: PeerClient, f: FileRecord, on_landed: OnLanded | None = None
 ) -> list[PeerSource]:
     """The peers to ask for `f`, in order: its owner, each replica holder, then every
-    other configured peer (each once, never this node)."""
+    other configured peer (each once, never this node); a peer that did not answer its
+    last call (backing off, `PeerClient.breaker`) is asked last, not skipped: it may be
+    the only holder, and a restore may wait for it."""
     me = client.node_id
     peers = client.peer_ids
     order = [f.owner_node, *f.replica_nodes, *peers]
-    return [
-        PeerSource(client, node, on_landed)
-        for node in dict.fromkeys(n for n in order if n and n != me and n in peers)
-    ]
+    nodes = list(dict.fromkeys(n for n in order if n and n != me and n in peers))
+    backing_off = client.breaker.backing_off()
+    nodes.sort(key=lambda n: n in backing_off)  # stable: the order above otherwise
+    return [PeerSource(client, node, on_landed) for node in nodes]

@@ -14,6 +14,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import Heal, Repair
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
+from tierckptd.peers.breaker import Breaker
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.commit import claims
@@ -250,6 +251,7 @@ class FakePeers(PeerClient):
         super().__init__(
             Membership(me, "r1", peers=[PeerConfig(n, "x:1", d) for n, d in peers.items()])
         )
+        self.breaker = Breaker(first=0)  # peers go down and come back between two heals
         self.held: dict[str, dict[str, bytes]] = {n: {} for n in peers}
         self.knows: dict[str, bool] = {n: False for n in peers}
         self.down: set[str] = set()

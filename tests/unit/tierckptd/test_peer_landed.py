@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tierckptd.model import FileRecord
+from tierckptd.peers.breaker import Breaker
 from tierckptd.peers.source import PeerSource, peer_sources
 
 
@@ -18,6 +19,7 @@ class _NoCalls:
 
     node_id = "n1"
     peer_ids = ["n0", "n2", "n3"]
+    breaker = Breaker()  # which peers back off: state, not a call
 
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"PeerSource.landed called the peers ({name})")
