@@ -124,10 +124,14 @@ def final_error(what: str, attempts: Sequence[Attempt]) -> Exception:
     tried = "; ".join(str(a) for a in attempts) or "no source to ask"
     outcomes = {a.outcome for a in attempts}
     if Outcome.UNAVAILABLE in outcomes:
-        down = ", ".join(a.source for a in attempts if a.outcome is Outcome.UNAVAILABLE)
+        unavailable = [a for a in attempts if a.outcome is Outcome.UNAVAILABLE]
+        down = ", ".join(a.source for a in unavailable)
+        # A peer whose data came too slowly (peers/client.py) is reachable: its link is slow.
+        slow = all("too slow (" in a.cause for a in unavailable)
+        advice = f"the link to {down} is too slow" if slow else f"retry once {down} is reachable"
         return TierUnavailable(
             f"{TIER_UNAVAILABLE_PREFIX}{down}: no valid copy of {what} could be restored "
-            f"(tried {tried}); retry once {down} is reachable"
+            f"(tried {tried}); {advice}"
         )
     if Outcome.CORRUPT in outcomes:
         return ChecksumMismatch(f"every copy of {what} found is corrupt (tried {tried})")
