@@ -53,6 +53,8 @@ __all__ = [
     "DRAIN_FAILED",
     "PEER_BACKOFF",
     "PEER_CALLS_SKIPPED",
+    "MEMBERSHIP_REFUSED",
+    "MEMBERSHIP_ROUNDS",
     "PEER_REFUSED",
     "POOL_HITS",
     "POOL_MISSES",
@@ -155,6 +157,18 @@ PEER_REFUSED = Counter(
     "Peer calls and peer-sent manifests refused (unknown peer, not authorized, invalid, "
     "conflicting, over budget, busy), by reason",
     ["reason"],
+)
+MEMBERSHIP_REFUSED = Counter(
+    "tierckpt_membership_refused",
+    "Discovered addresses not taken as members, by reason (unproven: answered Hello "
+    "without proving its node id; conflict: another address claims the same id)",
+    ["reason"],
+)
+MEMBERSHIP_ROUNDS = Counter(
+    "tierckpt_membership_rounds",
+    "Background membership rounds, by trigger (timer: [membership] refresh; wake: a "
+    "stranger's Hello, rate-limited)",
+    ["trigger"],
 )
 
 # Latency histograms. The buckets span a small file on loopback (ms) to a large

@@ -32,6 +32,7 @@ from tierckptd.peers.breaker import MISSED_CODES, Breaker
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
+from tierckptd.peers.security import HelloChallenge
 from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_info, ref, to_info
 
 __all__ = [
@@ -394,23 +395,75 @@ class PeerClient:
 
     def hello(self, address: str, node: str = "") -> tuple[str, str, bool]:
         """Hello: (node id, failure domain, whether it knows this node as a member) of the
-        daemon answering at `address`, over the member channel of `node` when it is the
-        member there (no new connection), else a short-lived channel. Unvalidated: the
-        caller checks the names."""
-        member = node and self.membership.address_of(node) == address
-        channel = self.membership.channel(node) if member else None
-        temporary = channel is None
-        if channel is None:
-            channel = self.membership.open_channel(address)
+        daemon answering at `address`, proven before it is believed; no token goes with
+        it (a stranger may answer there). Over `node`'s Hello channel when `node` is the
+        member there, else a short-lived one.
+
+        Proof: with a token, the answer must carry the daemon's proof of the token for
+        this call's nonce and the id it answers with (`security.HelloChallenge`); with
+        mutual TLS, the server's certificate must name that id (a second Hello checks it
+        when the address was not already `node`'s). A daemon that answers without proof
+        is a PeerCallError with code "NOT_PROVEN"; the names are not validated here."""
+        membership = self.membership
+        if node and membership.address_of(node) == address:
+            channel = membership.hello_channel(node)
+            if channel is not None:
+                try:
+                    got = self._hello(channel, address)
+                    if got[0] == node or not membership.verifies_names:
+                        return got  # with mutual TLS, the handshake proved `node`
+                except PeerCallError as e:
+                    if e.code == "NOT_PROVEN" or not membership.verifies_names:
+                        raise
+                    # Its certificate may not name `node` any more: ask who answers now.
+        got = self._hello_once(address)
+        if membership.verifies_names and got[0] != self.node_id:
+            try:
+                again = self._hello_once(address, server_name=got[0])
+            except PeerCallError as e:
+                raise PeerCallError(
+                    address,
+                    "Hello",
+                    "NOT_PROVEN",
+                    f"it answers as node {got[0][:64]!r}, but its certificate does not name "
+                    f"{got[0][:64]!r} (a subjectAltName DNS:{got[0][:64]} from the cluster's "
+                    f"CA): {bounded(e.details, 200)}",
+                ) from None
+            if again[0] != got[0]:
+                raise PeerCallError(
+                    address,
+                    "Hello",
+                    "NOT_PROVEN",
+                    f"it answered as node {got[0][:64]!r}, then as {again[0][:64]!r}",
+                )
+        return got
+
+    def _hello_once(self, address: str, server_name: str = "") -> tuple[str, str, bool]:
+        channel = self.membership.open_channel(address, server_name)
         try:
-            resp: peer_pb2.HelloResponse = PeerStub(channel).Hello(
-                peer_pb2.HelloRequest(node_id=self.node_id), timeout=CONTROL_TIMEOUT
+            return self._hello(channel, address)
+        finally:
+            channel.close()
+
+    def _hello(self, channel: grpc.Channel, address: str) -> tuple[str, str, bool]:
+        key = self.membership.hello_key
+        challenge = HelloChallenge(key, self.node_id) if key is not None else None
+        try:
+            resp, call = PeerStub(channel).Hello.with_call(
+                peer_pb2.HelloRequest(node_id=self.node_id),
+                timeout=CONTROL_TIMEOUT,
+                metadata=challenge.metadata() if challenge is not None else None,
             )
         except grpc.RpcError as e:
             raise _error(address, "Hello", e) from None
-        finally:
-            if temporary:
-                channel.close()
+        if challenge is not None and not challenge.proven(call.trailing_metadata(), resp.node_id):
+            raise PeerCallError(
+                address,
+                "Hello",
+                "NOT_PROVEN",
+                f"it answers as node {resp.node_id[:64]!r} without proving it holds the "
+                "cluster token ([security] token_file)",
+            )
         return resp.node_id, resp.failure_domain, resp.knows_caller
 
     # ---- transfers --------------------------------------------------------------------

@@ -2,19 +2,24 @@
 static `[[peers]]`, re-read every `[membership] refresh` seconds (issue 13).
 
 A source gives addresses; the node id and failure domain at an address come from its
-`Hello` answer (over the same token / TLS as every peer call), or from the hostfile line
-when it names them (unless another node answers there). Every address is said Hello to
+`Hello` answer, proven (`PeerClient.hello`): with a token the daemon there proves it
+holds the token (challenge-response: no token is sent to it), with mutual TLS its
+certificate names the id it answers with. An address that answers without proof is no
+member (a WARNING names the address and the id it claimed). A hostfile line that names
+its id is taken as written once its address has proven that id (or what it proves
+instead). Every address is said Hello to
 each round, also to learn whether its daemon knows this node yet (a joining node pulls
 the manifests it was refused once it does). Everything read is untrusted and bounded: a hostfile of at most
 MAX_HOSTFILE_BYTES, lines of at most MAX_LINE characters (a bad line is skipped with a
 warning), at most MAX_MEMBERS members, names and addresses validated where they enter.
 A source that fails (file unreadable, DNS down) keeps its last good answer: a resolver
 hiccup must not empty the cluster. A node whose Hello fails keeps the identity it last
-answered with (it may be restarting); it leaves when its address leaves the sources.
+proved (it may be restarting); it leaves when its address leaves the sources.
 
-Precedence when two addresses claim one node id: `[[peers]]`, then hostfile lines that
-name their id, then addresses whose Hello answered this round, then the stale ones; the
-first wins and the others are warned about once.
+Two addresses claiming one node id never displace a member: `[[peers]]` wins over any
+discovered claim; among discovered addresses the one that is the member now stays, and
+when none is, neither is taken until only one claims the id. Each conflict is warned
+about once and counted (tierckpt_membership_refused_total{reason="conflict"}).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from tierckpt.names import check_namespace
 
 from tierckptd.config import Config, PeerConfig
 from tierckptd.config_checks import is_dns_name, peer_port
+from tierckptd.ops import metrics
+from tierckptd.peers.client import PeerCallError
 from tierckptd.peers.cluster import Cluster
+from tierckptd.wire import bounded
 
 __all__ = [
     "MAX_HOSTFILE_BYTES",
@@ -231,6 +239,7 @@ class Discoverer:
         self._warned: set[tuple[str, str]] = set()
         self._problems: dict[str, list[str]] = {}
         self._silent: set[str] = set()  # addresses whose last Hello failed (logged once)
+        self._unproven: set[str] = set()  # addresses that answered without proof, this round
         self._unadmitted: set[str] = set()  # answered, but do not know this node yet
         self._soon_left = 0
         self._wake = threading.Event()
@@ -271,25 +280,45 @@ class Discoverer:
         return [*self._hosts, *(HostEntry(a) for a in self._dns)]
 
     def _ask(self, address: str) -> tuple[str, str, bool] | None:
-        """The validated Hello answer at `address`, None when there is none (logged when
-        the address falls silent, not every round)."""
+        """The validated, proven Hello answer at `address`, None when there is none
+        (logged when the address falls silent, not every round; an answer without proof
+        is warned about once and makes the address no member)."""
         known = self._known.get(address, ("", ""))[0]
         try:
             node, domain, knows_me = self._hello(address, known)
             node = _name(node, f"node id answered at {address}")
             domain = _name(domain, f"failure domain of {node}") if domain else node
-        except Exception as e:
-            first = address not in self._silent
-            self._silent.add(address)
-            logger.log(
-                logging.INFO if first else logging.DEBUG,
-                "[membership] no Hello from %s: %s",
+        except PeerCallError as e:
+            if e.code != "NOT_PROVEN":
+                return self._silence(address, e)
+            self._unproven.add(address)
+            metrics.MEMBERSHIP_REFUSED.labels(reason="unproven").inc()
+            self._warn_once(
+                ("unproven", address),
+                "[membership] the daemon at %s is not a member: %s",
                 address,
-                str(e)[:300],
+                bounded(e.details, 400),
             )
             return None
+        except Exception as e:
+            return self._silence(address, e)
         self._silent.discard(address)
         return node, domain, bool(knows_me)
+
+    def _silence(self, address: str, e: Exception) -> None:
+        first = address not in self._silent
+        self._silent.add(address)
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "[membership] no Hello from %s: %s",
+            address,
+            str(e)[:300],
+        )
+
+    def _warn_once(self, key: tuple[str, str], fmt: str, *args: object) -> None:
+        if key not in self._warned and len(self._warned) < _MAX_WARNED:
+            self._warned.add(key)
+            logger.warning(fmt, *args)
 
     def refresh(self, *, force: bool = False) -> list[PeerConfig]:
         """One round: read the sources, ask every address without a named id who it is,
@@ -299,23 +328,27 @@ class Discoverer:
             self._last_round = time.monotonic()
             entries = self._read_sources()
             ask = list(dict.fromkeys(e.address for e in entries))
+            self._unproven = set()
             with ThreadPoolExecutor(HELLO_WORKERS, thread_name_prefix="tierckptd-hello") as pool:
                 answers = dict(zip(ask, pool.map(self._ask, ask), strict=True))
             self._silent &= set(ask)
             fresh = {a: got[:2] for a, got in answers.items() if got is not None}
             admitted = self._admission(answers)
+            # An address that answered without proof loses what it proved before.
             self._known = {
-                a: fresh.get(a) or self._known[a] for a in ask if a in fresh or a in self._known
+                a: fresh.get(a) or self._known[a]
+                for a in ask
+                if a in fresh or (a in self._known and a not in self._unproven)
             }
             stale = {a: self._known[a] for a in ask if a not in fresh and a in self._known}
             named = {e.address: e for e in entries if e.node_id}
+            proven = {**stale, **fresh}
             candidates = [
-                *self._static,
-                *(self._named(e, fresh.get(e.address)) for e in named.values()),
+                *(self._named(e, proven[e.address]) for e in named.values() if e.address in proven),
                 *(PeerConfig(n, a, d) for a, (n, d) in fresh.items() if a not in named),
                 *(PeerConfig(n, a, d) for a, (n, d) in stale.items() if a not in named),
             ]
-            peers = self._dedupe(candidates)
+            peers = self._dedupe(self._static, candidates)
             if force or peers != self._applied:
                 self._applied = peers
                 self._apply(list(peers))
@@ -324,21 +357,21 @@ class Discoverer:
                 self._on_admitted()
             return list(peers)
 
-    def _named(self, e: HostEntry, answer: tuple[str, str] | None) -> PeerConfig:
-        """A hostfile line that names its node: as written, unless the daemon answering
-        there says it is another node (then what answered, and a warning once)."""
-        if answer is None or answer[0] == e.node_id:
+    def _named(self, e: HostEntry, answer: tuple[str, str]) -> PeerConfig:
+        """A hostfile line that names its node, once its address proved an id: as
+        written, unless the daemon there proves it is another node (then what answered,
+        and a warning once)."""
+        if answer[0] == e.node_id:
             return PeerConfig(e.node_id, e.address, e.failure_domain or e.node_id)
-        if (e.node_id, e.address) not in self._warned and len(self._warned) < _MAX_WARNED:
-            self._warned.add((e.node_id, e.address))
-            logger.warning(
-                "[membership] the hostfile names %s at %s, but node %s answers there: "
-                "taking %s; fix the line",
-                e.node_id,
-                e.address,
-                answer[0],
-                answer[0],
-            )
+        self._warn_once(
+            (e.node_id, e.address),
+            "[membership] the hostfile names %s at %s, but node %s answers there: "
+            "taking %s; fix the line",
+            e.node_id,
+            e.address,
+            answer[0],
+            answer[0],
+        )
         return PeerConfig(answer[0], e.address, answer[1])
 
     def _admission(self, answers: dict[str, tuple[str, str, bool] | None]) -> set[str]:
@@ -355,33 +388,62 @@ class Discoverer:
         self._unadmitted = now_unadmitted
         return admitted
 
-    def _dedupe(self, candidates: list[PeerConfig]) -> list[PeerConfig]:
+    def _dedupe(self, static: list[PeerConfig], found: list[PeerConfig]) -> list[PeerConfig]:
+        """The members: `static` (first wins), then the discovered ones. An id claimed
+        at several addresses keeps its static peer, else the address that is its member
+        now, else none of them (until only one claims it): never the first in order."""
         peers: dict[str, PeerConfig] = {}
         addresses: set[str] = set()
-        for p in candidates:
+        for p in static:
+            if p.id == self.node_id or p.id in peers or p.address in addresses:
+                continue
+            peers[p.id] = p
+            addresses.add(p.address)
+        claims: dict[str, list[PeerConfig]] = {}
+        for p in found:
             if p.id == self.node_id or p.address in addresses:
                 continue  # this node itself (its own address in DNS), or a repeat
-            first = peers.get(p.id)
-            if first is not None:
-                if (p.id, p.address) not in self._warned and len(self._warned) < _MAX_WARNED:
-                    self._warned.add((p.id, p.address))
-                    logger.warning(
-                        "[membership] node id %s is claimed at %s and %s: keeping %s; give "
-                        "every daemon its own [node] id (TIERCKPT_NODE_ID)",
-                        p.id,
-                        first.address,
-                        p.address,
-                        first.address,
-                    )
+            if all(p.address != q.address for q in claims.get(p.id, [])):
+                claims.setdefault(p.id, []).append(p)
+        current = {p.id: p.address for p in self._applied or ()}
+        for node, ps in claims.items():
+            kept: PeerConfig | None = ps[0]
+            if node in peers or len(ps) > 1:
+                if node in peers:
+                    kept, others = peers[node], ps
+                else:
+                    kept = next((p for p in ps if p.address == current.get(node)), None)
+                    others = [p for p in ps if p is not kept]
+                self._conflict(node, kept, others)
+                if node in peers or kept is None:
+                    continue
+            assert kept is not None
+            if kept.address in addresses:
                 continue
             if len(peers) >= MAX_MEMBERS:
                 logger.warning(
                     "[membership] more than %d members: the rest is ignored", MAX_MEMBERS
                 )
                 break
-            peers[p.id] = p
-            addresses.add(p.address)
+            peers[node] = kept
+            addresses.add(kept.address)
         return list(peers.values())
+
+    def _conflict(self, node: str, kept: PeerConfig | None, others: list[PeerConfig]) -> None:
+        """Warn once per claiming address, and count, an id claimed at several addresses."""
+        where = " and ".join(([] if kept is None else [kept.address]) + [p.address for p in others])
+        for p in others:
+            if (node, p.address) in self._warned:
+                continue
+            metrics.MEMBERSHIP_REFUSED.labels(reason="conflict").inc()
+            self._warn_once(
+                (node, p.address),
+                "[membership] node id %s is claimed at %s: keeping %s; give every daemon "
+                "its own [node] id (TIERCKPT_NODE_ID), and look for an impostor",
+                node,
+                bounded(where, 300),
+                "none of them (none is a member yet)" if kept is None else kept.address,
+            )
 
     # ---- background -------------------------------------------------------------------
     def start(self) -> None:
@@ -403,7 +465,9 @@ class Discoverer:
             soon = bool(self._unadmitted) and self._soon_left > 0
             if soon:
                 self._soon_left -= 1
-            self._wake.wait(min(SOON, self.refresh_interval) if soon else self.refresh_interval)
+            woken = self._wake.wait(
+                min(SOON, self.refresh_interval) if soon else self.refresh_interval
+            )
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -411,6 +475,7 @@ class Discoverer:
             if gap > 0 and self._stop.wait(gap):
                 return
             try:
+                metrics.MEMBERSHIP_ROUNDS.labels(trigger="wake" if woken else "timer").inc()
                 self.refresh()
             except Exception:
                 logger.exception("[membership] refresh failed; keeping the current members")

@@ -41,9 +41,11 @@ Kubernetes Secret); keep ca.key offline.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -56,14 +58,20 @@ from tierckptd.config import ConfigError, SecurityConfig
 
 __all__ = [
     "HEALTH_PREFIX",
+    "HELLO_ANSWER_METADATA",
+    "HELLO_NONCE_METADATA",
+    "HELLO_PROOF_METADATA",
     "NODE_METADATA",
     "TOKEN_METADATA",
     "UNAUTHENTICATED_MESSAGE",
+    "HelloChallenge",
     "MetadataClientInterceptor",
+    "PeerChannels",
     "PeerServerSecurity",
     "TokenClientInterceptor",
     "TokenServerInterceptor",
     "caller_names",
+    "hello_answer",
     "node_client_interceptor",
     "peer_channel_factory",
     "peer_server_security",
@@ -77,6 +85,14 @@ ChannelFactory = Callable[[str], grpc.Channel]
 TOKEN_METADATA = "x-tierckpt-token"
 NODE_METADATA = "x-tierckpt-node"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HELLO_METHOD_SUFFIX = "/Hello"
+# Hello's challenge-response (no bearer token goes to an address before it proved who
+# it is): the caller's nonce and its proof, and the answering daemon's proof.
+HELLO_NONCE_METADATA = "x-tierckpt-hello-nonce"
+HELLO_PROOF_METADATA = "x-tierckpt-hello-proof"
+HELLO_ANSWER_METADATA = "x-tierckpt-hello-answer"
+_NONCE_BYTES = 16
+_MAX_NONCE = 64
 UNAUTHENTICATED_MESSAGE = (
     "peer token missing or wrong: set [security] token_file to the cluster's shared token"
 )
@@ -122,6 +138,72 @@ def read_token(path: str) -> bytes:
             "(e.g. base64 of random bytes)"
         )
     return token
+
+
+def _proof(token: bytes, role: bytes, nonce: str, *names: str) -> str:
+    message = b"\0".join(
+        [b"tierckpt-hello-v1", role, nonce.encode("utf-8", "replace")]
+        + [n.encode("utf-8", "replace") for n in names]
+    )
+    return hmac.new(token, message, hashlib.sha256).hexdigest()
+
+
+def _value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str:
+    for k, v in metadata or ():
+        if k == key:
+            return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    return ""
+
+
+@dataclass(frozen=True)
+class HelloChallenge:
+    """Hello without a bearer token: the caller sends a fresh nonce and its proof of the
+    token (HMAC-SHA256 of the nonce and its node id); the answering daemon sends back
+    its own proof (HMAC of the nonce, the node id it answers with and the caller's id,
+    in another role so a proof cannot be reflected). Whoever listens at an address, or
+    answers there, learns neither the token nor anything to replay as an answer."""
+
+    token: bytes
+    caller: str
+    nonce: str = field(default_factory=lambda: secrets.token_hex(_NONCE_BYTES))
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (
+            (HELLO_NONCE_METADATA, self.nonce),
+            (HELLO_PROOF_METADATA, _proof(self.token, b"caller", self.nonce, self.caller)),
+        )
+
+    def proven(self, metadata: Sequence[tuple[str, str | bytes]] | None, answered: str) -> bool:
+        """Whether the answer metadata proves the token for the node id `answered`."""
+        want = _proof(self.token, b"answer", self.nonce, answered, self.caller).encode()
+        ok = False
+        for key, value in metadata or ():
+            if key == HELLO_ANSWER_METADATA:
+                given = value.encode() if isinstance(value, str) else value
+                ok |= hmac.compare_digest(given, want)
+        return ok
+
+
+def hello_answer(
+    token: bytes | None, metadata: Sequence[tuple[str, str | bytes]] | None, node_id: str
+) -> tuple[tuple[str, str], ...]:
+    """The proof this node sends with its Hello answer (as `node_id`), for the caller's
+    nonce; () without a token or a nonce."""
+    nonce = _value(metadata, HELLO_NONCE_METADATA)
+    if token is None or not nonce or len(nonce) > _MAX_NONCE:
+        return ()
+    caller = _value(metadata, NODE_METADATA)
+    return ((HELLO_ANSWER_METADATA, _proof(token, b"answer", nonce, node_id, caller)),)
+
+
+def _hello_proven(token: bytes, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """A Hello whose caller proved the token for its nonce (HelloChallenge)."""
+    nonce = _value(metadata, HELLO_NONCE_METADATA)
+    given = _value(metadata, HELLO_PROOF_METADATA)
+    if not nonce or len(nonce) > _MAX_NONCE or not given:
+        return False
+    want = _proof(token, b"caller", nonce, _value(metadata, NODE_METADATA))
+    return hmac.compare_digest(given.encode(), want.encode())
 
 
 class _Tls(NamedTuple):
@@ -209,8 +291,11 @@ class TokenServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         method = handler_call_details.method or ""
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
-        if self._authorized(handler_call_details.invocation_metadata):
+        metadata = handler_call_details.invocation_metadata
+        if self._authorized(metadata):
             return handler
+        if method.endswith(HELLO_METHOD_SUFFIX) and _hello_proven(self._token, metadata):
+            return handler  # a Hello proves the token without sending it
         return _abort_handler(handler, self._note_rejected)
 
     def _note_rejected(self, peer: str) -> None:
@@ -338,10 +423,51 @@ def peer_server_security(security: SecurityConfig) -> PeerServerSecurity:
     )
 
 
+class PeerChannels:
+    """Opens channels to peers with this node's credentials.
+
+    `open(address)` (or calling the object) gives a member channel: it carries the token.
+    `open(address, token=False)` gives one without it, for a Hello to an address that has
+    not proven who answers there. `server_name`: with TLS, the name the server's
+    certificate must carry (gRPC checks it at every handshake; `verify_names` says
+    whether a node id is checked that way: mutual TLS, `tls_ca` set).
+    """
+
+    def __init__(
+        self,
+        credentials: grpc.ChannelCredentials | None,
+        token: bytes | None,
+        options: Sequence[tuple[str, Any]],
+        *,
+        verify_names: bool,
+    ) -> None:
+        self._credentials = credentials
+        self.token = token
+        self._interceptor = TokenClientInterceptor(token) if token is not None else None
+        self._options = list(options)
+        self.verify_names = verify_names
+
+    def open(self, address: str, *, token: bool = True, server_name: str = "") -> grpc.Channel:
+        if self._credentials is None:
+            channel = grpc.insecure_channel(address, options=self._options)
+        else:
+            options = self._options
+            if server_name:
+                options = [o for o in options if o[0] != "grpc.ssl_target_name_override"]
+                options.append(("grpc.ssl_target_name_override", server_name))
+            channel = grpc.secure_channel(address, self._credentials, options=options)
+        if token and self._interceptor is not None:
+            channel = grpc.intercept_channel(channel, self._interceptor)
+        return channel
+
+    def __call__(self, address: str) -> grpc.Channel:
+        return self.open(address)
+
+
 def peer_channel_factory(
     security: SecurityConfig, options: Sequence[tuple[str, Any]] = ()
-) -> ChannelFactory:
-    """A function opening channels to peers with this node's credentials and token.
+) -> PeerChannels:
+    """The channels to peers, with this node's credentials and token (`PeerChannels`).
 
     Reads the files once, now (ConfigError as in `peer_server_security`). `options` go to
     every channel, e.g. `("grpc.ssl_target_name_override", "localhost")` when the peers'
@@ -353,18 +479,7 @@ def peer_channel_factory(
         credentials = grpc.ssl_channel_credentials(
             root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
         )
-    interceptor = (
-        TokenClientInterceptor(read_token(security.token_file)) if security.token_file else None
+    token = read_token(security.token_file) if security.token_file else None
+    return PeerChannels(
+        credentials, token, options, verify_names=tls is not None and tls.ca is not None
     )
-    channel_options = list(options)
-
-    def open_channel(address: str) -> grpc.Channel:
-        if credentials is None:
-            channel = grpc.insecure_channel(address, options=channel_options)
-        else:
-            channel = grpc.secure_channel(address, credentials, options=channel_options)
-        if interceptor is not None:
-            channel = grpc.intercept_channel(channel, interceptor)
-        return channel
-
-    return open_channel

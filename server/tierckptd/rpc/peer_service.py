@@ -23,7 +23,16 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
   origin_node is the caller); names, kind and stamp are validated.
 - Holdings, FetchFile, ListManifests: any member.
 - Hello (who answers here: node id and failure domain): any caller the token / TLS
-  admitted, member or not; a non-member's Hello makes discovery look again at once.
+  admitted (a Hello may prove the token by challenge-response instead of sending it,
+  and is answered with this node's proof, `security.HelloChallenge`), member or not; a
+  non-member's Hello makes discovery look again soon (rate-limited per claimed id and in
+  all, `membership.Membership.stranger`).
+
+Admission slots (MAX_PER_PEER) count per caller: with mutual TLS the node its verified
+certificate names, without it the node id it claims (a connection would be no better a
+key: gRPC shares one among every channel a process opens to an address, and opening
+one costs no more than making up a claim); all Hellos share one set, so strangers never
+take the members' slots.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_s
 from tierckptd.peers.client import TRANSFER_TIMEOUT, mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.placement import coordinator_of
-from tierckptd.peers.security import caller_names
+from tierckptd.peers.security import caller_names, hello_answer
 from tierckptd.rpc.errors import StatusTranslator
 from tierckptd.rpc.peer_guard import Admission, Ticket, Watchdog
 from tierckptd.wire import (
@@ -443,7 +452,12 @@ class PeerService:
                 claimed = ""  # only a hint to look again; the answer is the same
             knows = bool(claimed) and claimed in membership.members
             if claimed and not knows:
-                membership.stranger(claimed)
+                membership.stranger(claimed)  # rate-limited (membership.STRANGER_GAP)
+            proof = hello_answer(
+                membership.hello_key, context.invocation_metadata(), self.cluster.node_id
+            )
+            if proof:
+                context.set_trailing_metadata(proof)
             return peer_pb2.HelloResponse(
                 node_id=self.cluster.node_id,
                 failure_domain=membership.failure_domain,

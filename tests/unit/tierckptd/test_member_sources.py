@@ -215,18 +215,21 @@ def test_ids_come_from_hello_self_is_skipped_and_static_comes_first(tmp_path: Pa
         "10.0.0.1:7070": ("me", "rack-0"),  # this node's own record
         "10.0.0.2:7070": ("b", "rack-2"),
         "10.0.0.3:7070": ("c", ""),  # no domain: its id
+        "10.0.0.5:7070": ("named", "r"),  # proves the id its line names
     }
     static = [PeerConfig("s", "10.0.0.7:7070", "rack-7")]
-    peers = w.discoverer(static=static).refresh()
+    d = w.discoverer(static=static)
+    peers = d.refresh()
     assert _ids(peers) == [
         ("s", "10.0.0.7:7070", "rack-7"),
-        ("named", "10.0.0.5:7070", "rack-5"),
-        ("bare", "10.0.0.6:7070", "bare"),  # no domain: its id, like [node]
+        ("named", "10.0.0.5:7070", "rack-5"),  # as the line says
         ("c", "10.0.0.3:7070", "c"),
         ("b", "10.0.0.2:7070", "rack-2"),
-    ]
-    assert ("10.0.0.5:7070", "") in w.hellos  # named, asked all the same (admission)
+    ]  # "bare" has not answered Hello: a line naming an id is no proof of it
+    assert ("10.0.0.5:7070", "") in w.hellos  # named, asked all the same
     assert w.applied == [peers]
+    w.identity["10.0.0.6:7070"] = ("bare", "")
+    assert ("bare", "10.0.0.6:7070", "bare") in _ids(d.refresh())  # no domain: its id
 
 
 def test_a_named_line_that_another_node_answers_at_takes_the_answer(
@@ -313,10 +316,13 @@ def test_a_silent_member_stays_until_its_address_leaves(tmp_path: Path) -> None:
     del w.identity["10.0.0.1:7070"]  # restarting: no Hello
     assert {p.id for p in d.refresh()} == {"a", "b"}
     assert ("10.0.0.1:7070", "a") in w.hellos  # asked over its member channel
-    # It comes back at another address: the fresh answer wins over the stale one.
+    # Another address claims it: the member is not displaced while its address is listed
+    # (an impostor must not eclipse a restarting node)...
     w.dns = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     w.identity["10.0.0.3:7070"] = ("a", "ra")
-    assert _ids(d.refresh())[0] == ("b", "10.0.0.2:7070", "rb")
+    assert ("a", "10.0.0.1:7070", "ra") in _ids(d.refresh())
+    # ... and once its old address leaves the sources, it is found at the new one.
+    w.dns = ["10.0.0.2", "10.0.0.3"]
     assert ("a", "10.0.0.3:7070", "ra") in _ids(d.refresh())
     assert ("a", "10.0.0.1:7070", "ra") not in _ids(d.refresh())
     # Never answered at all: never a member.
@@ -346,13 +352,13 @@ def test_a_joining_node_pulls_once_a_peer_admits_it(
 
 def test_members_are_bounded(tmp_path: Path) -> None:
     w = World(tmp_path)
-    w.hostfile.write_text(
-        "\n".join(
-            f"n{i} 10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070" for i in range(MAX_MEMBERS)
-        )
-    )
+    named = {
+        f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7070": f"n{i}" for i in range(MAX_MEMBERS)
+    }
+    w.hostfile.write_text("\n".join(f"{node} {address}" for address, node in named.items()))
     w.dns = ["192.168.0.1"]
-    w.identity = {"192.168.0.1:7070": ("extra", "r")}
+    w.identity = {address: (node, "r") for address, node in named.items()}
+    w.identity["192.168.0.1:7070"] = ("extra", "r")
     peers = w.discoverer(static=[PeerConfig("s", "10.255.0.1:1", "r")]).refresh()
     assert len(peers) == MAX_MEMBERS
     assert peers[0].id == "s" and "extra" not in {p.id for p in peers}
