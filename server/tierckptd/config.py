@@ -124,6 +124,9 @@ class MemoryConfig:
     # another copy before anyone reads it; a pass starts scrub_interval s after the last.
     scrub_rate: int = field(default=64 * 1024**2, metadata=SIZE)
     scrub_interval: float = 300.0
+    # The share of the budget the manifests of one coordinating peer may take here (a
+    # peer's manifest beyond it is RESOURCE_EXHAUSTED): no peer fills the budget (M3).
+    peer_manifest_share: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,11 @@ def parse_config(data: dict[str, Any]) -> Config:
 def _validate(config: Config) -> None:
     if config.memory.budget <= 0:
         raise ConfigError('[memory] budget must be positive, e.g. budget = "64GiB"')
+    if not 0 < config.memory.peer_manifest_share <= 1:
+        raise ConfigError(
+            f"[memory] peer_manifest_share = {config.memory.peer_manifest_share!r}: the share "
+            "of the budget one peer's manifests may take is above 0 and at most 1, e.g. 0.01"
+        )
     if config.persistent.compression not in ("zstd", "none"):
         raise ConfigError(
             f'[persistent] compression = {config.persistent.compression!r}; valid: "zstd", "none"'

@@ -181,6 +181,7 @@ class Daemon:
         )
         for signum in _HANDLED:
             signal.signal(signum, self._on_signal)
+        catalog.limit_peer_manifests(cfg.memory.peer_manifest_share)
         try:
             catalog.adopt()
             access = open_local_access(cfg.security.local_isolation, catalog, cfg.node.id)

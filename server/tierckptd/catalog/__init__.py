@@ -466,6 +466,12 @@ class Catalog(UnfinishedSaves):
             )
 
     # ---- adoption -----------------------------------------------------------------------
+    def limit_peer_manifests(self, share: float) -> None:
+        """The share of the budget the manifests of one coordinating peer may take
+        ([memory] peer_manifest_share)."""
+        with self._lock:
+            self._budget.manifest_share = share
+
     def adopt(self) -> None:
         """Re-adopt the memory tier left by a previous daemon (restart or kill -9).
 
@@ -491,6 +497,7 @@ class Catalog(UnfinishedSaves):
                 self._track(rec)
             for key, nbytes in charged.items():
                 self._budget.charge_manifest(key, nbytes)
+                self._budget.owned_by(key, coordinator_of(records[key].files))  # M3: its cap
             self._next_sequence = max((r.sequence for r in records.values()), default=0) + 1
             before = self.pool.pool_bytes
             self._budget.trim_pool()

@@ -10,6 +10,10 @@ one place a request for memory is refused (MemoryBudgetExceeded, RESOURCE_EXHAUS
 each message names what was asked, what is in use and the fix. Pool bytes are
 reclaimable: `admit` drops segments (largest first) to make room.
 
+Peers' manifests also have their own cap per coordinating node (`admit_manifest`:
+`manifest_share` of the limit, [memory] peer_manifest_share), so one peer cannot fill
+this node's budget with manifests describing huge files (audit 3, M3).
+
 Not thread-safe: call it under the catalog lock.
 """
 
@@ -24,9 +28,13 @@ from tierckptd.memory.pool import WarmPool
 from tierckptd.model import Key
 from tierckptd.ops import metrics
 
-__all__ = ["Budget", "IncomingKey"]
+__all__ = ["MANIFEST_SHARE", "MIN_MANIFEST_CAP", "Budget", "IncomingKey"]
 
 IncomingKey = tuple[str, str, str]  # (namespace, checkpoint_id, file name)
+# The share of the budget the manifests of one coordinating peer may take, and a floor
+# (a small test budget still takes a few ordinary manifests).
+MANIFEST_SHARE = 0.01
+MIN_MANIFEST_CAP = 256 * 1024
 
 
 class Budget:
@@ -40,6 +48,8 @@ class Budget:
         self._held: dict[Key, int] = {}
         self._reserved: dict[Key, int] = {}
         self._manifests: dict[Key, int] = {}
+        self.manifest_share = MANIFEST_SHARE
+        self._manifest_owner: dict[Key, str] = {}  # a peer's manifest -> its coordinator
         self.incoming: dict[IncomingKey, int] = {}
         self._held_total = 0
         self._reserved_total = 0
@@ -81,6 +91,46 @@ class Budget:
         if nbytes:
             self._manifests[key] = nbytes
 
+    @property
+    def manifest_cap(self) -> int:
+        """The bytes of manifests one coordinating peer may have charged here."""
+        return max(int(self.limit * self.manifest_share), MIN_MANIFEST_CAP)
+
+    def manifests_of(self, coordinator: str) -> int:
+        """The bytes charged for the manifests `coordinator` coordinates (entries of
+        manifests no longer charged are dropped on the way)."""
+        total = 0
+        for key, owner in list(self._manifest_owner.items()):
+            charged = self._manifests.get(key, 0)
+            if not charged:
+                del self._manifest_owner[key]
+            elif owner == coordinator:
+                total += charged
+        return total
+
+    def owned_by(self, key: Key, coordinator: str) -> None:
+        """The manifest of `key` is (or is about to be) charged for peer `coordinator`."""
+        self._manifest_owner[key] = coordinator
+
+    def admit_manifest(self, nbytes: int, key: Key, coordinator: str, *, what: str) -> None:
+        """Admit a peer's manifest of `nbytes` (as `admit`), first within the cap of its
+        coordinator: MemoryBudgetExceeded naming the peer, its share and the fix."""
+        mine = self.manifests_of(coordinator)
+        if self._manifest_owner.get(key) == coordinator:
+            mine -= self._manifests.get(key, 0)  # charged again: it replaces itself
+        cap = self.manifest_cap
+        if mine + nbytes > cap:
+            self._refuse(
+                "manifest",
+                f"{what} ({format_size(nbytes)}) does not fit what node {coordinator[:64]} "
+                f"may keep in manifests on node {self.node_id}: it has {format_size(mine)} "
+                f"of its {format_size(cap)} ([memory] peer_manifest_share = "
+                f"{self.manifest_share:g} of memory.budget={format_size(self.limit)}); raise "
+                "peer_manifest_share, or keep fewer checkpoints with smaller manifests",
+            )
+        self.admit(nbytes, what=what, reason="manifest")
+        self.owned_by(key, coordinator)
+
     def forget(self, key: Key) -> None:
         """The checkpoint is gone: nothing of it counts any more."""
         self.track(key, 0, 0)
@@ -98,6 +148,7 @@ class Budget:
         """Start over (restart adoption installs a new set of records)."""
         for d in (self._held, self._reserved, self._manifests, self.incoming):
             d.clear()
+        self._manifest_owner.clear()
         self._held_total = self._reserved_total = 0
         self._manifest_total = self._incoming_total = 0
         self.quarantined = quarantined

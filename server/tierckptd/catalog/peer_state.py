@@ -170,10 +170,11 @@ class PeerState(PersistentMarks):
                 committed_unix=min(published.committed_unix, now),
                 pinned=self.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
             )
-            charge = _manifest_estimate(new) if coordinator_of(new.files) != self.node_id else 0
-            if charge:
-                self._budget.admit(
-                    charge, what=f"the manifest of {_key_name(key)}", reason="manifest"
+            by = coordinator_of(new.files)
+            charge = _manifest_estimate(new) if by != self.node_id else 0
+            if charge:  # within the coordinator's own cap (budget.admit_manifest, M3)
+                self._budget.admit_manifest(
+                    charge, key, by, what=f"the manifest of {_key_name(key)}"
                 )
             self._write_manifest(new)  # before anything changes here
             for name in local:
