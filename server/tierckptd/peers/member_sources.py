@@ -290,7 +290,8 @@ class Discoverer:
             domain = _name(domain, f"failure domain of {node}") if domain else node
         except PeerCallError as e:
             if e.code != "NOT_PROVEN":
-                return self._silence(address, e)
+                self._silence(address, e)
+                return None
             self._unproven.add(address)
             metrics.MEMBERSHIP_REFUSED.labels(reason="unproven").inc()
             self._warn_once(
@@ -301,7 +302,8 @@ class Discoverer:
             )
             return None
         except Exception as e:
-            return self._silence(address, e)
+            self._silence(address, e)
+            return None
         self._silent.discard(address)
         return node, domain, bool(knows_me)
 

@@ -11,6 +11,12 @@ token. With `[security]` empty both are plaintext and token-free (a trusted netw
 - `tls_cert` + `tls_key`: the peer port speaks TLS, and peer channels present this cert.
 - `tls_ca`: peers are verified against this CA, both ways (mutual TLS). Without it the
   server asks for no client cert and clients verify servers against the system roots.
+  With it, a client also checks that the server's cert names the node id it calls
+  (a DNS subjectAltName; `PeerChannels` sets the TLS name to it), so an address taken
+  over by another node gets neither the token nor data.
+- `Hello` (who answers at an address) carries no token: it proves the token by
+  challenge-response both ways (`HelloChallenge`), so membership from DNS or a hostfile
+  hands nothing to whoever answers at a listed address.
 
 Who is calling (`caller_names`), for per-call authorization in PeerService: with
 `tls_ca` set, the node ids a peer's verified client certificate names, as a DNS or URI
