@@ -254,20 +254,20 @@ class PeerClient:
             try:
                 results[node] = call()
                 self.breaker.answered(node)
-            except PeerCallError as e:
-                self.breaker.missed(node, e.code)
-                failed.append((node, e))
+            except PeerCallError as err:
+                self.breaker.missed(node, err.code)
+                failed.append((node, err))
         for node in skipped:
             left = self.breaker.left(node)
             details = "skipped: it did not answer its last call" + (
                 f"; asked again in {left:.0f} s" if left >= 1 else "; being probed"
             )
             failed.append((node, PeerCallError(node, "call", "UNAVAILABLE", details)))
-        for node, e in failed:
+        for node, error in failed:
             if on_error is None:
-                logger.debug("%s", e)
+                logger.debug("%s", error)
             else:
-                on_error(node, e)
+                on_error(node, error)
         return results
 
     def probe_backed_off(self) -> None:

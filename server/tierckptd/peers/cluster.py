@@ -2,9 +2,11 @@
 pushed to or served from this node.
 
 `Cluster` composes the parts (each in its own module) and runs the background work on
-one `JobQueue`: `Heal` after a commit or a publish and every `heal_interval` seconds for
-every committed checkpoint; `Repair` of a copy found corrupt while it was served,
-pushed or scrubbed. A restore (EnsureLocal, a repair, the drain's `.metadata`) goes through
+one `JobQueue` with REPLICATORS workers: `Heal` after a commit or a publish (URGENT,
+ahead of everything else) and every `heal_interval` seconds for every committed
+checkpoint (BACKGROUND); `Repair` of a copy found corrupt while it was served, pushed or
+scrubbed; `Tell` of a replica list a peer did not take. A peer that does not answer is
+skipped for a back-off (`peers/breaker.py`), so a gray peer holds no replicator. A restore (EnsureLocal, a repair, the drain's `.metadata`) goes through
 `restore.Restorer`, whose per-file lock a pushed copy (`receive`) takes too.
 
 No consensus: the DCP coordinator's daemon decides a commit and publishes the cluster
