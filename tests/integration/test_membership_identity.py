@@ -212,3 +212,85 @@ def test_an_insider_cert_for_another_node_cannot_answer_as_node1(
     assert (node1.data_dir(NS, "step-1") / "__0_0.distcp").exists()  # the real node1
     line = _wait_log(node0, "WARNING", f"127.0.0.1:{port_insider}", "node1")
     assert "not a member" in line and "certificate" in line
+
+
+# ---- the rules, without daemons ------------------------------------------------------------
+
+
+class Answers:
+    """Hello answers by address, as a test changes them (an exception: no answer)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, tuple[str, str, bool] | Exception] = {}
+
+    def hello(self, address: str, known: str) -> tuple[str, str, bool]:
+        got = self.at.get(address, ConnectionRefusedError(f"nobody at {address}"))
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+def _discoverer(tmp_path: Path, answers: Answers, lines: list[str]) -> Any:
+    from tierckptd.peers.member_sources import Discoverer
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("\n".join(lines) + "\n")
+    return Discoverer("me", hostfile=str(hostfile), hello=answers.hello, apply=lambda peers: None)
+
+
+def _members(peers: list[Any]) -> dict[str, str]:
+    return {p.id: p.address for p in peers}
+
+
+def test_a_second_claimant_never_displaces_a_member_and_two_new_ones_take_neither(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tierckptd.peers.client import PeerCallError
+
+    answers = Answers()
+    d = _discoverer(tmp_path, answers, ["10.0.0.2:7070", "10.0.0.1:7070"])
+    answers.at["10.0.0.1:7070"] = ("node1", "r1", True)
+    assert _members(d.refresh()) == {"node1": "10.0.0.1:7070"}
+    # A second address claims node1 (listed first): the member stays.
+    answers.at["10.0.0.2:7070"] = ("node1", "r1", True)
+    assert _members(d.refresh()) == {"node1": "10.0.0.1:7070"}
+    assert "node id node1 is claimed at 10.0.0.1:7070 and 10.0.0.2:7070" in caplog.text
+    # Two new claimants of an id no address holds yet: neither is taken.
+    answers.at["10.0.0.3:7070"] = ("node2", "r2", True)
+    answers.at["10.0.0.4:7070"] = ("node2", "r2", True)
+    d.hostfile = str(tmp_path / "hosts2")
+    (tmp_path / "hosts2").write_text("10.0.0.1:7070\n10.0.0.3:7070\n10.0.0.4:7070\n")
+    assert _members(d.refresh()) == {"node1": "10.0.0.1:7070"}
+    assert "keeping none of them" in caplog.text
+    # The member's address stops proving its id: it loses what it proved before.
+    answers.at["10.0.0.1:7070"] = PeerCallError("10.0.0.1:7070", "Hello", "NOT_PROVEN", "no")
+    assert _members(d.refresh()) == {}
+    assert "the daemon at 10.0.0.1:7070 is not a member" in caplog.text
+
+
+def test_stranger_hellos_wake_discovery_within_the_rate_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierckptd.config import PeerConfig
+    from tierckptd.peers import membership as m
+
+    now = [1000.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    members = m.Membership("me", peers=[PeerConfig("peer", "127.0.0.1:1", "r")])
+    woken: list[str] = []
+    members.on_stranger = woken.append
+    members.stranger("peer")  # a member: no round
+    members.stranger("me")
+    for i in range(100):  # a flood within one second
+        members.stranger(f"s{i % 3}")
+    assert woken == ["s0"]
+    now[0] += m.STRANGER_GAP
+    members.stranger("s0")  # its back-off (10 s) has not passed
+    members.stranger("s1")
+    assert woken == ["s0", "s1"]
+    now[0] += m.STRANGER_BACKOFF
+    members.stranger("s0")
+    assert woken == ["s0", "s1", "s0"]
+    now[0] += m.STRANGER_GAP
+    members.stranger("s0")  # back-off doubled to 20 s
+    assert woken == ["s0", "s1", "s0"]
