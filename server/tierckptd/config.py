@@ -127,6 +127,10 @@ class MemoryConfig:
     # The share of the budget the manifests of one coordinating peer may take here (a
     # peer's manifest beyond it is RESOURCE_EXHAUSTED): no peer fills the budget (M3).
     peer_manifest_share: float = 0.01
+    # Namespaces this node keeps at most (its saves, peers' manifests, the persistent
+    # tier's adoptions): a save or manifest of one more is RESOURCE_EXHAUSTED. Each one
+    # costs manifests, directories and metric series; 0 = no bound.
+    max_namespaces: int = 4096
 
 
 @dataclass(frozen=True)
@@ -183,11 +187,28 @@ class SecurityConfig:
     allow_insecure_peers: bool = False
     # "uid": a namespace belongs to the uid that began it; "" = every local caller is trusted.
     local_isolation: str = ""
+    # With local_isolation: the uids that may act on every namespace (the CLI of an
+    # admin). None by default: neither root nor the daemon's uid is one implicitly.
+    operators: tuple[int, ...] = field(default=(), metadata={"kind": "uids"})
+    # With local_isolation: URL prefixes a tenant may point its namespace at
+    # (SetNamespace), `{uid}` and `{namespace}` filled in with the caller's, e.g.
+    # "s3://bucket/tenants/{uid}"; each must also lie under [persistent] allowed_urls.
+    # Empty: tenants keep the default URL; operators may set any allowed URL.
+    tenant_urls: tuple[str, ...] = field(default=(), metadata={"kind": "url_templates"})
+    # With local_isolation: namespaces one uid may own on this node.
+    max_namespaces_per_uid: int = 1024
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     listen: str = ""
+    # Per-namespace series (freshness per tier) for at most this many namespaces, the
+    # most recently committed first (the rest are summed up in tierckpt_namespaces);
+    # 0 = none. Bounds the scrape whatever the cluster's number of jobs.
+    namespace_series: int = 100
+    # Label those series with a short hash of the namespace instead of its name (job
+    # names stay off a /metrics endpoint that other users can reach).
+    hash_namespaces: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +268,10 @@ def _coerce(section: str, f: dataclasses.Field[Any], value: object, default: obj
         return parse_size(value, what=where)
     if f.metadata.get("kind") == "urls":
         return _urls(value, where)
+    if f.metadata.get("kind") == "uids":
+        return _uids(value, where)
+    if f.metadata.get("kind") == "url_templates":
+        return _url_templates(value, where)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
@@ -276,6 +301,45 @@ def _urls(value: object, where: str) -> tuple[str, ...]:
         return tuple(check_persistent_url(v) for v in value)
     except InvalidName as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _uids(value: object, where: str) -> tuple[int, ...]:
+    """A list of numeric uids (names are not resolved: the daemon may run in a container
+    whose /etc/passwd is not its callers')."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 0xFFFFFFFF for v in value
+    ):
+        raise ConfigError(f"{where}: expected a list of numeric uids, e.g. [0, 1000]")
+    return tuple(dict.fromkeys(value))
+
+
+def _url_templates(value: object, where: str) -> tuple[str, ...]:
+    """URL prefixes with optional `{uid}` / `{namespace}` placeholders, each one a valid
+    URL once filled in; a placeholder may only stand for a whole path segment."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f'{where}: expected a list of URLs, e.g. ["s3://bucket/t/{{uid}}"]')
+    out = []
+    for template in value:
+        filled = template.replace("{uid}", "1000").replace("{namespace}", "ns")
+        segments = template.split("/")
+        if (
+            "{" in filled
+            or "}" in filled
+            or any(
+                ("{uid}" in s or "{namespace}" in s) and s not in ("{uid}", "{namespace}")
+                for s in segments
+            )
+        ):
+            raise ConfigError(
+                f"{where}: {template!r}: only {{uid}} and {{namespace}} may be used, each as "
+                "a whole path segment"
+            )
+        try:
+            check_persistent_url(filled)
+        except InvalidName as e:
+            raise ConfigError(f"{where}: {e}") from None
+        out.append(template.rstrip("/"))
+    return tuple(out)
 
 
 # Keys that existed once, with why they went: a clearer refusal than "unknown key".

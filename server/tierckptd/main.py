@@ -110,6 +110,14 @@ def setup_logging(config: Config) -> None:
     set_log_level(config.log.level)
 
 
+def _ask_owner(client: PeerClient, namespace: str) -> tuple[int, str] | None:
+    """Before a uid claims a namespace this node has not seen: its owner per the peers
+    that answer (at once, one deadline for those that do not), else None."""
+    found = client.each(lambda node: client.namespace_owner(node, namespace), parallel=True)
+    owners = sorted(o for o in found.values() if o is not None)
+    return owners[0] if owners else None
+
+
 def _peer_holdings(client: PeerClient) -> PeerLookup:
     """The drain's view of the peers: what each holds of a checkpoint (None: no answer),
     so a replica holder drains the files of an owner that is gone."""
@@ -184,7 +192,14 @@ class Daemon:
         catalog.limit_peer_manifests(cfg.memory.peer_manifest_share)
         try:
             catalog.adopt()
-            access = open_local_access(cfg.security.local_isolation, catalog, cfg.node.id)
+            access = open_local_access(
+                cfg.security.local_isolation,
+                catalog,
+                cfg.node.id,
+                operators=cfg.security.operators,
+                tenant_urls=cfg.security.tenant_urls,
+                max_namespaces_per_uid=cfg.security.max_namespaces_per_uid,
+            )
             metrics.bind_gauges(
                 cfg.memory.budget,
                 catalog.used_bytes,
@@ -196,7 +211,12 @@ class Daemon:
                 lambda: catalog.status().prewarm_pending_bytes,
                 lambda: catalog.status().prewarm_ready_bytes,
             )
-            metrics.bind_freshness(lambda: freshness(catalog.list_checkpoints()))
+            metrics.bind_freshness(
+                lambda: freshness(catalog.list_checkpoints()),
+                max_namespaces=cfg.metrics.namespace_series,
+                hash_labels=cfg.metrics.hash_namespaces,
+            )
+            catalog.max_namespaces = cfg.memory.max_namespaces
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
             # The one restore chain: memory, then the file's peer holders and the other
@@ -233,6 +253,12 @@ class Daemon:
                 heal_interval=cfg.replication.heal_interval,
             )
             self.cluster = cluster
+            if access is not None:  # uid isolation, cluster-wide (rpc/local_access.py)
+                access.ask_peers = functools.partial(_ask_owner, peer_client)
+                iso = access
+                cluster.ops.check_mark = lambda m: iso.check_mark(
+                    m.namespace, m.checkpoint_id, m.uid
+                )
             if stores.enabled:
                 drainer = Drainer(
                     catalog,

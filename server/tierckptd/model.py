@@ -99,6 +99,11 @@ class CheckpointRecord:
     # Where it drains: "" for `[persistent] url`, else the namespace's URL when it was
     # committed (`tierckpt.names.check_persistent_url` grammar; policy checked at use).
     persistent_url: str = ""
+    # With `[security] local_isolation = "uid"`: the uid owning the namespace when it was
+    # saved, and the node where that claim was made (None / "": saved without isolation).
+    # Travels with the manifest; every isolating node refuses it to other uids.
+    owner_uid: int | None = None
+    owner_claim_node: str = ""
     files: dict[str, FileRecord] = field(default_factory=dict)
     # (rank -> bytes reserved and not yet charged by a committed file); WRITING only.
     reservations: dict[int, int] = field(default_factory=dict)
@@ -141,6 +146,8 @@ class CheckpointView:
     durable_requested: bool = False
     persistent_url: str = ""
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
+    owner_uid: int | None = None  # CheckpointRecord.owner_uid
+    owner_claim_node: str = ""
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,8 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         durable_requested=view.durable_requested,
         persistent_url=view.persistent_url,
         lost_files=list(view.lost_files),
+        owner_uid=view.owner_uid,
+        owner_claim_node=view.owner_claim_node,
     )
 
 
@@ -224,6 +226,15 @@ def record_from_info(
         # (`tierckptd.persistent.stores`), against its own `[persistent] allowed_urls`.
         persistent_url=check_persistent_url(info.persistent_url),
     )
+    if info.HasField("owner_uid"):  # the namespace's owner where it was saved (isolation)
+        if info.owner_uid >= 0xFFFFFFFF:
+            raise InvalidArgument(f"{what}: owner_uid {info.owner_uid} is not a uid")
+        rec.owner_uid = info.owner_uid
+        rec.owner_claim_node = (
+            check_node_id(info.owner_claim_node, f"{what}: owner_claim_node")
+            if info.owner_claim_node
+            else ""
+        )
     total = 0
     for e in info.files:
         f = file_from_entry(e)

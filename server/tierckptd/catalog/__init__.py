@@ -50,6 +50,7 @@ from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd import __version__
+from tierckptd.catalog.budget import admit_namespace
 from tierckptd.catalog.state import listing
 from tierckptd.catalog.sweeper import Sweeper
 from tierckptd.catalog.unfinished import UnfinishedSaves
@@ -98,6 +99,7 @@ class Catalog(UnfinishedSaves):
         """Open a save; idempotent for every rank. Committed ids are immutable."""
         fault("save.begin")
         key = self._ref(namespace, checkpoint_id)
+        owner = self.owner_of(namespace)  # uid isolation: the manifest names the owner
         with self._lock:
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
@@ -108,12 +110,21 @@ class Catalog(UnfinishedSaves):
             self._gone.pop(key, None)  # saved again after a delete: peers may publish it
             self._evicted.pop(key, None)
             if rec is None:
+                admit_namespace(
+                    self._records,
+                    namespace,
+                    self.max_namespaces,
+                    node_id=self.node_id,
+                    what="a save",
+                )
                 rec = CheckpointRecord(
                     namespace=namespace,
                     checkpoint_id=checkpoint_id,
                     state=State.WRITING,
                     created_unix=self._wall(),
                     node_id=self.node_id,
+                    owner_uid=owner[0] if owner is not None else None,
+                    owner_claim_node=owner[1] if owner is not None else "",
                 )
                 self._records[key] = rec
                 self._track(rec)
@@ -317,6 +328,7 @@ class Catalog(UnfinishedSaves):
             )
             fault("commit.before_manifest")
             self._write_manifest(staged)
+            self._budget.charge_manifest(key, self._manifest_size(key))  # own ones too (M6)
             fault("commit.after_manifest")
             rec.files.update(added)
             rec.reservations.clear()
@@ -484,11 +496,7 @@ class Catalog(UnfinishedSaves):
 
     def _install(self, adopted: Adopted) -> None:
         tier, records = self.tier, adopted.records
-        charged = {
-            key: self._manifest_size(key)
-            for key, rec in records.items()
-            if coordinator_of(rec.files) != self.node_id
-        }
+        charged = {key: self._manifest_size(key) for key in records}  # every manifest (M6)
         with self._lock:
             self._records = records
             self._budget.reset(adopted.quarantined_bytes + adopted.orphan_bytes)

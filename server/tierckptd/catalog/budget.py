@@ -1,6 +1,6 @@
 """The memory budget (DESIGN.md invariant 7), as running totals under the catalog lock::
 
-    C (committed file bytes held + peers' manifests + quarantined files)
+    C (committed files held + manifests + quarantined files)
   + R (outstanding reservations + incoming copies + pool segments being preallocated)
   + P (warm pool)                                                             <= limit
 
@@ -9,6 +9,11 @@ The catalog reports every change of a checkpoint's held bytes or reservations wi
 one place a request for memory is refused (MemoryBudgetExceeded, RESOURCE_EXHAUSTED):
 each message names what was asked, what is in use and the fix. Pool bytes are
 reclaimable: `admit` drops segments (largest first) to make room.
+
+C is counted the way tmpfs charges it (audit 3, M6): each file in whole pages, one
+page for each checkpoint's data directory, and every manifest (this node's own and its
+peers') in whole pages, so a flood of tiny checkpoints cannot hold more memory than the
+budget says. Reservations stay in bytes (what a rank asked for).
 
 Peers' manifests also have their own cap per coordinating node (`admit_manifest`:
 `manifest_share` of the limit, [memory] peer_manifest_share), so one peer cannot fill
@@ -19,22 +24,67 @@ Not thread-safe: call it under the catalog lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
 from tierckpt.errors import MemoryBudgetExceeded
 from tierckpt.units import format_size
 
 from tierckptd.memory.pool import WarmPool
-from tierckptd.model import Key
+from tierckptd.model import CheckpointRecord, Key
 from tierckptd.ops import metrics
 
-__all__ = ["MANIFEST_SHARE", "MIN_MANIFEST_CAP", "Budget", "IncomingKey"]
+__all__ = [
+    "MANIFEST_SHARE",
+    "MIN_MANIFEST_CAP",
+    "PAGE",
+    "Budget",
+    "IncomingKey",
+    "admit_namespace",
+    "held_charge",
+    "pages",
+]
 
 IncomingKey = tuple[str, str, str]  # (namespace, checkpoint_id, file name)
 # The share of the budget the manifests of one coordinating peer may take, and a floor
 # (a small test budget still takes a few ordinary manifests).
 MANIFEST_SHARE = 0.01
 MIN_MANIFEST_CAP = 256 * 1024
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages (what tmpfs charges for a file of that size)."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def held_charge(rec: CheckpointRecord) -> int:
+    """What the files a checkpoint holds here cost in memory: each committed, held file
+    in whole pages (an empty one costs its inode only: counted with the directory), plus
+    one page for the checkpoint's data directory when it holds any."""
+    held = [f.size for f in rec.files.values() if f.committed and f.held]
+    return sum(pages(size) for size in held) + (PAGE if held else 0)
+
+
+def admit_namespace(
+    records: Iterable[Key], namespace: str, limit: int, *, node_id: str, what: str
+) -> None:
+    """Refuse (MemoryBudgetExceeded) a checkpoint of a namespace this node does not hold
+    yet when it holds `limit` namespaces already (0: no bound): each costs directories,
+    manifests and metric series whatever its size, so a flood of one-byte saves in
+    fresh namespaces (or a peer's manifests of them) is bounded."""
+    if not limit:
+        return
+    namespaces = {key[0] for key in records}
+    if namespace in namespaces or len(namespaces) < limit:
+        return
+    metrics.REJECTED_SAVES.labels(reason="namespaces").inc()
+    raise MemoryBudgetExceeded(
+        f"node {node_id} holds checkpoints of {len(namespaces):,} namespaces, the most "
+        f"[memory] max_namespaces = {limit:,} allows; {what} in a new namespace "
+        f"{namespace[:64]!r} is refused: remove the checkpoints of namespaces no longer "
+        "used (`tierckpt rm`), or raise [memory] max_namespaces"
+    )
 
 
 class Budget:
@@ -86,7 +136,8 @@ class Budget:
         self._reserved[key] = reserved
 
     def charge_manifest(self, key: Key, nbytes: int) -> None:
-        """The JSON bytes of a manifest another node coordinates (0: none charged)."""
+        """The JSON bytes of a checkpoint's manifest, charged in whole pages (0: none)."""
+        nbytes = pages(nbytes)
         self._manifest_total += nbytes - self._manifests.pop(key, 0)
         if nbytes:
             self._manifests[key] = nbytes

@@ -19,6 +19,7 @@ from tierckpt.errors import (
 from tierckpt.names import METADATA_FILE
 from tierckpt.units import format_size
 
+from tierckptd.catalog.budget import admit_namespace
 from tierckptd.catalog.persistent_marks import PersistentMarks
 from tierckptd.catalog.state import MAX_GONE, listing
 from tierckptd.catalog.views import Health, found
@@ -122,6 +123,8 @@ class PeerState(PersistentMarks):
         coordinator, so it can only push out checkpoints of its own coordinator.
         """
         key = self._ref(published.namespace, published.checkpoint_id)
+        if self.check_owner is not None:  # uid isolation: another uid's namespace here
+            self.check_owner(published)
         with self._lock:
             gone = self._gone.get(key)
             if gone is not None and published.committed_unix <= gone + DELETE_SKEW:
@@ -133,6 +136,14 @@ class PeerState(PersistentMarks):
             if rec is not None and rec.state is State.COMMITTED:
                 self._merge_published(rec, published)
                 return True
+            if rec is None:
+                admit_namespace(
+                    self._records,
+                    key[0],
+                    self.max_namespaces,
+                    node_id=self.node_id,
+                    what=f"the manifest of {_key_name(key)}",
+                )
             local = rec.files if rec is not None and rec.state is State.WRITING else {}
             mine_meta = local.get(METADATA_FILE)
             if mine_meta is not None and mine_meta.committed and mine_meta.held:

@@ -20,7 +20,7 @@ from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound
 from tierckpt.names import check_checkpoint_id, check_namespace
 from tierckpt.units import format_size
 
-from tierckptd.catalog.budget import Budget
+from tierckptd.catalog.budget import Budget, held_charge
 from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, assign
 from tierckptd.catalog.retention import evictions_by_coordinator
 from tierckptd.catalog.views import Health, all_lost, is_lost, view_of
@@ -117,6 +117,13 @@ class CatalogState:
         self.prewarm_pending: Callable[[], int] = lambda: 0  # bytes planned, not made yet
         self.pool_use = PoolUse()
         self._prewarm_begun: set[str] = set()  # namespaces prewarmed for at a Begin
+        # `[security] local_isolation = "uid"` (`rpc.local_access`, never called under the
+        # lock): a namespace's owner (uid, node of the claim), stamped on each new save's
+        # record so it travels with the manifest, and the check of a peer's manifest
+        # against this node's owner (PermissionDenied) before a publish is taken.
+        self.owner_of: Callable[[str], tuple[int, str] | None] = lambda namespace: None
+        self.check_owner: Callable[[CheckpointRecord], None] | None = None
+        self.max_namespaces = 0  # `[memory] max_namespaces` (0: no bound)
 
     @property
     def budget(self) -> int:
@@ -131,7 +138,8 @@ class CatalogState:
     def _track(self, rec: CheckpointRecord) -> None:
         """Tell the budget what `rec` holds and reserves now (after every change)."""
         if self._records.get(rec.key) is rec:
-            self._budget.track(rec.key, rec.held_bytes, sum(rec.reservations.values()))
+            # Whole pages, as tmpfs charges them (`budget.held_charge`).
+            self._budget.track(rec.key, held_charge(rec), sum(rec.reservations.values()))
 
     def _unwritten(self) -> int:
         """Reserved bytes whose pages are not allocated yet (call under the lock): per

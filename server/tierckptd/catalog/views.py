@@ -128,6 +128,8 @@ def view_of(
         durable_requested=rec.durable_requested,
         persistent_url=rec.persistent_url,
         lost_files=lost_files,
+        owner_uid=rec.owner_uid,
+        owner_claim_node=rec.owner_claim_node,
     )
 
 

@@ -39,6 +39,7 @@ __all__ = [
 FORMAT_VERSION = 1
 # Largest manifest read back from disk: digests of a 16 TiB checkpoint in 1 MiB blocks.
 MAX_MANIFEST_BYTES = 1 << 30
+MAX_UID = 0xFFFFFFFF  # (uid_t)-1 is no uid
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -119,6 +120,8 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "durable_requested": record.durable_requested,
         "persistent_url": record.persistent_url,
         "node_id": record.node_id,
+        "owner_uid": record.owner_uid,
+        "owner_claim_node": record.owner_claim_node,
         "files": files,
     }
 
@@ -130,6 +133,18 @@ def _flag(doc: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise ManifestError(f"malformed manifest: {key} is not a boolean")
     return value
+
+
+def _owner(doc: dict[str, Any]) -> tuple[int | None, str]:
+    """The optional namespace owner (absent before uid isolation travelled: None, "")."""
+    uid, node = doc.get("owner_uid"), doc.get("owner_claim_node") or ""
+    if uid is not None and (type(uid) is not int or not 0 <= uid < MAX_UID):
+        raise ManifestError("malformed manifest: owner_uid is not a uid")
+    if not isinstance(node, str) or len(node) > 128:
+        raise ManifestError("malformed manifest: owner_claim_node is not a node id")
+    return uid, node
+
+
 
 
 def from_json(doc: dict[str, Any]) -> CheckpointRecord:
@@ -149,6 +164,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
             durable_requested=_flag(doc, "durable_requested"),
             persistent_url=check_persistent_url(doc.get("persistent_url", "")),
         )
+        record.owner_uid, record.owner_claim_node = _owner(doc)
         for f in doc["files"]:
             checksums = BlockChecksums(
                 block_size=int(f["block_size"]),

@@ -8,6 +8,7 @@ checkpoint), by peer (the current membership), never by checkpoint id.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -256,14 +257,40 @@ PEER_CALLS_SKIPPED = Counter(
 )
 
 
+DEFAULT_NAMESPACE_SERIES = 100
+
+
+def namespace_label(namespace: str, hashed: bool) -> str:
+    """The namespace as a label: its name, or (`[metrics] hash_namespaces`) "ns-" and 12
+    hex digits of its SHA-256, stable across nodes and restarts (an operator maps it back
+    with `tierckpt status`, which shows names to those allowed to see them)."""
+    if not hashed:
+        return namespace
+    return "ns-" + hashlib.sha256(namespace.encode()).hexdigest()[:12]
+
+
+def newest_namespaces(
+    fresh: Mapping[str, Mapping[str, float]], limit: int
+) -> list[tuple[str, Mapping[str, float]]]:
+    """The `limit` namespaces committed most recently (any tier), newest first, ties by
+    name: the per-namespace series a scrape carries (audit 3 M6: one series per
+    namespace and tier grows the scrape with the cluster's job count, gossip included)."""
+    ranked = sorted(fresh.items(), key=lambda item: (-max(item[1].values(), default=0.0), item[0]))
+    return ranked[: max(limit, 0)]
+
+
 class _Live(Collector):
-    """The labelled series read at scrape time: per-tier freshness and peer up/down."""
+    """The labelled series read at scrape time: per-tier freshness (the newest
+    `max_namespaces` namespaces, their names hashed with `hash_labels`), the number of
+    namespaces, and peer up/down."""
 
     def __init__(self) -> None:
         self.freshness: Callable[[], Mapping[str, Mapping[str, float]]] | None = None
         self.peers: Callable[[], Iterable[str]] | None = None
+        self.max_namespaces = DEFAULT_NAMESPACE_SERIES
+        self.hash_labels = False
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
             GaugeMetricFamily(
                 "tierckpt_newest_checkpoint_timestamp_seconds",
@@ -277,18 +304,26 @@ class _Live(Collector):
                 "1 if the peer answered this node's last call to it, 0 if it was not reached",
                 labels=["peer"],
             ),
+            GaugeMetricFamily(
+                "tierckpt_namespaces",
+                "Namespaces with a committed checkpoint on this node; the freshness series "
+                "cover the most recently committed [metrics] namespace_series of them",
+            ),
         )
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        fresh, up = self._families()
+        fresh, up, count = self._families()
         try:
             if self.freshness is not None:
-                for namespace, tiers in sorted(self.freshness().items()):
+                every = self.freshness()
+                count.add_metric([], float(len(every)))
+                for namespace, tiers in newest_namespaces(every, self.max_namespaces):
+                    label = namespace_label(namespace, self.hash_labels)
                     for tier, ts in sorted(tiers.items()):
-                        fresh.add_metric([namespace, tier], ts)
+                        fresh.add_metric([label, tier], ts)
             if self.peers is not None:
                 members = set(self.peers())
                 with _peer_lock:
@@ -301,16 +336,26 @@ class _Live(Collector):
             logger.exception("cannot read the freshness or peer series")
         yield fresh
         yield up
+        yield count
 
 
 _LIVE = _Live()
 REGISTRY.register(_LIVE)
 
 
-def bind_freshness(freshness: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+def bind_freshness(
+    freshness: Callable[[], Mapping[str, Mapping[str, float]]],
+    *,
+    max_namespaces: int = DEFAULT_NAMESPACE_SERIES,
+    hash_labels: bool = False,
+) -> None:
     """Read {namespace: {tier: newest commit time}} (`catalog.views.freshness`) at each
-    scrape; a namespace with no checkpoint is simply absent."""
+    scrape; a namespace with no checkpoint is simply absent. Series for the newest
+    `max_namespaces` namespaces only (`[metrics] namespace_series`), labelled with a
+    hash of the name with `hash_labels` (`[metrics] hash_namespaces`)."""
     _LIVE.freshness = freshness
+    _LIVE.max_namespaces = max_namespaces
+    _LIVE.hash_labels = hash_labels
 
 
 def bind_peers(peers: Callable[[], Iterable[str]]) -> None:

@@ -9,6 +9,7 @@ generated message, and can be tested with a fake client.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -177,6 +178,7 @@ def mark_to_wire(mark: Mark) -> peer_pb2.CheckpointMark:
         kind=_KINDS[mark.kind],
         stamp_unix=mark.stamp,
         origin_node=mark.origin,
+        caller_uid=mark.uid,
     )
 
 
@@ -185,9 +187,14 @@ def mark_from_wire(m: peer_pb2.CheckpointMark, *, now: float) -> Mark:
     kind = _FROM_WIRE.get(m.kind)
     if kind is None:
         raise InvalidArgument(f"unknown mark kind {int(m.kind)}: expected rm, pin or unpin")
-    return check_mark(
+    mark = check_mark(
         m.ref.namespace, m.ref.checkpoint_id, kind, m.stamp_unix, m.origin_node, now=now
     )
+    if m.HasField("caller_uid"):  # uid isolation at the origin: the uid that asked
+        if m.caller_uid >= 0xFFFFFFFF:
+            raise InvalidArgument(f"caller_uid {m.caller_uid} of a mark is not a uid")
+        mark = dataclasses.replace(mark, uid=m.caller_uid)
+    return mark
 
 
 class PeerClient:
@@ -382,6 +389,30 @@ class PeerClient:
             if info.state == common_pb2.LOST:
                 lost.append(records[-1].key)
         return Manifests(records, refused, lost)
+
+    def namespace_owner(self, node: str, namespace: str) -> tuple[int, str] | None:
+        """Who owns `namespace` per `node` (uid isolation): the owner it recorded, else
+        the one its newest manifest of the namespace names; None when it knows none.
+        Asked before a claim, so a peer that is down costs one deadline, no waiting."""
+        stub = self._stub(node, "ListManifests")
+        try:
+            resp = stub.ListManifests(
+                peer_pb2.ListManifestsRequest(namespace=namespace),
+                timeout=CONTROL_TIMEOUT,
+                wait_for_ready=False,
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "ListManifests", e) from None
+        metrics.peer_answered(node)
+        if resp.HasField("namespace_owner_uid") and resp.namespace_owner_uid < 0xFFFFFFFF:
+            return resp.namespace_owner_uid, resp.namespace_owner_node[:128] or node
+        owned = [
+            i for i in resp.checkpoints if i.HasField("owner_uid") and i.owner_uid < 0xFFFFFFFF
+        ]
+        if owned:
+            newest = max(owned, key=lambda i: i.sequence)
+            return newest.owner_uid, newest.owner_claim_node[:128] or node
+        return None
 
     def apply_mark(self, node: str, mark: Mark) -> None:
         """ApplyMark: tell `node` of a cluster rm, pin or unpin this node made (a peer

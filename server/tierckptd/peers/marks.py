@@ -14,6 +14,7 @@ mark on return, and what a restarted node re-applies to its own adopted checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -59,6 +60,9 @@ class Mark:
     kind: MarkKind
     stamp: float  # the origin's wall clock when it applied it
     origin: str  # the node a user asked
+    # The uid that asked, under `[security] local_isolation = "uid"` when it is no
+    # operator (None otherwise): peers apply it only to that uid's checkpoints.
+    uid: int | None = None
 
     @property
     def key(self) -> Key:
@@ -219,6 +223,8 @@ class MarkJournal:
                         "stamp": m.stamp,
                         "origin": m.origin,
                     }
+                    if m.uid is not None:
+                        row["uid"] = m.uid
                     if m.kind is MarkKind.DELETED and e.url is not None:
                         row["owed_url"] = e.url
                     entries.append(row)
@@ -293,4 +299,9 @@ def _row(row: object, now: float) -> tuple[Mark, str | None]:
         str(row["origin"]),
         now=now,
     )
+    uid = row.get("uid")
+    if uid is not None:
+        if type(uid) is not int or not 0 <= uid < 0xFFFFFFFF:
+            raise ValueError("uid")
+        mark = dataclasses.replace(mark, uid=uid)
     return mark, url if mark.kind is MarkKind.DELETED else None

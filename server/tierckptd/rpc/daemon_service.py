@@ -88,12 +88,17 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             return None
         return access.caller(context.invocation_metadata(), method)
 
-    def _allow(self, context: Any, method: str, namespace: str, *, begin: bool = False) -> None:
+    def _allow(
+        self, context: Any, method: str, namespace: str, *, begin: bool = False
+    ) -> int | None:
         """With local_isolation, abort unless the caller's uid may act on `namespace`
-        (PERMISSION_DENIED for another uid's)."""
+        (PERMISSION_DENIED for another uid's); the caller's uid when it is a tenant (no
+        operator), which cluster marks carry so peers check it too; else None."""
         access, uid = self.access, self._caller(context, method)
-        if access is not None and uid is not None:
-            access.authorize(uid, namespace, method, begin=begin)
+        if access is None or uid is None:
+            return None
+        access.authorize(uid, namespace, method, begin=begin)
+        return None if uid in access.operators else uid
 
     def _visible(self, context: Any, method: str, uid: int | None, names: set[str]) -> set[str]:
         """The namespaces `uid` may see in lists (all of them without local_isolation)."""
@@ -117,9 +122,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         self, request: daemon_pb2.SetNamespaceRequest, context: Any
     ) -> daemon_pb2.SetNamespaceResponse:
         namespace = check_namespace(request.namespace)
-        self._allow(context, "SetNamespace", namespace, begin=True)
+        tenant = self._allow(context, "SetNamespace", namespace, begin=True)
         if self.persistent_urls is not None:
             recorded = self.persistent_urls(request.persistent_url)  # validates, normalizes
+            if tenant is not None and self.access is not None:  # a tenant's own prefix only
+                self.access.check_url(tenant, namespace, recorded)
         elif request.persistent_url:
             raise PermissionDenied(
                 f"cannot set the persistent URL of {namespace}: this daemon has no persistent "

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.budget import held_charge
 from tierckptd.memory.tier import MemoryTier
 
 
@@ -64,7 +65,7 @@ def assert_budget_consistent(catalog: Catalog) -> None:
     budget, records = catalog._budget, catalog._records
     with catalog._lock:
         assert set(budget._held) == set(records)
-        assert budget._held_total == sum(r.held_bytes for r in records.values())
+        assert budget._held_total == sum(held_charge(r) for r in records.values())
         assert budget._reserved_total == sum(sum(r.reservations.values()) for r in records.values())
         assert budget._incoming_total == sum(budget.incoming.values())
         assert budget._manifest_total == sum(budget._manifests.values())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from tierckpt.errors import MemoryBudgetExceeded
-from tierckptd.catalog.budget import Budget
+from tierckptd.catalog.budget import PAGE, Budget
 from tierckptd.memory.pool import Segment, WarmPool
 from tierckptd.memory.tier import MemoryTier
 from tierckptd.ops import metrics
@@ -34,11 +34,11 @@ def test_running_totals_follow_track_and_forget(tmp_path: Path) -> None:
     b.track(("run", "s1"), 10 * KiB, 5 * KiB)
     b.track(("run", "s2"), 0, 7 * KiB)
     b.track(("run", "s1"), 12 * KiB, 0)  # the reservation became held bytes
-    b.charge_manifest(("peer", "s9"), 2 * KiB)
+    b.charge_manifest(("peer", "s9"), 2 * KiB)  # charged in whole pages (audit 3 M6)
     b.start_incoming(("run", "s3", "f"), 4 * KiB)
     b.pool.pending = 1 * KiB
     b.quarantined = 1 * KiB
-    assert (b.used, b.reserved, b.pooled) == (15 * KiB, 12 * KiB, 3 * KiB)
+    assert (b.used, b.reserved, b.pooled) == (13 * KiB + PAGE, 12 * KiB, 3 * KiB)
     assert b.checkpoints == 2
     b.finish_incoming(("run", "s3", "f"))
     b.forget(("run", "s1"))

@@ -145,7 +145,8 @@ def test_ownership_and_acls_survive_a_restart(make_catalog: MakeCatalog, save: S
     assert _acl_users(ns_dir) == {A}
     assert stat.S_IMODE(os.stat(ns_dir).st_mode) == 0o2750  # the mask; group entry is ---
     owners = catalog.tier.root / "owners" / "jobA"
-    assert owners.read_text() == f"{A}\n" and stat.S_IMODE(owners.stat().st_mode) == 0o600
+    # The uid and the node of the claim (the claim travels with manifests: issue 22).
+    assert owners.read_text() == f"{A} node-a\n" and stat.S_IMODE(owners.stat().st_mode) == 0o600
     catalog.tier.close()
 
     again = make_catalog()  # a restarted daemon on the same memory dir

@@ -104,7 +104,9 @@ def test_corrupt_checkpoint_is_not_served(make_catalog, save, caplog) -> None:  
     assert manifest.with_name("step-2.json.corrupt").exists()
     assert path.exists()  # kept for inspection
     assert "not serving run/step-2" in caplog.text
-    assert second.status().used_bytes == 10000  # quarantined bytes still count
+    budget = second._budget  # quarantined bytes still count, beside step-1's pages
+    assert budget.quarantined == 5000
+    assert second.status().used_bytes == 5000 + budget._held_total + budget._manifest_total
 
 
 def test_missing_file_is_not_adopted(make_catalog, save) -> None:  # type: ignore[no-untyped-def]

@@ -34,7 +34,7 @@ def test_metrics_endpoint_reports_catalog(catalog: Catalog, save) -> None:  # ty
         body = _scrape(endpoint.port)
     finally:
         endpoint.stop()
-    assert _value(body, "tierckpt_memory_used_bytes") == 100.0
+    assert _value(body, "tierckpt_memory_used_bytes") == catalog.used_bytes() >= 3 * 4096
     assert _value(body, "tierckpt_committed_checkpoints") == 1.0
     # counters are process-wide (other tests commit too): this save added exactly one
     commits = _value(body, "tierckpt_commits_total") - _value(before, "tierckpt_commits_total")
@@ -47,3 +47,34 @@ def test_metrics_endpoint_reports_catalog(catalog: Catalog, save) -> None:  # ty
     # stopped: nothing listens on the port any more
     with pytest.raises(OSError):
         _scrape(endpoint.port)
+
+
+def test_namespace_series_are_capped_to_the_newest_and_can_be_hashed() -> None:
+    """Audit 3 M6/L4: one freshness series per namespace and tier grew the scrape with
+    every job of the cluster (gossip brings them all) and named every job; now only the
+    newest `namespace_series` namespaces get series, optionally under a hashed label, and
+    tierckpt_namespaces still counts them all."""
+    fresh = {f"job-{i:05d}": {"memory": 1000.0 + i, "durable": 500.0 + i} for i in range(5000)}
+    endpoint = metrics.serve("127.0.0.1:0")
+    try:
+        metrics.bind_freshness(lambda: fresh, max_namespaces=3)
+        body = _scrape(endpoint.port)
+        metrics.bind_freshness(lambda: fresh, max_namespaces=3, hash_labels=True)
+        hashed = _scrape(endpoint.port)
+    finally:
+        metrics.bind_freshness(lambda: {})
+        endpoint.stop()
+    series = re.findall(
+        r'^tierckpt_newest_checkpoint_timestamp_seconds\{namespace="([^"]+)"', body, re.M
+    )
+    assert sorted(set(series)) == ["job-04997", "job-04998", "job-04999"]  # the newest 3
+    assert len(series) == 6  # two tiers each
+    assert _value(body, "tierckpt_namespaces") == 5000.0
+    assert "job-0" not in hashed
+    labels = set(
+        re.findall(
+            r'^tierckpt_newest_checkpoint_timestamp_seconds\{namespace="([^"]+)"', hashed, re.M
+        )
+    )
+    want = {metrics.namespace_label(f"job-{i:05d}", True) for i in (4997, 4998, 4999)}
+    assert labels == want and all(re.fullmatch(r"ns-[0-9a-f]{12}", label) for label in labels)

@@ -27,6 +27,7 @@ from tierckpt.errors import (
 )
 from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.budget import PAGE, pages
 from tierckptd.config import PeerConfig
 from tierckptd.memory.incoming import IncomingFile, restore_plan
 from tierckptd.memory.manifest import read_manifest
@@ -86,7 +87,8 @@ def test_commit_with_remote_files_then_replicated(catalog: Catalog, save: Save) 
     view = catalog.commit("run", "s1", ["__0_0.distcp", "__1_0.distcp"], remote)
     assert view.state is State.COMMITTED and view.tiers == ("peer",)
     assert view.local_paths["__1_0.distcp"] == ""
-    assert catalog.used_bytes() == 10  # only held bytes count against the budget
+    # Only held files count (in pages, with their data dir), and the manifest.
+    assert catalog.used_bytes() == 2 * PAGE + catalog._budget._manifest_total
     catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-b"])
     catalog.set_replicas("run", "s1", "__1_0.distcp", ["node-c"])
     assert catalog.get("run", "s1").state is State.REPLICATED
@@ -110,8 +112,8 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     rec = CheckpointRecord("run", "s2", State.COMMITTED, 1.0, "node-a", 2.0, 7, files=published)
     assert catalog.publish(rec)
     # Node a coordinates it: its manifest counts against this node's budget too.
-    charged = catalog.used_bytes() - 100
-    assert 0 < charged < 2048
+    charged = catalog.used_bytes() - pages(100) - PAGE  # the held file and its dir
+    assert charged == PAGE  # the manifest, in whole pages
     view = catalog.get("run", "s2")
     assert view.sequence == 7 and view.local_paths["__1_0.distcp"]
     assert not view.local_paths["__0_0.distcp"]
@@ -134,13 +136,13 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     _receive(catalog, "run", "s2", "__0_0.distcp", data)
     view = catalog.get("run", "s2")
     assert Path(view.local_paths["__0_0.distcp"]).read_bytes() == data
-    assert catalog.used_bytes() == 5100 + charged
+    assert catalog.used_bytes() == pages(5000) + pages(100) + PAGE + charged
     manifest = read_manifest(catalog.tier.manifest_path("run", "s2"))
     assert manifest.files["__0_0.distcp"].held
     assert manifest.files["__0_0.distcp"].replica_nodes == ["node-b"]
     # Dropping a corrupt copy gives the bytes back and stops serving it.
     assert catalog.drop_local_copy("run", "s2", "__0_0.distcp")
-    assert catalog.used_bytes() == 100 + charged
+    assert catalog.used_bytes() == pages(100) + PAGE + charged
     assert catalog.file_view("run", "s2", "__0_0.distcp")[1] == ""
 
 

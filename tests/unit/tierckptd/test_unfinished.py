@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import Catalog
+from tierckptd.catalog.budget import PAGE, pages
 from tierckptd.catalog.unfinished import UNFINISHED_PATIENCE, Resolution
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
@@ -132,7 +133,7 @@ def test_after_a_restart_orphan_files_are_installed_when_a_manifest_names_them(
     assert s2_dir.exists()
     node.salvage_orphans(final=True)
     assert not s2_dir.exists()
-    assert node.used_bytes() == 5000 + node._budget._manifest_total
+    assert node.used_bytes() == pages(5000) + PAGE + node._budget._manifest_total
 
 
 def test_an_orphan_that_does_not_match_the_manifest_is_collected_not_installed(
