@@ -106,6 +106,8 @@ def test_config_is_valid_and_passes_the_insecure_peer_check(
     assert config.security.tls_ca and not config.security.allow_insecure_peers
     assert exposure_warnings(config) == []
     assert config.metrics.listen == f"{POD_IP}:9464"  # the pod IP, not 0.0.0.0
+    # Unauthenticated there: no job names (hashed labels), bounded series (audit 3 L4, M6).
+    assert config.metrics.hash_namespaces and 0 < config.metrics.namespace_series <= 100
     assert config.persistent.storage_options == {}  # no credentials in a ConfigMap
 
 
