@@ -182,8 +182,9 @@ class TieredStorageReader(StorageReader):
         except TierckptError as e:  # only for the log line: the load goes on
             logger.info("restoring %s/%s, the newest (%s)", info.namespace, info.checkpoint_id, e)
             return
-        order = (info.committed_unix, info.sequence)
-        lost = [c for c in rows if c.state == "LOST" and (c.committed_unix, c.sequence) > order]
+        # The daemon's order: the sequence (a Lamport-style counter), never wall time.
+        order = (info.sequence, info.committed_unix)
+        lost = [c for c in rows if c.state == "LOST" and (c.sequence, c.committed_unix) > order]
         self.lost_newer = tuple(c.checkpoint_id for c in lost)
         if lost:
             logger.warning(

@@ -24,7 +24,9 @@ MAX_FILES = 100_000
 MAX_REPLICAS = 64
 MIN_BLOCK_SIZE = 64 << 10
 MAX_BLOCK_SIZE = 16 << 20
-# How far in the future a peer's timestamp may be (clocks of a cluster disagree a bit).
+# Clocks of a cluster disagree: a peer's timestamp more than this ahead of this node's
+# clock is reported as skew (metric, status, a warning), then clamped to "now"; time never
+# orders checkpoints (the sequence does), so a skewed node still replicates.
 CLOCK_SKEW = 300.0
 
 
@@ -35,6 +37,7 @@ __all__ = [
     "Key",
     "NodeStatusView",
     "State",
+    "Trust",
     "coordinator_of",
 ]
 
@@ -53,6 +56,26 @@ class State(enum.Enum):
     # A view of a COMMITTED record some file of which has no copy left on any tier (the
     # healer's finding); never loaded, never the newest. Heals back if a copy reappears.
     LOST = "LOST"
+
+
+class Trust(enum.Enum):
+    """Whether a checkpoint may be its namespace's newest here (audit 3, H2).
+
+    A namespace is bound to the nodes that write it: its writers on this node are the
+    coordinators of its PROVEN checkpoints, or, while it has none, of its VOUCHED ones.
+    Only a checkpoint whose coordinator is a writer (or with no coordinator left: one
+    the persistent tier holds) is ever "newest" / `latest`; the others are listed and
+    held, but a job never restores one unless it names it.
+    """
+
+    # Committed here, saved with files this node's ranks wrote (this node took part in
+    # the save), or found in this node's persistent tier.
+    PROVEN = "proven"
+    # A peer's, coordinated by a writer of the namespace, or the first coordinator this
+    # node heard of for a namespace it knew nothing of (trust on first use).
+    VOUCHED = "vouched"
+    # A peer's, whose coordinator does not write the namespace here.
+    FOREIGN = "foreign"
 
 
 @dataclass
@@ -108,6 +131,8 @@ class CheckpointRecord:
     # (rank -> bytes reserved and not yet charged by a committed file); WRITING only.
     reservations: dict[int, int] = field(default_factory=dict)
     last_activity: float = 0.0  # catalog clock, WRITING only
+    begun: float = 0.0  # catalog (monotonic) clock at BeginCheckpoint, WRITING only
+    trust: Trust = Trust.PROVEN  # see `Trust` (kept in the manifest)
 
     @property
     def key(self) -> Key:
@@ -123,9 +148,12 @@ class CheckpointRecord:
         return sum(f.size for f in self.files.values() if f.committed and f.held)
 
     @property
-    def order(self) -> tuple[float, int]:
-        """Commit order that agrees across nodes (the coordinator's time and sequence)."""
-        return (self.committed_unix, self.sequence)
+    def order(self) -> tuple[int, float]:
+        """Commit order that agrees across nodes: the coordinator's sequence, a
+        Lamport-style counter (every node commits above any sequence it has taken from a
+        writer of the namespace), never wall time; time only breaks a tie (two
+        coordinators that never heard of each other's commits)."""
+        return (self.sequence, self.committed_unix)
 
 
 @dataclass(frozen=True)

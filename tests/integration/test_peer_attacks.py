@@ -252,14 +252,15 @@ def test_far_future_manifests_do_not_evict_real_checkpoints(victim: Victim) -> N
     save(victim, ns, "step-2")
     real = {cid: victim.daemon.data_dir(ns, cid) for cid in ("step-1", "step-2")}
     # The audit's 6a: committed_unix=4e9 made two fakes "newest" and evicted the real ones.
-    for i in (1, 2):
-        assert publish(victim, manifest(ns, f"fake-{i}", committed=4e9)) == CODE.INVALID_ARGUMENT
-    assert victim.client.get_checkpoint(ns).checkpoint_id == "step-2"
-    # Within the clock skew a fake is taken, dated when it arrived, and only ever
-    # competes with its own coordinator's checkpoints for memory_keep_last.
+    # Time orders nothing now (audit 3, H6): a fake is taken whatever its time, dated when
+    # it arrived, never the newest of a namespace its coordinator does not write (audit 3,
+    # H2), and only ever competes with its own coordinator's checkpoints for
+    # memory_keep_last.
     for i in (1, 2, 3):
-        assert publish(victim, manifest(ns, f"fake-{i}", committed=time.time() + 200)) == CODE.OK
+        assert publish(victim, manifest(ns, f"fake-{i}", committed=4e9, sequence=10**9)) == CODE.OK
+    assert victim.client.get_checkpoint(ns).checkpoint_id == "step-2"
     assert set(ids(victim, ns)) == {"step-1", "step-2", "fake-2", "fake-3"}
+    assert victim.client.get_checkpoint(ns, "fake-3").committed_unix <= time.time() + 1
     assert all(p.is_dir() and any(p.iterdir()) for p in real.values())
     assert not victim.client.get_checkpoint(ns, "fake-3").pinned  # a peer cannot pin here
     save(victim, ns, "step-3")
@@ -295,7 +296,8 @@ def test_a_publish_never_loses_a_save(victim: Victim) -> None:
     assert on_disk.read_bytes() == files["__0_0.distcp"]
     info = victim.client.commit_checkpoint(ns, cid, list(files))
     assert info.state == "COMMITTED" and all(f.local_path for f in info.files)
-    assert publish(victim, other) == CODE.FAILED_PRECONDITION
+    # Committed here by the victim: mallory is not its coordinator (audit 3, M2).
+    assert publish(victim, other) == CODE.PERMISSION_DENIED
     for name, data in files.items():
         assert Path(victim.client.ensure_local(ns, cid, name).local_path).read_bytes() == data
 

@@ -80,6 +80,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STEP_ID = re.compile(r"step_(\d+)")
+# The daemon's tier tag of a checkpoint whose coordinator does not write its namespace
+# on that node (`tierckptd.catalog.views.FOREIGN_TAG`): never the newest step.
+FOREIGN = "foreign"
 DEFAULT_S3_TIMEOUT_S = 600.0
 _POLL_S = 0.2
 
@@ -360,7 +363,10 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         super().reset(None if self.step is None else checkpoint_id_of_step(self.step))
 
     def newest_step(self) -> int:
-        """The highest ``step_N`` of the namespace in any tier the daemon knows."""
+        """The highest ``step_N`` of the namespace in any tier the daemon knows, among
+        the checkpoints the daemon would restore as a newest: a LOST one, or one tagged
+        `foreign` (published by a node that does not write the namespace, audit 3 H2:
+        a peer's ``step_99999999``), never is."""
         try:
             rows = self.client.list_checkpoints(self.namespace)
         except TierckptError as e:
@@ -368,7 +374,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         # A LOST step (a file left on no tier after a node loss) cannot be restored: the
         # newest step that can is the answer, as the seed falls back to an older step.
         found = [
-            (int(m.group(1)), r.state) for r in rows if (m := _STEP_ID.fullmatch(r.checkpoint_id))
+            (int(m.group(1)), r.state)
+            for r in rows
+            if (m := _STEP_ID.fullmatch(r.checkpoint_id)) and FOREIGN not in r.tiers
         ]
         steps = [step for step, state in found if state != "LOST"]
         lost = sorted(step for step, state in found if state == "LOST")

@@ -64,6 +64,7 @@ from tierckptd.model import (
     FileRecord,
     NodeStatusView,
     State,
+    Trust,
     coordinator_of,
 )
 from tierckptd.ops import logs, metrics
@@ -108,6 +109,7 @@ class Catalog(UnfinishedSaves):
                     f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
                 )
             self._gone.pop(key, None)  # saved again after a delete: peers may publish it
+            self._gone_sequence.pop(key, None)
             self._evicted.pop(key, None)
             if rec is None:
                 admit_namespace(
@@ -126,6 +128,7 @@ class Catalog(UnfinishedSaves):
                     owner_uid=owner[0] if owner is not None else None,
                     owner_claim_node=owner[1] if owner is not None else "",
                 )
+                rec.begun = self._clock()
                 self._records[key] = rec
                 self._track(rec)
                 ctx = logs.context(namespace, checkpoint_id, rank)
@@ -354,7 +357,7 @@ class Catalog(UnfinishedSaves):
                 if (
                     other.namespace == namespace
                     and other.state is State.WRITING
-                    and other.created_unix <= rec.created_unix
+                    and other.begun <= rec.begun  # begun before it (monotonic, not wall)
                 ):
                     self._abort(other, f"superseded by the commit of {checkpoint_id}")
             self._notify_committed(rec)
@@ -405,6 +408,7 @@ class Catalog(UnfinishedSaves):
         with self._lock:
             if not checkpoint_id:
                 rec = self._newest(namespace)
+                self._say_skipped(namespace, rec)
             else:
                 rec = self._records.get((namespace, check_checkpoint_id(checkpoint_id)))
             if rec is None or rec.state is not State.COMMITTED:
@@ -425,7 +429,8 @@ class Catalog(UnfinishedSaves):
                 and (include_uncommitted or r.state is State.COMMITTED)
             ]
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
-            return [self._view(r) for r in recs]
+            writers = self._writers_by_namespace(namespace)
+            return [self._view(r, writers.get(r.namespace, set())) for r in recs]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
         """Re-hash every file of a committed checkpoint (outside the lock)."""
@@ -506,7 +511,10 @@ class Catalog(UnfinishedSaves):
             for key, nbytes in charged.items():
                 self._budget.charge_manifest(key, nbytes)
                 self._budget.owned_by(key, coordinator_of(records[key].files))  # M3: its cap
-            self._next_sequence = max((r.sequence for r in records.values()), default=0) + 1
+            # Lamport: above every sequence taken from a writer (a FOREIGN manifest's,
+            # whatever it says, never pushes this node's counter: `model.Trust`).
+            taken = (r.sequence for r in records.values() if r.trust is not Trust.FOREIGN)
+            self._next_sequence = min(max(taken, default=0) + 1, MAX_SEQUENCE)
             before = self.pool.pool_bytes
             self._budget.trim_pool()
             if self.pool.pool_bytes < before:

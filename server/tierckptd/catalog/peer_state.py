@@ -14,6 +14,7 @@ from tierckpt.errors import (
     CheckpointExists,
     CheckpointIncomplete,
     CheckpointNotFound,
+    PermissionDenied,
     TierckptError,
 )
 from tierckpt.names import METADATA_FILE
@@ -24,6 +25,7 @@ from tierckptd.catalog.persistent_marks import PersistentMarks
 from tierckptd.catalog.state import MAX_GONE, listing
 from tierckptd.catalog.views import Health, found
 from tierckptd.model import (
+    CLOCK_SKEW,
     MAX_REPLICAS,
     MAX_SEQUENCE,
     CheckpointRecord,
@@ -31,6 +33,7 @@ from tierckptd.model import (
     FileRecord,
     Key,
     State,
+    Trust,
     coordinator_of,
 )
 from tierckptd.ops import metrics
@@ -44,6 +47,8 @@ logger = logging.getLogger("tierckptd.catalog")
 # disagree a little, and a deleted checkpoint must never come back. Saving it again
 # under the same id is taken once it is committed later than that.
 DELETE_SKEW = 60.0
+# Peers whose clock skew is remembered (`clock_skew`, the metric's label values).
+MAX_SKEWED_PEERS = 256
 
 
 def _key_name(key: Key) -> str:
@@ -118,16 +123,24 @@ class PeerState(PersistentMarks):
         ours is never unlinked (a manifest that disagrees with one, or a save whose
         `.metadata` was committed here, which this node commits itself, is refused with
         FAILED_PRECONDITION); the manifest counts against the budget (RESOURCE_EXHAUSTED
-        when it does not fit); its timestamps are clamped to this node's clock, so it
-        cannot sort as newer than it arrived; and retention groups checkpoints by
-        coordinator, so it can only push out checkpoints of its own coordinator.
+        when it does not fit); retention groups checkpoints by coordinator, so it can
+        only push out checkpoints of its own coordinator; and it is the namespace's newest
+        here only when its coordinator writes the namespace (`model.Trust`, audit 3 H2).
+
+        Time orders nothing (audit 3, H6): a manifest is taken whatever its timestamps
+        say; they are clamped to this node's clock for display, and how far ahead they
+        were is reported as the coordinator's clock skew (`clock_skew`, a metric).
         """
         key = self._ref(published.namespace, published.checkpoint_id)
         if self.check_owner is not None:  # uid isolation: another uid's namespace here
             self.check_owner(published)
         with self._lock:
+            gone_sequence = self._gone_sequence.get(key)
             gone = self._gone.get(key)
-            if gone is not None and published.committed_unix <= gone + DELETE_SKEW:
+            if gone_sequence is not None:
+                if published.sequence <= gone_sequence:
+                    return False  # the very checkpoint deleted here, whatever its time
+            elif gone is not None and published.committed_unix <= gone + DELETE_SKEW:
                 return False  # deleted here (or by a cluster rm) after it was committed
             if key in self._evicted and not durable:
                 return False  # retention evicted it here; only its durable copy lists it again
@@ -144,6 +157,8 @@ class PeerState(PersistentMarks):
                     node_id=self.node_id,
                     what=f"the manifest of {_key_name(key)}",
                 )
+            if not durable:
+                self._measure_skew(published)
             local = rec.files if rec is not None and rec.state is State.WRITING else {}
             mine_meta = local.get(METADATA_FILE)
             if mine_meta is not None and mine_meta.committed and mine_meta.held:
@@ -170,6 +185,9 @@ class PeerState(PersistentMarks):
                 if name not in files and mine.committed and mine.held:
                     files[name] = dataclasses.replace(mine, replica_nodes=list(mine.replica_nodes))
             now = self._wall()
+            # This node took part in the save: the manifest lists, with the same bytes
+            # (`_check_same`), files this node's ranks wrote here.
+            took_part = any(f.held for name, f in files.items() if name in published.files)
             new = dataclasses.replace(
                 published,
                 state=State.COMMITTED,
@@ -180,6 +198,7 @@ class PeerState(PersistentMarks):
                 created_unix=min(published.created_unix, now),
                 committed_unix=min(published.committed_unix, now),
                 pinned=self.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
+                trust=Trust.PROVEN if durable or took_part else self._trust_of(published),
             )
             by = coordinator_of(new.files)
             charge = _manifest_estimate(new) if by != self.node_id else 0
@@ -197,16 +216,63 @@ class PeerState(PersistentMarks):
                 self._durable.add(key)  # before retention sees it: kept persistent-only
             if charge:
                 self._budget.charge_manifest(key, self._manifest_size(key) or charge)
-            self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))
+            if new.trust is not Trust.FOREIGN:  # Lamport: commit above what writers did
+                self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))
             logger.info(
-                "published %s/%s from the coordinator's daemon: %d files, %d held here",
+                "published %s/%s from the coordinator's daemon: %d files, %d held here%s",
                 *key,
                 len(new.files),
                 sum(f.held for f in new.files.values()),
+                ""
+                if new.trust is not Trust.FOREIGN
+                else f"; listed, never the newest of {key[0]}: its coordinator "
+                f"{coordinator_of(new.files)} does not write {key[0]} here (writers: "
+                f"{listing(sorted(self._writers(key[0])))})",
             )
             self._notify_committed(new)
             self._apply_retention(key[0])
             return True
+
+    def _trust_of(self, published: CheckpointRecord) -> Trust:
+        """A peer's manifest this node took no part in (call under the lock): VOUCHED when
+        its coordinator writes the namespace here, or the namespace has no writer yet
+        (trust on first use), else FOREIGN (`model.Trust`)."""
+        writers = self._writers(published.namespace)
+        if not writers or coordinator_of(published.files) in writers:
+            return Trust.VOUCHED
+        return Trust.FOREIGN
+
+    def _measure_skew(self, published: CheckpointRecord) -> None:
+        """How far ahead of this node's clock the coordinator's times are (call under the
+        lock): remembered per coordinator (`clock_skew`, the metric), and a warning once
+        it passes CLOCK_SKEW. Shown, never acted on: order is the sequence's."""
+        coordinator = coordinator_of(published.files)
+        if not coordinator or coordinator == self.node_id:
+            return
+        ahead = max(0.0, published.committed_unix - self._wall())
+        before = self._skew.pop(coordinator, 0.0)
+        self._skew[coordinator] = ahead
+        while len(self._skew) > MAX_SKEWED_PEERS:
+            dropped = next(iter(self._skew))
+            del self._skew[dropped]
+            metrics.forget_peer_skew(dropped)
+        metrics.PEER_CLOCK_SKEW.labels(peer=coordinator).set(ahead)
+        if ahead > CLOCK_SKEW >= before:
+            logger.warning(
+                "node %s's clock is %.0f s ahead of this node's (its manifest of %s/%s): its "
+                "times are shown as this node's now; order follows the sequence, so it "
+                "still replicates; fix its clock (NTP)",
+                coordinator,
+                ahead,
+                published.namespace,
+                published.checkpoint_id,
+            )
+
+    def clock_skew(self) -> dict[str, float]:
+        """Seconds each peer's clock was ahead of this node's at its latest manifest (0:
+        not ahead), for `status` and the metric."""
+        with self._lock:
+            return dict(self._skew)
 
     def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
         """Refuse a manifest that describes a file committed here with other bytes."""
@@ -220,10 +286,21 @@ class PeerState(PersistentMarks):
 
     def _merge_published(self, rec: CheckpointRecord, published: CheckpointRecord) -> None:
         """A known checkpoint published again: merge replica lists (persisted first).
+        Only from the coordinator this node recorded (audit 3, M2): a manifest naming
+        another node as the owner of its `.metadata` is refused (PermissionDenied), so no
+        peer lists itself as a holder of another's files by publishing them again.
         Not into one retention let go to the persistent tier only (as `set_replicas`):
         a peer's lists would make it a memory one again here, for good."""
         if self._persistent_only(rec):
             return
+        recorded, claimed = coordinator_of(rec.files), coordinator_of(published.files)
+        if claimed != recorded:
+            metrics.PEER_REFUSED.labels(reason="coordinator").inc()
+            raise PermissionDenied(
+                f"{_key_name(rec.key)} is coordinated by node {recorded or 'none'} here; a "
+                f"manifest of it naming {claimed[:64] or 'no node'} as its coordinator is "
+                "refused (only its coordinator publishes its replica lists)"
+            )
         merged: dict[str, FileRecord] = {}
         for f in published.files.values():
             mine = rec.files.get(f.name)

@@ -14,7 +14,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound
 from tierckpt.names import check_checkpoint_id, check_namespace
@@ -28,7 +28,7 @@ from tierckptd.memory.manifest import to_json as manifest_to_json
 from tierckptd.memory.manifest import write_manifest
 from tierckptd.memory.pool import PREWARM_SEGMENT, Segment, WarmPool
 from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
-from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
+from tierckptd.model import CheckpointRecord, CheckpointView, Key, State, Trust, coordinator_of
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 
@@ -92,6 +92,13 @@ class CatalogState:
         # retention's included, would otherwise grow for the daemon's whole life. Value:
         # the deletion's stamp; a publish of one committed by then is refused (peer_state).
         self._gone: dict[Key, float] = {}
+        # The sequence of each deleted checkpoint this node had (bounded like `_gone`): a
+        # publish of it at that sequence or below is the deleted one whatever its time
+        # says (a peer whose clock is ahead cannot bring it back); above it, a new save.
+        self._gone_sequence: dict[Key, int] = {}
+        # Seconds each peer's clock was ahead of this one at its latest new manifest
+        # (`PeerState.clock_skew`; insertion-ordered, bounded by MAX_SKEWED_PEERS).
+        self._skew: dict[str, float] = {}
         # Retention's evictions of checkpoints not known durable here, kept apart from
         # deletions: a peer's publish of one is refused as well (retention would only
         # evict it again), but the persistent tier's adoption is not (the drain may have
@@ -168,14 +175,73 @@ class CatalogState:
         """Shown LOST (`views.is_lost`): never the newest, never loaded."""
         return is_lost(self._health.get(rec.key), rec.key in self._durable)
 
+    def _writers(self, namespace: str) -> set[str]:
+        """The nodes that write `namespace` here (`model.Trust`): the coordinators of its
+        PROVEN checkpoints, or while it has none, of its VOUCHED ones."""
+        return self._writers_by_namespace(namespace).get(namespace, set())
+
+    def _writers_by_namespace(self, namespace: str = "") -> dict[str, set[str]]:
+        """`_writers` of `namespace`, or of every namespace (""), in one pass."""
+        proven: dict[str, set[str]] = {}
+        vouched: dict[str, set[str]] = {}
+        for r in self._records.values():
+            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
+                continue
+            if coordinator := coordinator_of(r.files):
+                if r.trust is Trust.PROVEN:
+                    proven.setdefault(r.namespace, set()).add(coordinator)
+                elif r.trust is Trust.VOUCHED:
+                    vouched.setdefault(r.namespace, set()).add(coordinator)
+        return {ns: proven.get(ns) or vouched[ns] for ns in {*proven, *vouched}}
+
+    def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
+        """The committed checkpoints of `recs` that may be the namespace's newest: not
+        LOST, and coordinated by a writer of the namespace (one no memory tier holds any
+        more, with no coordinator left, unless it arrived FOREIGN)."""
+        writers = self._writers(namespace)
+        return [
+            r
+            for r in recs
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and not self._is_lost(r)
+            and not self._foreign(r, writers)
+        ]
+
     def _newest(self, namespace: str) -> CheckpointRecord | None:
-        """The namespace's newest committed checkpoint that is not LOST."""
-        committed = [
+        """The namespace's newest committed checkpoint (by sequence, never by wall time)
+        that is not LOST and is coordinated by a node that writes the namespace: a peer
+        publishing into a namespace it does not write never becomes its newest here."""
+        eligible = self._eligible(self._records.values(), namespace)
+        return max(eligible, key=lambda r: r.order, default=None)
+
+    def _say_skipped(self, namespace: str, newest: CheckpointRecord | None) -> None:
+        """Warn when a checkpoint later by sequence than the newest was passed over
+        because its coordinator does not write the namespace here (never silently)."""
+        after = newest.order if newest is not None else (-1, 0.0)
+        eligible = {r.key for r in self._eligible(self._records.values(), namespace)}
+        skipped = [
             r
             for r in self._records.values()
-            if r.namespace == namespace and r.state is State.COMMITTED and not self._is_lost(r)
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and r.order > after
+            and not self._is_lost(r)
+            and r.key not in eligible
         ]
-        return max(committed, key=lambda r: r.order, default=None)
+        if skipped:
+            logger.warning(
+                "the newest checkpoint of %s here is %s; passed over: %s, coordinated by "
+                "%s, which does not write %s on this node (it writes: %s): a peer's "
+                "checkpoint is never restored as the newest unless its coordinator saved "
+                "this namespace with this node; name it to load it",
+                namespace,
+                newest.checkpoint_id if newest is not None else "none",
+                listing([r.checkpoint_id for r in skipped]),
+                listing(sorted({coordinator_of(r.files) or "none" for r in skipped})),
+                namespace,
+                listing(sorted(self._writers(namespace))),
+            )
 
     def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
         newest = self._newest(namespace)
@@ -215,7 +281,17 @@ class CatalogState:
             raise self._not_found(namespace, checkpoint_id)
         return rec
 
-    def _view(self, rec: CheckpointRecord) -> CheckpointView:
+    def _foreign(self, rec: CheckpointRecord, writers: set[str] | None = None) -> bool:
+        """Whether `rec` is never its namespace's newest here for its coordinator (not a
+        writer of the namespace: `model.Trust`); `writers` of its namespace if known."""
+        if rec.state is not State.COMMITTED:
+            return False
+        coordinator = coordinator_of(rec.files)
+        if not coordinator:
+            return rec.trust is Trust.FOREIGN
+        return coordinator not in (writers if writers is not None else self._writers(rec.namespace))
+
+    def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
         health = self._health.get(rec.key, Health(""))
         return view_of(
             rec,
@@ -225,6 +301,7 @@ class CatalogState:
             lost=health.lost,
             durable=rec.key in self._durable,
             drain_failed=rec.key in self._drain_failed,
+            foreign=self._foreign(rec, writers),
             paths={
                 f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
                 for f in rec.files.values()
@@ -311,11 +388,19 @@ class CatalogState:
             stones[rec.key] = max(stones.pop(rec.key, 0.0), self._wall())
             while len(stones) > MAX_GONE:
                 del stones[next(iter(stones))]
+            if not evicted:
+                self._forget_sequence(rec.key, rec.sequence)
         self._health.pop(rec.key, None)
         self._durable.discard(rec.key)
         self._retired.discard(rec.key)
         self._drain_failed.pop(rec.key, None)
         return self._collect(rec)
+
+    def _forget_sequence(self, key: Key, sequence: int) -> None:
+        """Remember the sequence of a deleted checkpoint (see `_gone_sequence`)."""
+        self._gone_sequence[key] = max(self._gone_sequence.pop(key, 0), sequence)
+        while len(self._gone_sequence) > MAX_GONE:
+            del self._gone_sequence[next(iter(self._gone_sequence))]
 
     # ---- memory retention ---------------------------------------------------------------
     def _due(self, rec: CheckpointRecord) -> bool:

@@ -58,6 +58,11 @@ def all_lost(namespace: str, node_id: str, lost: Sequence[CheckpointRecord]) -> 
     )
 
 
+# The tier tag of a checkpoint whose coordinator does not write its namespace on this
+# node: listed and loadable by id, never the newest (`tierckpt ls`, the SageMaker reader).
+FOREIGN_TAG = "foreign"
+
+
 def view_of(
     rec: CheckpointRecord,
     *,
@@ -68,6 +73,7 @@ def view_of(
     durable: bool = False,
     drain_failed: bool = False,
     paths: Mapping[str, str] | None = None,
+    foreign: bool = False,
 ) -> CheckpointView:
     """An immutable view of `rec` (copied: it may leave the catalog lock).
 
@@ -75,6 +81,8 @@ def view_of(
     node holds (with "lost"), `durable` whether the persistent tier holds it,
     `drain_failed` whether the drain gave up on it, and `paths` the local path of each
     file this node holds (a held file missing from it, and every file not held, gets "").
+    `foreign`: its coordinator does not write the namespace here (`model.Trust`): shown
+    as the tier tag FOREIGN_TAG, never restored as the newest.
     """
     paths = paths or {}
     files = tuple(
@@ -113,6 +121,8 @@ def view_of(
             tiers.append(mark)
         if drain_failed:
             tiers.append("drain-failed")
+        if foreign:
+            tiers.append(FOREIGN_TAG)
     return CheckpointView(
         namespace=rec.namespace,
         checkpoint_id=rec.checkpoint_id,
@@ -137,5 +147,7 @@ def freshness(views: Iterable[CheckpointView]) -> dict[str, dict[str, float]]:
     """{namespace: {tier: newest commit time}} of committed views (`tierckpt.freshness`):
     the RPO view of `/metrics` and `tierckpt status`."""
     return newest_by_tier(
-        Freshness(v.namespace, v.state.value, v.tiers, v.committed_unix) for v in views
+        Freshness(v.namespace, v.state.value, v.tiers, v.committed_unix)
+        for v in views
+        if FOREIGN_TAG not in v.tiers  # a peer's checkpoint says nothing of this job's RPO
     )

@@ -24,7 +24,7 @@ from tierckpt.names import (
     check_persistent_url,
 )
 
-from tierckptd.model import CheckpointRecord, FileRecord, State
+from tierckptd.model import CheckpointRecord, FileRecord, State, Trust, coordinator_of
 
 __all__ = [
     "FORMAT_VERSION",
@@ -120,6 +120,7 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "durable_requested": record.durable_requested,
         "persistent_url": record.persistent_url,
         "node_id": record.node_id,
+        "trust": record.trust.value,
         "owner_uid": record.owner_uid,
         "owner_claim_node": record.owner_claim_node,
         "files": files,
@@ -145,6 +146,18 @@ def _owner(doc: dict[str, Any]) -> tuple[int | None, str]:
     return uid, node
 
 
+def _trust(doc: dict[str, Any], record: CheckpointRecord) -> Trust:
+    """Whether the checkpoint may be its namespace's newest (`model.Trust`). Absent in a
+    manifest written before it existed: PROVEN when the node that wrote the manifest
+    coordinated it, else VOUCHED (it was newest-eligible then)."""
+    value = doc.get("trust")
+    if value is None:
+        mine = coordinator_of(record.files) in ("", record.node_id)
+        return Trust.PROVEN if mine else Trust.VOUCHED
+    try:
+        return Trust(value)
+    except ValueError:
+        raise ManifestError("malformed manifest: trust is not proven, vouched or foreign") from None
 
 
 def from_json(doc: dict[str, Any]) -> CheckpointRecord:
@@ -181,6 +194,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
                 replica_nodes=[str(n) for n in f["replica_nodes"]],
                 held=bool(f.get("held", True)),
             )
+        record.trust = _trust(doc, record)
     except ManifestError:
         raise
     except (KeyError, TypeError, ValueError) as e:

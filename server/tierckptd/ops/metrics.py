@@ -8,6 +8,7 @@ checkpoint), by peer (the current membership), never by checkpoint id.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -171,6 +172,20 @@ MEMBERSHIP_ROUNDS = Counter(
     "stranger's Hello, rate-limited)",
     ["trigger"],
 )
+PEER_CLOCK_SKEW = Gauge(
+    "tierckpt_peer_clock_skew_seconds",
+    "How far a peer's clock was ahead of this node's at the latest new manifest it "
+    "coordinated (0: not ahead); its times are clamped to this node's clock, and order "
+    "follows the sequence, so it still replicates",
+    ["peer"],
+)
+
+
+def forget_peer_skew(peer: str) -> None:
+    """Drop a peer's skew sample (the catalog keeps a bounded number of peers)."""
+    with contextlib.suppress(KeyError):
+        PEER_CLOCK_SKEW.remove(peer)
+
 
 # Latency histograms. The buckets span a small file on loopback (ms) to a large
 # checkpoint drained to S3 over an hour; the same ones everywhere, so panels compare.

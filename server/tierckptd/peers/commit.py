@@ -1,8 +1,9 @@
 """Cluster commit and the manifests peers exchange.
 
 No consensus: the DCP coordinator's daemon decides a commit (finding the files other
-nodes hold through their holdings: first the nodes the ranks wrote to, as the writer
-hints, then every other peer only for files still missing) and publishes the cluster
+nodes hold through their holdings, asking every peer: the nodes the ranks wrote to, the
+writer's hint, are only put first; two nodes claiming one file with different bytes
+refuse the commit, audit 3 M2) and publishes the cluster
 manifest to the nodes the checkpoint involves (`placement.interested`: the files'
 owners and their first placement candidates). Every other node learns it by gossip:
 each heal round asks a few random peers for their manifests (`gossip`). A node adopts a
@@ -134,7 +135,9 @@ class Committer:
         """The DCP coordinator's commit: find remote files, commit, publish, replicate.
         `durable` (the hint) travels in the published manifest: every owner drains its
         files of the checkpoint. `holders`: the nodes the ranks wrote to (the writer's
-        hint, unverified): asked first; every other peer only for files still missing."""
+        hint, unverified): only an ordering. Every peer is asked (in parallel) and every
+        claim checked against the others: a hinted node that lies about a file another
+        node holds refuses the commit rather than steering it (audit 3, M2)."""
         peers = self.client.peer_ids
         local = self.catalog.local_committed_files(namespace, checkpoint_id)
         missing = {r for r in required if r not in local}
@@ -147,20 +150,16 @@ class Committer:
                 )
 
             hinted = [n for n in dict.fromkeys(holders) if n in peers]
-            rounds = [hinted, [n for n in peers if n not in hinted]] if hinted else [peers]
-            asked = 0
-            for nodes in rounds:
-                still = missing - remote.keys()
-                if not still or not nodes:
-                    continue
-                asked += len(nodes)
-                held = self.client.each(
-                    lambda node: self.client.holdings(node, namespace, checkpoint_id),
-                    nodes=nodes,
-                    on_error=unanswered,
-                    parallel=True,
-                )
-                remote.update(claims(namespace, checkpoint_id, held, still))
+            nodes = [*hinted, *(n for n in peers if n not in hinted)]
+            asked = len(nodes)
+            held = self.client.each(
+                lambda node: self.client.holdings(node, namespace, checkpoint_id),
+                nodes=nodes,
+                on_error=unanswered,
+                parallel=True,
+            )
+            ordered = {node: held[node] for node in nodes if node in held}
+            remote.update(claims(namespace, checkpoint_id, ordered, missing))
             logger.info(
                 "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
                 namespace,

@@ -133,7 +133,10 @@ class _Listing:
         self.rows = rows
 
     def list_checkpoints(self, namespace: str) -> list[Any]:
-        return [SimpleNamespace(checkpoint_id=cid, state=state) for cid, state in self.rows]
+        return [
+            SimpleNamespace(checkpoint_id=cid, state=state, tiers=("foreign",) * (state == "X"))
+            for cid, state in self.rows
+        ]
 
 
 def test_a_reader_without_a_base_path_leaves_the_namespace_url_alone() -> None:
@@ -159,6 +162,9 @@ def test_step_none_passes_over_lost_steps() -> None:
         [("step_10", "DURABLE"), ("step_30", "LOST"), ("step_20", "COMMITTED"), ("other", "X")]
     )
     assert reader.newest_step() == 20
+    # A step a peer published into a namespace its node does not write: never the newest.
+    reader.client = _Listing([("step_10", "COMMITTED"), ("step_99999999", "X")])  # type: ignore[assignment]
+    assert reader.newest_step() == 10
     reader.client = _Listing([("step_30", "LOST")])  # type: ignore[assignment]
     with pytest.raises(SageMakerTieredStorageError, match=r"whole \(LOST: 30\)"):
         reader.newest_step()

@@ -149,8 +149,13 @@ def test_a_delete_mark_removes_what_was_committed_before_it_and_refuses_it_back(
     # A checkpoint no node here had is tombstoned too (a mark for a node that missed it).
     catalog.remove_marked("run", "never-seen", time.time())
     assert not catalog.publish(_published("never-seen", time.time() - 60))
-    # Saved again with the same id long after the rm: taken.
-    assert catalog.publish(_published("s1", time.time() + 3600))
+    # The deleted one again, from a node whose clock is an hour ahead: still refused
+    # (its sequence, not its time, says it is the deleted one).
+    assert not catalog.publish(_published("s1", time.time() + 3600))
+    # Saved again with the same id after the rm (a later sequence): taken.
+    resaved = _published("s1", time.time())
+    resaved.sequence = 2
+    assert catalog.publish(resaved)
 
 
 def test_a_delete_mark_leaves_a_save_writing_here(catalog: Catalog) -> None:

@@ -336,7 +336,7 @@ def _with_file(**fields: object) -> common_pb2.CheckpointInfo:
         (_info(namespace="/tmp/abs"), "invalid namespace"),
         (_info(checkpoint_id=".."), "invalid checkpoint id"),
         (_info(sequence=2**64 - 1), "sequence"),
-        (_info(committed_unix=4e9), "committed_unix"),
+        (_info(committed_unix=float("inf")), "committed_unix"),  # 4e9 is taken, clamped
         (_info(created_unix=float("nan")), "created_unix"),
         (_info(committed_unix=-1.0), "committed_unix"),
         (_with_file(name="../x"), "invalid file name"),
