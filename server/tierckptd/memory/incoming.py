@@ -137,10 +137,7 @@ def restore_plan(node_id: str, adopted: Iterable[CheckpointRecord]) -> list[tupl
     newest: dict[str, CheckpointRecord] = {}
     for rec in adopted:
         have = newest.get(rec.namespace)
-        if have is None or (rec.committed_unix, rec.created_unix) > (
-            have.committed_unix,
-            have.created_unix,
-        ):
+        if have is None or rec.order > have.order:  # commit order, not a peer's clock
             newest[rec.namespace] = rec
     owned: list[tuple[int, str]] = []
     kept: list[tuple[int, str]] = []
