@@ -294,6 +294,8 @@ class PeerState(PersistentMarks):
         if self._persistent_only(rec):
             return
         recorded, claimed = coordinator_of(rec.files), coordinator_of(published.files)
+        if not recorded:
+            return  # known here from the persistent tier only: no coordinator to match
         if claimed != recorded:
             metrics.PEER_REFUSED.labels(reason="coordinator").inc()
             raise PermissionDenied(
