@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from tierckpt.errors import PermissionDenied
 from tests.integration.test_uid_isolation import GID, _run_as, client_python, share_sockets
 from tests.support import moto_s3
 from tests.support.daemon_process import DaemonProcess
+from tests.support.dcp_files import save_checkpoint
 from tests.support.ports import free_ports
 
 pytestmark = [
@@ -63,6 +66,23 @@ def save(ns, cid, text):
     return client.commit_checkpoint(ns, cid, [".metadata"]).checkpoint_id
 
 
+def save_dir(ns, cid, directory):
+    # the files of a stock DCP checkpoint directory, saved as one rank would
+    names = sorted(os.listdir(directory))
+    client.begin_checkpoint(ns, cid, 0)
+    client.reserve_space(ns, cid, 0, sum(os.path.getsize(os.path.join(directory, n)) for n in names))
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        path = client.open_file(ns, cid, name, 0).path
+        fd = os.open(path, os.O_WRONLY)
+        os.write(fd, data)
+        os.ftruncate(fd, len(data))
+        os.close(fd)
+        client.commit_file(ns, cid, name, 0, len(data), checksum_bytes(data))
+    return client.commit_checkpoint(ns, cid, names).checkpoint_id
+
+
 def load(ns, cid):
     info = client.get_checkpoint(ns, cid)
     out = b""
@@ -75,6 +95,7 @@ def load(ns, cid):
 
 OPS = {
     "save": save,
+    "save_dir": save_dir,
     "load": load,
     "list": lambda ns: [c.checkpoint_id for c in client.list_checkpoints(ns)],
     "list_all": lambda: sorted({c.namespace for c in client.list_checkpoints("")}),
@@ -290,3 +311,75 @@ def test_a_tenant_cannot_point_its_namespace_at_another_prefix(
         root.close()
     finally:
         daemon.cleanup()
+
+
+def test_a_namespace_is_not_adopted_from_a_bucket_that_names_another_owner(
+    s3: moto_s3.S3Bucket,
+) -> None:
+    """e16's other half: cluster 1 drains uid 1002's `llama` into `jobs/teamB`; on cluster 2
+    `llama` belongs to uid 1001, and even with its URL pointed at teamB's prefix (by an
+    operator here) the stored manifest names uid 1002: the checkpoint is never adopted,
+    so 1001 cannot list, restore or rm it, and teamB's objects stay in the bucket."""
+    team_b = s3.url("jobs", "teamB")
+    common = {
+        "allowed_urls": [s3.url("jobs")],
+        "storage_options": dict(s3.storage_options),
+    }
+    first = _isolating(
+        "c1",
+        {
+            "persistent": {"url": team_b, "every": 1, **common},
+            "security": {"local_isolation": "uid", "operators": [0]},
+        },
+    )
+    second = _isolating(
+        "c2",
+        {
+            "persistent": {
+                "url": s3.url("cluster2"),
+                "every": 100,
+                "relist_interval": 0.0,
+                **common,
+            },
+            "security": {"local_isolation": "uid", "operators": [0]},
+        },
+    )
+    shared = Path(tempfile.mkdtemp(prefix="tc-dcp"))  # a stock DCP save the tenants can read
+    try:
+        save_checkpoint(shared)
+        for path in (shared, *shared.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        _start(first)
+        assert as_uid(B, first, ["save_dir", "llama", "step-1", str(shared)]) == [{"ok": "step-1"}]
+        metadata = f"{s3.name}/jobs/teamB/llama/step-1/.metadata"
+        fs = s3.fs()
+        deadline = time.monotonic() + 60
+        while not fs.exists(metadata):
+            assert time.monotonic() < deadline, first.log_tail(40)
+            time.sleep(0.3)
+            fs.invalidate_cache()
+        _start(second)
+        assert as_uid(A, second, ["begin", "llama", "s0"], ["abort", "llama", "s0"]) == [
+            {"ok": "begun"},
+            {"ok": "aborted"},
+        ]
+        root = DaemonClient(second.address)
+        assert root.set_namespace("llama", persistent_url=team_b) == team_b
+        root.close()
+        listed, loaded, removed = as_uid(
+            A,
+            second,
+            ["list", "llama"],
+            ["load", "llama", "step-1"],
+            ["delete", "llama", "step-1"],
+        )
+        assert listed == {"ok": []}, listed
+        assert loaded.get("error") in ("CheckpointNotFound", "PermissionDenied"), loaded
+        assert removed.get("error") in ("CheckpointNotFound", "PermissionDenied"), removed
+        assert "names uid 1002" in second.log_path.read_text()  # refused, and said why
+        fs.invalidate_cache()
+        assert fs.exists(metadata)  # teamB's checkpoint is untouched
+    finally:
+        first.cleanup()
+        second.cleanup()
+        shutil.rmtree(shared, ignore_errors=True)
