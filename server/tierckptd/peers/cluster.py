@@ -33,13 +33,23 @@ from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.unfinished import Resolution
 from tierckptd.config import PeerConfig
-from tierckptd.jobs import BACKGROUND, NORMAL, URGENT, Heal, JobQueue, Landed, Repair, Tell
+from tierckptd.jobs import (
+    BACKGROUND,
+    NORMAL,
+    URGENT,
+    Heal,
+    JobQueue,
+    Landed,
+    Repair,
+    Tell,
+    backoff,
+)
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerClient
 from tierckptd.peers.commit import Committer
-from tierckptd.peers.healer import Healer
+from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.marks import Mark
 from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps
@@ -55,6 +65,12 @@ Job = Heal | Repair | Landed | Tell
 REPLICATORS = 4
 # A heal of a checkpoint another replicator is healing runs again after this long.
 BUSY_RETRY = 0.2
+# A heal left under-replicated because a peer it asked did not answer (a deadline missed
+# under load, a gray peer backing off) runs again, this many times at most, after
+# HEAL_RETRY_FIRST seconds doubling up to HEAL_RETRY_CAP: not only at the next heal round.
+HEAL_RETRIES = 6
+HEAL_RETRY_FIRST = 1.0
+HEAL_RETRY_CAP = 30.0
 
 
 class LocalRestore(Protocol):
@@ -122,6 +138,7 @@ class Cluster:
             self._run, name="tierckptd-replicator", workers=REPLICATORS
         )
         self._healing: set[tuple[str, str]] = set()  # checkpoints a replicator heals now
+        self._heal_tries: dict[Heal, int] = {}  # heals retried for an unreached peer
         self._healing_lock = threading.Lock()
         self.committer = Committer(
             catalog,
@@ -233,10 +250,11 @@ class Cluster:
                         return BUSY_RETRY  # a full and a plain heal: one at a time
                     self._healing.add(key)
                 try:
-                    self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
+                    plan = self.healer.heal(job.namespace, job.checkpoint_id, full=job.full)
                 finally:
                     with self._healing_lock:
                         self._healing.discard(key)
+                return self._heal_again(job, plan)
             elif isinstance(job, Landed):
                 self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
             elif isinstance(job, Tell):
@@ -249,6 +267,20 @@ class Cluster:
         except TierckptError as e:
             logger.warning("peer job %s failed: %s", job, e)
         return None
+
+    def _heal_again(self, job: Heal, plan: HealPlan | None) -> float | None:
+        """The delay before `job` runs again: when it left the checkpoint under-replicated
+        and a peer it asked was not reached (bounded: HEAL_RETRIES), else None."""
+        with self._healing_lock:
+            if plan is None or not (plan.under and plan.unreached):
+                self._heal_tries.pop(job, None)
+                return None
+            tries = self._heal_tries.get(job, 0) + 1
+            if tries > HEAL_RETRIES:
+                self._heal_tries.pop(job, None)
+                return None  # the heal rounds take it from here
+            self._heal_tries[job] = tries
+        return backoff(tries, HEAL_RETRY_FIRST, HEAL_RETRY_CAP)
 
     def _heal_loop(self) -> None:
         while not self._stop.wait(self.heal_interval):

@@ -97,6 +97,8 @@ class HealPlan:
     replicas: Mapping[str, list[str]] = field(default_factory=dict)
     lost: tuple[str, ...] = ()
     under: tuple[str, ...] = ()
+    # Nodes the heal asked that did not answer (or were skipped while they back off).
+    unreached: tuple[str, ...] = ()
 
     @property
     def mark(self) -> str:
@@ -338,7 +340,7 @@ class Healer:
                     expected=files_by_name[name].replica_nodes,
                 )
         self._record(namespace, checkpoint_id, plan, k)
-        return plan
+        return dataclasses.replace(plan, unreached=tuple(n for n in asked if n not in holdings))
 
     def _trim(
         self, view: CheckpointView, name: str, kept: list[str], k: int, told: list[str]

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import threading
 
+from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import BACKGROUND, URGENT, Heal, JobQueue, Repair
 from tierckptd.peers.breaker import Breaker
 from tierckptd.peers.client import PeerCallError, PeerClient
+from tierckptd.peers.cluster import HEAL_RETRIES, Cluster
+from tierckptd.peers.healer import HealPlan
 from tierckptd.peers.membership import Membership
+from tierckptd.restore import Restorer, no_sources
 
 
 class FakeClock:
@@ -103,3 +107,17 @@ def test_queueing_a_job_again_keeps_the_higher_priority() -> None:
     assert not q.put(Heal("ns", "b"), priority=BACKGROUND)  # the next round: no change
     assert q.run_due() == 2
     assert ran == [Heal("ns", "b"), Heal("ns", "a")]
+
+
+def test_a_heal_left_short_by_an_unreached_peer_runs_again_a_bounded_number_of_times(
+    catalog: Catalog,
+) -> None:
+    cluster = Cluster(catalog, Restorer(catalog, no_sources), heal_interval=0)
+    job = Heal("ns", "c1")
+    short = HealPlan(under=("__0_0.distcp",), unreached=("n1",))
+    delays = [cluster._heal_again(job, short) for _ in range(HEAL_RETRIES + 1)]
+    assert delays[:3] == [1.0, 2.0, 4.0] and delays[-1] is None  # then the heal rounds
+    assert cluster._heal_again(job, short) == 1.0  # counted afresh
+    assert cluster._heal_again(job, HealPlan()) is None  # healthy: done, forgotten
+    assert cluster._heal_again(job, HealPlan(under=("__0_0.distcp",))) is None  # all answered
+    cluster.client.membership.close()
