@@ -155,7 +155,8 @@ def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
                 {
                     "node": {"id": name, "failure_domain": f"rack-{name}"},
                     "listen": {"peer": f"127.0.0.1:{ports[i]}"},
-                    "replication": {"copies": 1, "heal_interval": 3600.0},
+                    # Heal rounds re-push a copy a commit could not (b started after a).
+                    "replication": {"copies": 1, "heal_interval": 1.0},
                     "retention": {"memory_keep_last": 8},
                     "security": {"local_isolation": "uid", "operators": operators},
                     "peers": [
