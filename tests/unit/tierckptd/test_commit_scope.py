@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
-from tierckptd.jobs import Heal
+from tierckptd.jobs import Heal, Tell
 from tierckptd.model import CheckpointRecord, CheckpointView, State
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError
 from tierckptd.peers.cluster import Cluster
@@ -271,11 +271,14 @@ def test_a_heal_never_overwrites_a_replica_list_that_arrived_while_it_asked(
     assert catalog.get("run", "s7").files[0].replica_nodes == ["c"]
 
 
-def test_a_busy_peer_is_told_the_replica_list_again(catalog: Catalog) -> None:
+def test_a_busy_peer_is_told_the_replica_list_again(catalog: Catalog, save: Save) -> None:
     # Every owner of a large job tells the coordinator at once: a peer at its call limit
-    # answers RESOURCE_EXHAUSTED, and the list is sent again after a short pause.
+    # answers RESOURCE_EXHAUSTED, and a queued job sends the list again after a pause,
+    # never the heal inline (a gray peer must not hold it; audit 3 M1).
     fake = CountingPeers("node-a", {"b": "r2", "c": "r3"})
     cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"f": b"x" * 10})
+    catalog.set_replicas("run", "s1", "f", ["b"])
     refusals = {"c": 2}
     sent = fake.update_replicas
 
@@ -290,5 +293,10 @@ def test_a_busy_peer_is_told_the_replica_list_again(catalog: Catalog) -> None:
     fake.update_replicas = update_replicas  # type: ignore[method-assign]
     cluster.healer.broadcast_replicas("run", "s1", "f", ["b"], ["b", "c"])
     assert fake.calls["UpdateReplicas", "b"] == 1  # told once, not again
+    assert refusals["c"] == 1  # refused once, not retried inline
+    assert cluster.jobs.pending() == [Tell("run", "s1", "f", "c", 1)]
+    cluster.healer.tell("run", "s1", "f", "c", 1)  # the job runs: busy again, queued again
+    assert Tell("run", "s1", "f", "c", 2) in cluster.jobs.pending()
+    cluster.healer.tell("run", "s1", "f", "c", 2)  # taken: the list the catalog records
     assert fake.calls["UpdateReplicas", "c"] == 1 and refusals["c"] == 0
     assert ("c", "f", ["b"]) in fake.replicas
