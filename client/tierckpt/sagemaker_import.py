@@ -41,7 +41,12 @@ import fsspec
 import xxhash
 
 from tierckpt.checksum import DEFAULT_BLOCK_SIZE, BlockChecksums, BlockHasher, checksum_bytes
-from tierckpt.dcp_metadata import dump_metadata, load_metadata, unpickle_allowed
+from tierckpt.dcp_metadata import (
+    MAX_METADATA_BYTES,
+    dump_metadata,
+    load_metadata,
+    unpickle_allowed,
+)
 from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, UnsafeMetadata
 from tierckpt.names import METADATA_FILE, check_namespace
 
@@ -177,6 +182,18 @@ def _file_doc(name: str, size: int, rank: int, cs: BlockChecksums) -> dict[str, 
     }
 
 
+def _read_capped(fs: Any, path: str, what: str) -> bytes:
+    """The seed's pickle, refused unread when larger than the decoder takes (a bucket is
+    not trusted: never one unbounded read), and never more than its listed size."""
+    size = int(fs.size(path))
+    if size > MAX_METADATA_BYTES:
+        raise UnsafeMetadata(
+            f"{what}: refused unread, {size} bytes is more than the {MAX_METADATA_BYTES} a "
+            "checkpoint's metadata may have"
+        )
+    return bytes(fs.cat_file(path, start=0, end=size)) if size else b""
+
+
 def _mtime(fs: Any, path: str) -> float:
     """When the seed committed (its metadata object's time), else now; never later."""
     now = time.time()
@@ -221,7 +238,7 @@ def _import_step(
             "never committed it, or it was saved to memory only)"
         )
     what = f"{ns}/rank_{md_rank}/{cid}/{SEED_METADATA}"
-    metadata, items = _converted_metadata(src_fs.cat_file(md_path), what)
+    metadata, items = _converted_metadata(_read_capped(src_fs, md_path, what), what)
     committed = _mtime(src_fs, md_path)
     book = f"{dst_root}/{BOOKKEEPING_DIR}/{ns}/{cid}"
     files: list[dict[str, Any]] = []

@@ -2,8 +2,10 @@
 
 Signal handlers only enqueue (gunicorn style); the main loop acts and logs, so nothing
 non-reentrant ever runs inside a handler. Order at start: lock the memory dir, adopt it,
-bind the sockets, health SERVING, READY=1. Order at stop: health NOT_SERVING, STOPPING=1,
-stop the servers with a grace period, remove the socket, release the lock.
+bind the sockets, health SERVING, READY=1, then the persistent tier's work in the
+background (`persistent.startup`: nothing of S3 delays READY). Order at stop: health
+NOT_SERVING, STOPPING=1, stop the servers with a grace period, remove the socket, release
+the lock.
 
 Logging never shows secrets: SIGHUP diffs are redacted (`config_changes`) and the S3
 client libraries stay at INFO even under `[log] level = "DEBUG"`, because botocore's
@@ -39,7 +41,7 @@ from tierckptd.config import (
     exposure_warnings,
     load_config,
 )
-from tierckptd.config_secrets import config_changes, config_file_warnings, redact
+from tierckptd.config_secrets import config_changes, config_file_warnings
 from tierckptd.jobs import JobQueue, StepAside
 from tierckptd.memory.capacity import budget_warnings
 from tierckptd.memory.scrubber import Scrubber
@@ -60,6 +62,7 @@ from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
 from tierckptd.persistent.retention import remove_checkpoint
 from tierckptd.persistent.source import PersistentSource
+from tierckptd.persistent.startup import start_in_background as start_persistent
 from tierckptd.persistent.store import RetryPolicy
 from tierckptd.persistent.stores import Stores
 from tierckptd.restore import FileSource, Restorer
@@ -313,24 +316,18 @@ class Daemon:
             threading.Thread(
                 target=cluster.republish_own, name="tierckptd-republish", daemon=True
             ).start()
-        if self.drainer is not None:
-            # Before the healer runs: a checkpoint a peer let go to the persistent tier is
-            # known durable here first, never taken for lost and forgotten.
-            try:
-                self.drainer.adopt_durable()  # every memory tier gone: S3 still lists them
-                if discovery is not None:
-                    discovery.mark_listed()
-            except Exception as e:
-                logger.error(
-                    "cannot list the persistent tier %s: %s", redact(cfg.persistent.url), e
-                )
         cluster.start()
         if self.discoverer is not None:
             self.discoverer.start()
         if self.drainer is not None:
-            self.drainer.resume()  # a restart mid-drain picks up where it stopped
-            self.drainer.start()
+            self.drainer.start()  # new commits drain at once; the resume comes below
         health.serving()
+        if self.drainer is not None:
+            # Nothing of S3 before READY (audit 3 H7, M7): stale uploads aborted, the
+            # drain resumed and the durable checkpoints adopted on a thread of their own
+            # (a peer's persistent-only manifest is never taken for lost meanwhile: the
+            # healer skips files no node claims, and peers answer that it is durable).
+            start_persistent(catalog, stores, self.drainer.resume, discovery)
         status = catalog.status()
         sd_notify(
             f"READY=1\nSTATUS=serving {status.checkpoints} checkpoints, "

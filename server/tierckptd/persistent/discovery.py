@@ -10,8 +10,13 @@ Another cluster may drain into the same bucket and namespace while this daemon r
   answer is cached for `negative_ttl` seconds (at most `max_negative` entries), so a
   loop of bad ids costs one request per id and TTL, not one per call.
 - `refresh(namespace)`: before answering "the newest" or a listing, re-list the
-  namespace when this node's view of it is older than `relist_interval`; an outage
-  only logs (the memory tier's answer stands).
+  namespace when this node's view of it is older than `relist_interval`. The listing
+  runs on Discovery's own worker threads, one at a time per namespace (callers that
+  ask meanwhile join it), under a deadline (`LISTING_DEADLINE`); the RPC waits for it
+  at most `wait` seconds and then answers from the catalog. An outage only logs (the
+  memory tier's answer stands): an S3 endpoint that accepts connections and never
+  answers costs a listing its deadline, never the control socket's threads (audit 3
+  H7). A probe runs on the caller's thread, bounded by `PROBE_DEADLINE`.
 
 Listing never walks delimiter listings deeper than one level. Each durable checkpoint
 has an index entry, an empty object ``<url>/<ns>/.tierckpt/durable/<id>`` written by
@@ -23,6 +28,12 @@ index existed) falls back to a flat prefix scan of the namespace, keeping the
 ``<id>/.metadata`` keys. Nothing listed is trusted: names are validated, the number of
 entries is capped, and each manifest adopted is range-checked (`check_stored_record`).
 
+At start (`adopt_all`, after READY, in the background, under a time budget) a namespace
+is adopted from its index only; the scan runs for a namespace without one, and an entry
+is written only for an id whose bookkeeping manifest parses and names it: junk
+``<id>/.metadata`` keys in a shared bucket cost a listing, never an entry, a request or
+a log line each (audit 3 M7).
+
 The catalog never imports this module: the rpc layer calls it (`DaemonService`), and
 main.py wires it.
 """
@@ -31,10 +42,13 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 
 from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, TierckptError, TierUnavailable
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
@@ -46,11 +60,15 @@ from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
 from tierckptd.persistent.readback import check_stored_record
 from tierckptd.persistent.source import describe_failure, tier_label
-from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.store import BOOKKEEPING_DIR, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent.stores import Stores
 
 __all__ = [
+    "ADOPT_BUDGET",
     "INDEX_DIR",
+    "LISTING_DEADLINE",
+    "LISTING_WAIT",
+    "PROBE_DEADLINE",
     "MANIFEST_OBJECT",
     "MAX_INDEX_ENTRIES",
     "Discovery",
@@ -68,6 +86,13 @@ MANIFEST_OBJECT = "manifest.json"  # the checkpoint's manifest, in the bookkeepi
 MAX_MANIFEST = 64 << 20  # a bookkeeping manifest larger than this is refused unread
 INDEX_DIR = ".tierckpt/durable"  # under <url>/<ns>/: one empty object per durable id
 MAX_INDEX_ENTRIES = 1 << 20
+LISTING_WAIT = 3.0  # an RPC waits this long for a fresh listing, then answers from the catalog
+LISTING_DEADLINE = 30.0  # one background listing (every call in it) gives up after this
+PROBE_DEADLINE = 10.0  # an explicit id's probe, on the RPC's thread
+ADOPT_BUDGET = 300.0  # the start-up adoption of one root; the rest is learnt when asked
+ADOPT_WORKERS = 4  # namespaces adopted at once at start
+RELIST_WORKERS = 4  # background listings at once
+MAX_FLIGHTS = 4096  # listings queued at once; beyond, a refresh answers from the catalog
 
 
 # ---- the index ------------------------------------------------------------------------
@@ -117,22 +142,71 @@ def _indexed_ids(tier: PersistentTier, namespace: str) -> set[str]:
     return _valid_ids(names, f"{namespace} index")
 
 
-def repair_index(tier: PersistentTier, namespace: str, durable: set[str]) -> int:
+def _bookkept_ids(tier: PersistentTier, namespace: str) -> set[str]:
+    """Ids with a bookkeeping directory (``<url>/.tierckpt/<ns>/<id>/``): one delimiter
+    listing, so ids that only have a junk ``.metadata`` cost nothing more."""
+    base = f"{tier.root}/{BOOKKEEPING_DIR}/{check_namespace(namespace)}"
+
+    def scan() -> list[str]:
+        tier.fs.invalidate_cache(base)
+        try:
+            found = tier.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            return []
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    return {n for n in tier.retrying(scan, f"list {namespace} bookkeeping") if is_checkpoint_id(n)}
+
+
+def _manifest_parses(tier: PersistentTier, key: Key) -> bool:
+    """Whether the checkpoint's bookkeeping manifest is there, parses, names `key` and
+    passes the range checks (a refusal is logged at debug: junk is summarized).
+
+    Raises:
+        PersistentTierUnavailable: an outage.
+    """
+    try:
+        raw = tier.read_bookkeeping(*key, MANIFEST_OBJECT, max_bytes=MAX_MANIFEST)
+        if raw is None:
+            return False
+        rec = manifest_from_json(json.loads(raw))
+        if rec.key != key:
+            raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
+        check_stored_record(rec, time.time())
+    except PersistentTierUnavailable:
+        raise
+    except (ManifestError, ValueError, TypeError, KeyError) as e:
+        logger.debug("%s/%s: stored manifest refused: %.300s", *key, e)
+        return False
+    return True
+
+
+def repair_index(
+    tier: PersistentTier, namespace: str, durable: set[str], until: float | None = None
+) -> int:
     """Write the index entries that `durable` (a full scan's ids: `.metadata` keys) has and
     the index lacks: a drain cut off by a kill -9 between `.metadata` and its entry, or a
-    namespace drained before the index existed. Only from a complete scan, so an index
-    once started lists every durable checkpoint. Returns entries written; an outage or a
-    refused write only warns (the entries are hints for discovery)."""
+    namespace drained before the index existed. An entry is written only for an id with
+    bookkeeping whose manifest parses and names it (never for a junk ``.metadata``);
+    `until` (monotonic) stops it. Returns entries written; an outage or a refused write
+    only warns (the entries are hints for discovery)."""
+    written = 0
     try:
-        missing = sorted(durable - _indexed_ids(tier, namespace))
-        for checkpoint_id in missing:
-            write_index_entry(tier, namespace, checkpoint_id)
+        missing = durable - _indexed_ids(tier, namespace)
+        if missing:
+            missing &= _bookkept_ids(tier, namespace)
+        for checkpoint_id in sorted(missing):
+            if until is not None and time.monotonic() >= until:
+                logger.warning("%s: durable index repair stopped at its time budget", namespace)
+                break
+            if _manifest_parses(tier, (namespace, checkpoint_id)):
+                write_index_entry(tier, namespace, checkpoint_id)
+                written += 1
     except (PersistentTierUnavailable, OSError) as e:
         logger.warning("%s: durable index not repaired: %s", namespace, e)
-        return 0
-    if missing:
-        logger.info("%s: wrote %d missing durable index entries", namespace, len(missing))
-    return len(missing)
+    if written:
+        logger.info("%s: wrote %d missing durable index entries", namespace, written)
+    return written
 
 
 def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> set[str]:
@@ -174,7 +248,7 @@ def adopt_checkpoint(
         return 0
     raw = tier.read_bookkeeping(*key, MANIFEST_OBJECT, max_bytes=MAX_MANIFEST)
     if raw is None:
-        logger.warning("%s/%s is durable but has no manifest; skipped", *key)
+        logger.debug("%s/%s is durable but has no manifest; skipped", *key)
         return 0
     rec = manifest_from_json(json.loads(raw))
     if rec.key != key:
@@ -199,10 +273,21 @@ def _adopt_ids(
     *,
     verified: bool,
     url: str = "",
+    until: float | None = None,
 ) -> int:
+    """Adopt `ids` (`verified`: listed as ``.metadata`` keys, so not probed again); what
+    cannot be (no manifest, a refused one) is summarized in one log line per call, not
+    one per id (a bucket full of junk keys). `until` (monotonic) stops it."""
     adopted = 0
+    skipped: list[str] = []
     known = set(catalog.committed_keys())
     for checkpoint_id in sorted(ids):
+        if until is not None and time.monotonic() >= until:
+            logger.warning(
+                "%s: adoption stopped at its time budget; the rest is learnt when asked for",
+                namespace,
+            )
+            break
         key = (namespace, checkpoint_id)
         if key in known and catalog.is_durable(*key):
             continue  # nothing to learn
@@ -210,33 +295,104 @@ def _adopt_ids(
             # A listing is a hint (an index entry may outlive a .metadata deleted by
             # hand): only the commit marker makes a checkpoint durable.
             if verified or tier.is_durable(*key):
-                adopted += adopt_checkpoint(tier, catalog, key, known, url)
+                got = adopt_checkpoint(tier, catalog, key, known, url)
+                adopted += got
+                if not got and key not in known:
+                    skipped.append(checkpoint_id)
         except PersistentTierUnavailable:
             raise
         except Exception as e:
-            logger.error(
-                "%s/%s: not adopted from the persistent tier: %s: %.300s",
-                *key,
-                type(e).__name__,
-                e,
-            )
+            skipped.append(checkpoint_id)
+            logger.debug("%s/%s: not adopted: %s: %.300s", *key, type(e).__name__, e)
+    if skipped:
+        logger.warning(
+            "%s: %d durable-looking checkpoint(s) not adopted from the persistent tier (no "
+            "manifest, or one refused), e.g. %s",
+            namespace,
+            len(skipped),
+            ", ".join(skipped[:3]),
+        )
     return adopted
 
 
-def adopt_all(tier: PersistentTier, catalog: Catalog, url: str = "") -> int:
+def _adopt_namespace(
+    tier: PersistentTier, catalog: Catalog, namespace: str, url: str, until: float | None
+) -> int:
+    """From the index first. Then, in the time left, one flat scan for ``.metadata`` keys
+    the index lacks (a namespace drained before the index existed, a drain killed between
+    `.metadata` and its entry): only an id with bookkeeping whose manifest parses gets an
+    entry and is adopted (`repair_index`), so junk keys cost the listing and nothing else."""
+    indexed = _indexed_ids(tier, namespace)
+    adopted = 0
+    if indexed:
+        adopted = _adopt_ids(
+            tier, catalog, namespace, indexed, verified=False, url=url, until=until
+        )
+    if until is not None and time.monotonic() >= until:
+        return adopted
+    unindexed = durable_ids(tier, namespace, scan=True) - indexed
+    if not unindexed:
+        return adopted
+    candidates = unindexed & _bookkept_ids(tier, namespace)  # junk has no bookkeeping
+    if candidates and repair_index(tier, namespace, candidates, until):
+        repaired = _indexed_ids(tier, namespace) & candidates
+        adopted += _adopt_ids(
+            tier, catalog, namespace, repaired, verified=True, url=url, until=until
+        )
+    return adopted
+
+
+def adopt_all(
+    tier: PersistentTier,
+    catalog: Catalog,
+    url: str = "",
+    *,
+    budget: float | None = None,
+    workers: int = ADOPT_WORKERS,
+) -> int:
     """Every durable checkpoint of every namespace in `tier` (a replacement cluster at
-    start); `url` as in `adopt_checkpoint`.
+    start); `url` as in `adopt_checkpoint`. Namespaces are adopted `workers` at a time,
+    each from its index (module doc); after `budget` seconds it stops (what is left is
+    learnt when asked for, by `Discovery`).
 
     Raises:
-        PersistentTierUnavailable: an outage.
+        PersistentTierUnavailable: an outage (after the other namespaces were tried).
     """
-    adopted = 0
-    for namespace in tier.list_namespaces():
-        ids = durable_ids(tier, namespace, scan=True)  # .metadata keys: verified
-        repair_index(tier, namespace, ids)
-        adopted += _adopt_ids(tier, catalog, namespace, ids, verified=True, url=url)
+    until = None if budget is None else time.monotonic() + budget
+
+    def bounded() -> AbstractContextManager[None]:
+        """Every call of this thread ends by `until` (a silent endpoint included)."""
+        return nullcontext() if until is None else tier.within(until - time.monotonic())
+
+    with bounded():
+        namespaces = tier.list_namespaces()
+    failures: list[Exception] = []
+
+    def one(namespace: str) -> int:
+        if until is not None and time.monotonic() >= until:
+            return 0
+        try:
+            with bounded():
+                return _adopt_namespace(tier, catalog, namespace, url, until)
+        except OSError as e:  # PersistentTierUnavailable, a 403, ...
+            failures.append(e)
+            return 0
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="tierckptd-adopt") as pool:
+        adopted = sum(pool.map(one, namespaces))
     if adopted:
         logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))
+    if until is not None and time.monotonic() >= until:
+        logger.warning(
+            "adoption from %s stopped at its %.0fs budget; the rest is learnt when asked for",
+            redact(tier.url),
+            budget,
+        )
+    if failures:
+        first = failures[0]
+        if isinstance(first, PersistentTierUnavailable):
+            raise first
+        raise PersistentTierUnavailable(f"adopt from {redact(tier.url)}: {first}") from first
     return adopted
 
 
@@ -255,6 +411,9 @@ class Discovery:
             lists it again (seconds; 0: every time).
         negative_ttl: how long "not durable" answers of `probe` are remembered.
         max_negative: how many such answers are remembered at most.
+        wait: how long `refresh` waits for a listing before answering from the catalog.
+        listing_deadline: how long one background listing may take in all.
+        probe_deadline: how long one `probe` may take in all.
     """
 
     def __init__(
@@ -266,19 +425,32 @@ class Discovery:
         negative_ttl: float = 10.0,
         max_negative: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        wait: float = LISTING_WAIT,
+        listing_deadline: float = LISTING_DEADLINE,
+        probe_deadline: float = PROBE_DEADLINE,
+        workers: int = RELIST_WORKERS,
     ) -> None:
         self.stores = stores if isinstance(stores, Stores) else Stores(stores)
         self.catalog = catalog
         self.relist_interval = relist_interval
         self.negative_ttl = negative_ttl
         self.max_negative = max_negative
+        self.wait = wait
+        self.listing_deadline = listing_deadline
+        self.probe_deadline = probe_deadline
         self._clock = clock
-        self._lock = threading.Lock()  # one S3 listing at a time
+        self._lock = threading.Lock()  # _listed and _flights; never held over a remote call
         # (namespace, its URL) -> when listed; ("", "") is every namespace of the default.
         self._listed: dict[tuple[str, str], float] = {}
+        # (namespace, its URL) -> the listing queued or running for it (single flight).
+        self._flights: dict[tuple[str, str], Future[int]] = {}
+        self._jobs: queue.SimpleQueue[tuple[Future[int], Callable[[], int]]] = queue.SimpleQueue()
+        self._workers = max(1, workers)
+        self._started = 0
         self._negative: OrderedDict[tuple[str, str, str], float] = OrderedDict()
         self._neg_lock = threading.Lock()
         self.probes = 0  # remote probes made (tests)
+        self.listings = 0  # background listings run (tests)
 
     def _tier_of(self, namespace: str) -> tuple[PersistentTier | None, str]:
         url = self.catalog.persistent_url(namespace)
@@ -311,6 +483,7 @@ class Discovery:
 
     def probe(self, namespace: str, checkpoint_id: str) -> bool:
         """Whether a checkpoint the catalog does not know was found durable and adopted.
+        Bounded by `probe_deadline` in all (a silent endpoint is TierUnavailable then).
 
         Raises:
             InvalidName: a bad namespace or id (nothing is asked).
@@ -326,11 +499,12 @@ class Discovery:
         what = f"checkpoint {namespace}/{checkpoint_id}"
         self.probes += 1
         try:
-            if not tier.is_durable(*key):
-                self._remember_missing(negative)
-                return False
-            known = set(self.catalog.committed_keys())
-            adopted = adopt_checkpoint(tier, self.catalog, key, known, url)
+            with tier.within(self.probe_deadline):
+                if not tier.is_durable(*key):
+                    self._remember_missing(negative)
+                    return False
+                known = set(self.catalog.committed_keys())
+                adopted = adopt_checkpoint(tier, self.catalog, key, known, url)
         except TierckptError:
             raise
         except OSError as e:  # PersistentTierUnavailable, 403 (PermissionError), ...
@@ -368,39 +542,85 @@ class Discovery:
         with self._lock:
             self._listed[(namespace, url)] = self._clock()
 
-    def refresh(self, namespace: str = "", max_age: float | None = None) -> int:
+    def refresh(
+        self, namespace: str = "", max_age: float | None = None, wait: float | None = None
+    ) -> int:
         """Re-list `namespace` ("": every namespace) when this node's view is older than
-        `max_age` (default `relist_interval`); returns checkpoints adopted. An outage is
-        logged, not raised: the caller answers from what this node knows. A namespace
-        that changed its URL is listed afresh in the new one."""
+        `max_age` (default `relist_interval`); returns checkpoints adopted, if the listing
+        ended within `wait` seconds (default `self.wait`; 0 otherwise: it goes on in the
+        background and the caller answers from what this node knows). One listing per
+        namespace at a time: callers that ask meanwhile wait for the same one. An outage
+        is logged, not raised. A namespace that changed its URL is listed afresh in the
+        new one."""
         if namespace:
             check_namespace(namespace)
         tier, url = self._tier_of(namespace) if namespace else (self.stores.default, "")
         if tier is None:
             return 0
         age = self.relist_interval if max_age is None else max_age
+        key = (namespace, url)
         with self._lock:
             now = self._clock()
-            last = self._listed.get((namespace, url), -1e18)
+            last = self._listed.get(key, -1e18)
             if not url:
                 last = max(last, self._listed.get(("", ""), -1e18))
-            if now - last < age:
-                return 0
+            flight = self._flights.get(key)
+            if flight is None:
+                if now - last < age:
+                    return 0
+                if len(self._flights) >= MAX_FLIGHTS:
+                    logger.debug(
+                        "%s: %d listings queued; answered from the catalog", key, MAX_FLIGHTS
+                    )
+                    return 0
+                flight = Future()
+                self._flights[key] = flight
+                self._jobs.put((flight, lambda: self._relist(tier, namespace, url)))
+                if self._started < self._workers:
+                    self._started += 1
+                    threading.Thread(
+                        target=self._work, name="tierckptd-relist", daemon=True
+                    ).start()
+        try:
+            return flight.result(timeout=self.wait if wait is None else wait)
+        except TimeoutError:
+            return 0  # still listing: the caller answers from the catalog
+
+    def _work(self) -> None:
+        """A listing worker (daemon thread): runs queued listings one after another."""
+        while True:
+            flight, job = self._jobs.get()
+            if not flight.set_running_or_notify_cancel():
+                continue
             try:
-                adopted = 0
+                flight.set_result(job())
+            except BaseException as e:  # a bug: logged by _relist, never kills the worker
+                flight.set_exception(e)
+
+    def _relist(self, tier: PersistentTier, namespace: str, url: str) -> int:
+        """One listing, under `listing_deadline` in all; the view counts as fresh after it,
+        failed too (no hammering)."""
+        self.listings += 1
+        adopted = 0
+        try:
+            with tier.within(self.listing_deadline):
                 for ns in [namespace] if namespace else tier.list_namespaces():
                     ids = durable_ids(tier, ns)
                     adopted += _adopt_ids(tier, self.catalog, ns, ids, verified=False, url=url)
                     self._forget_deleted(tier, ns, ids, url)
-            except OSError as e:  # an outage, a 403: answer from what this node knows
-                logger.warning(
-                    "cannot re-list %s in %s: %s",
-                    namespace or "the namespaces",
-                    tier_label(tier.url),
-                    e,
-                )
-                adopted = 0
-            self._listed[(namespace, url)] = self._clock()  # failed too: no hammering
+        except OSError as e:  # an outage, a 403: answer from what this node knows
+            logger.warning(
+                "cannot re-list %s in %s: %s",
+                namespace or "the namespaces",
+                tier_label(tier.url),
+                e,
+            )
+        except Exception:
+            logger.exception("re-listing %s failed", namespace or "the namespaces")
+        finally:
+            with self._lock:
+                self._listed[(namespace, url)] = self._clock()
+                self._flights.pop((namespace, url), None)
         if adopted:
             logger.info(
                 "adopted %d checkpoint(s) from %s (re-listed)", adopted, tier_label(tier.url)

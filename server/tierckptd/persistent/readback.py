@@ -143,7 +143,7 @@ def original_chunks(
         if old < position or old > size:
             raise ChecksumMismatch(f"{where}: the stored index has an item at {old} outside")
         if old > position:  # bytes outside every item (none in DCP files): zeros
-            yield position, bytes(old - position)
+            yield from _zeros(position, old)
             position = old
         new_offset, new_length = index[old]
         limit = (olds[i + 1] if i + 1 < len(olds) else size) - old
@@ -152,4 +152,13 @@ def original_chunks(
             yield position, data
             position += len(data)
     if position < size:
-        yield position, bytes(size - position)
+        yield from _zeros(position, size)
+
+
+def _zeros(start: int, end: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, zeros) covering ``[start, end)`` in READ_CHUNK pieces: a gap as large as
+    the file never becomes one allocation (audit 3 M7)."""
+    zeros = bytes(min(READ_CHUNK, end - start))
+    for offset in range(start, end, READ_CHUNK):
+        n = min(READ_CHUNK, end - offset)
+        yield offset, zeros if n == len(zeros) else zeros[:n]

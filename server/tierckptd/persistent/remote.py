@@ -13,23 +13,41 @@ and botocore retry underneath too; tighten their ``config_kwargs`` in
 the one in flight, s3fs's and botocore's own retries underneath) gives up with
 `PersistentTierUnavailable` once the deadline passes. Each attempt runs on a helper
 thread the caller stops waiting for at the deadline; the attempt is idempotent, so one
-that still completes afterwards changes nothing a retry would not.
+that still completes afterwards changes nothing a retry would not. `RemoteStore.within`
+gives one thread's calls a deadline of their own the same way (a listing, a probe, the
+start-up adoption), so an endpoint that accepts connections and never answers (audit 3
+H7) costs a caller its budget, not minutes.
+
+Underneath, an S3 client gets bounded timeouts and retries unless ``storage_options``
+names its own (`S3_CLIENT_DEFAULTS`): botocore's legacy default of 5 attempts, times
+s3fs's 5 retries of a read timeout, held one call for over 6 minutes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 import fsspec
 
 from tierckptd.persistent.retry import PersistentTierUnavailable, RetryPolicy, retry_call
 
-__all__ = ["RemoteStore", "protocols"]
+__all__ = ["S3_CLIENT_DEFAULTS", "S3_RETRIES", "RemoteStore", "protocols", "with_s3_defaults"]
 
 _DEADLINE_POLL = 0.2  # how often a waiting caller looks at the shutdown deadline
+# botocore `Config` for an S3 root whose storage_options do not set these keys: one
+# request waits at most connect_timeout + read_timeout per attempt, 2 attempts; the
+# RetryPolicy above retries the operation as a whole.
+S3_CLIENT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 15,
+    "retries": {"total_max_attempts": 2, "mode": "standard"},
+}
+S3_RETRIES = 2  # s3fs's own retries of a timeout or 5xx (its default is 5)
+_S3_PROTOCOLS = ("s3", "s3a")
 
 T = TypeVar("T")
 
@@ -58,7 +76,10 @@ class RemoteStore:
         self._sleep = sleep
         self._clock = clock
         self._until: float | None = None
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self._bound = threading.local()  # .until: this thread's own deadline (`within`)
+        fs, root = fsspec.core.url_to_fs(url, **with_s3_defaults(url, storage_options))
+        if set(protocols(fs)) & set(_S3_PROTOCOLS) and isinstance(getattr(fs, "retries", 0), int):
+            fs.retries = min(fs.retries, S3_RETRIES)
         self.fs: Any = fs
         self.root: str = root.rstrip("/")
         self._local = "file" in protocols(fs)
@@ -70,6 +91,27 @@ class RemoteStore:
         caller can count on the tier returning by then plus `_DEADLINE_POLL`.
         """
         self._until = None if seconds is None else self._clock() + seconds
+
+    @contextmanager
+    def within(self, seconds: float) -> Iterator[None]:
+        """Every operation this thread starts inside gives up `seconds` from now (nested:
+        the earlier deadline wins), as at shutdown: an RPC's probe or a background listing
+        never waits longer on a silent endpoint."""
+        outer: float | None = getattr(self._bound, "until", None)
+        until = self._clock() + seconds
+        self._bound.until = until if outer is None else min(outer, until)
+        try:
+            yield
+        finally:
+            self._bound.until = outer
+
+    def _deadline(self) -> float | None:
+        """The earlier of the shutdown deadline and this thread's own (None: neither)."""
+        own: float | None = getattr(self._bound, "until", None)
+        shutdown = self._until
+        if own is None or shutdown is None:
+            return own if shutdown is None else shutdown
+        return min(own, shutdown)
 
     def find(self, path: str, *, detail: bool = False) -> Any:
         """Every object under `path`, flat; an unreadable local directory raises (an
@@ -85,7 +127,7 @@ class RemoteStore:
             self.retry,
             sleep=self._sleep,
             clock=self._clock,
-            until=lambda: self._until,
+            until=self._deadline,
         )
 
     def _attempt(self, fn: Callable[[], T], what: str) -> T:
@@ -103,10 +145,15 @@ class RemoteStore:
 
         threading.Thread(target=run, name="tierckpt-persistent-call", daemon=True).start()
         while not done.wait(_DEADLINE_POLL):
-            until = self._until
+            until = self._deadline()
             if until is not None and self._clock() >= until:
+                if self._until is not None and self._clock() >= self._until:
+                    raise PersistentTierUnavailable(
+                        f"{what}: abandoned at the shutdown deadline; the checkpoint stays pending"
+                    )
                 raise PersistentTierUnavailable(
-                    f"{what}: abandoned at the shutdown deadline; the checkpoint stays pending"
+                    f"{what}: no answer from the persistent tier within the call's deadline "
+                    "(it accepts connections but does not answer, or is too slow)"
                 )
         ok, value = result[0]
         if ok:
@@ -129,6 +176,19 @@ class RemoteStore:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(path)
+
+
+def with_s3_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """`storage_options` with `S3_CLIENT_DEFAULTS` under ``config_kwargs`` for an S3 URL
+    (what the operator set wins, key by key); other URLs unchanged."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] not in _S3_PROTOCOLS:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    for key, value in S3_CLIENT_DEFAULTS.items():
+        config.setdefault(key, value)
+    options["config_kwargs"] = config
+    return options
 
 
 def protocols(fs: Any) -> tuple[str, ...]:

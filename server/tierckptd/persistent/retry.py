@@ -134,7 +134,8 @@ def retry_call(
     """Run `fn` under `policy`; return its result or raise.
 
     `until` gives an absolute deadline on `clock` (None: none), read before every
-    attempt and every sleep, so one set meanwhile (shutdown) is honoured too.
+    attempt and every sleep, so one set meanwhile (shutdown) is honoured too; a caller's
+    own deadline (`RemoteStore.within`) comes the same way.
 
     Raises:
         PersistentTierUnavailable: transient failures outlasted the policy (chained to
@@ -148,8 +149,8 @@ def retry_call(
         end = until()
         if end is not None and clock() >= end:
             raise PersistentTierUnavailable(
-                f"{what}: not attempted, the shutdown deadline has passed; the checkpoint "
-                "stays pending"
+                f"{what}: not attempted, its deadline (shutdown, or the caller's) has passed; "
+                "the checkpoint stays pending"
             )
         try:
             return fn()

@@ -26,6 +26,7 @@ range is ignored (the file counts as not uploaded, and the next drain rewrites i
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -91,6 +92,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 BOOKKEEPING_DIR = ".tierckpt"
 DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
 _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
+# An upload marker larger than this is not read (a tampered bucket, audit 3 M7): ours
+# hold ~40 bytes per item, so 64 MiB is over a million items in one data file.
+MAX_MARKER = 64 << 20
+MAX_UPLOADS_LISTED = 100_000  # open multipart uploads looked at per root at start (L2)
 
 T = TypeVar("T")
 
@@ -291,16 +296,34 @@ class PersistentTier(RemoteStore):
         def read() -> dict[str, UploadedFile]:
             self.fs.invalidate_cache(files_dir)
             try:
-                paths = sorted(self.find(files_dir))
+                listed = self.find(files_dir, detail=True)
             except FileNotFoundError:
                 return {}
+            paths: list[str] = []
+            for p, info in sorted(listed.items()):
+                size = int(info.get("size") or 0)
+                if 0 < size <= MAX_MARKER:
+                    paths.append(p)
+                else:  # a tampered bucket: never read whole (audit 3 M7)
+                    logger.warning(
+                        "%s: ignored, %d bytes is not an upload marker (the file counts as "
+                        "not uploaded)",
+                        p,
+                        size,
+                    )
             if not paths:
                 return {}
-            blobs = self.fs.cat(paths)
+            # As listed, never more: an object grown since is cut and fails to parse.
+            ends = [int(listed[p]["size"]) for p in paths]
+            blobs = self.fs.cat_ranges(paths, [0] * len(paths), ends, on_error="return")
             markers: dict[str, UploadedFile] = {}
-            for p in paths:
+            for p, blob in zip(paths, blobs, strict=True):
+                if isinstance(blob, FileNotFoundError):
+                    continue  # removed since it was listed: not uploaded
+                if isinstance(blob, BaseException):
+                    raise blob
                 try:
-                    m = UploadedFile.from_json(blobs[p])
+                    m = UploadedFile.from_json(bytes(blob))
                 except ValueError as e:
                     logger.warning("%s: ignored (the file counts as not uploaded): %s", p, e)
                     continue
@@ -470,6 +493,62 @@ class PersistentTier(RemoteStore):
             return data
 
         return self.retrying(read, f"read {namespace}/{checkpoint_id}/{name}")
+
+    # ---- open multipart uploads (audit 3 L2) --------------------------------------
+
+    def abort_uploads(self, files: Iterable[tuple[str, str, str]]) -> int:
+        """Abort the open multipart uploads of these data files ((namespace, id, name)):
+        a kill -9 mid-upload leaves its upload open for good, and S3 bills its parts.
+        Call it before this node uploads any of them again. One listing of the root's
+        open uploads (at most MAX_UPLOADS_LISTED), then one abort per match; only S3
+        roots have uploads (0 elsewhere). Returns uploads aborted.
+
+        Raises:
+            PersistentTierUnavailable: the listing failed (an abort that fails only warns).
+        """
+        call = getattr(self.fs, "call_s3", None)
+        if call is None or not hasattr(self.fs, "split_path"):
+            return 0
+        wanted: set[str] = set()
+        for namespace, checkpoint_id, name in files:
+            path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{check_relative_path(name)}"
+            wanted.add(self.fs.split_path(path)[1])
+        if not wanted:
+            return 0
+        bucket, root_key, _ = self.fs.split_path(self.root)
+        prefix = f"{root_key.rstrip('/')}/" if root_key else ""
+
+        def listing() -> list[tuple[str, str]]:
+            found: list[tuple[str, str]] = []
+            page: dict[str, str] = {}
+            while len(found) < MAX_UPLOADS_LISTED:
+                out = call("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **page)
+                found += [(str(u["Key"]), str(u["UploadId"])) for u in out.get("Uploads") or []]
+                if not out.get("IsTruncated"):
+                    break
+                page = {
+                    "KeyMarker": str(out.get("NextKeyMarker") or ""),
+                    "UploadIdMarker": str(out.get("NextUploadIdMarker") or ""),
+                }
+            return found
+
+        aborted = 0
+        for key, upload_id in self.retrying(listing, f"list open uploads under {self.url}"):
+            if key not in wanted:
+                continue  # another node's, or not a file this node uploads
+            try:
+                self.retrying(
+                    functools.partial(
+                        call, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
+                    ),
+                    f"delete the open upload of {key}",
+                )
+            except (PersistentTierUnavailable, OSError) as e:
+                logger.warning("could not abort the open upload of %s: %s", key, e)
+                continue
+            aborted += 1
+            logger.info("aborted the open multipart upload of %s (left by a killed drain)", key)
+        return aborted
 
     # ---- deletion ----------------------------------------------------------------
 

@@ -9,14 +9,29 @@ the peer port for DaemonService gets NOT_FOUND: that port refuses it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
+import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 __all__ = ["DAEMON_SERVICE", "PEER_SERVICE", "Health"]
 
 DAEMON_SERVICE = "tierckpt.v1.DaemonService"
 PEER_SERVICE = "tierckpt.v1.PeerService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+
+
+def _on_pool(behaviour: Callable[[Any, Any], Any], pool: Executor) -> Callable[[Any, Any], Any]:
+    """`behaviour` as a handler grpc runs on `pool` (grpc's per-handler
+    `experimental_thread_pool`) instead of the server's own threads."""
+
+    def handler(request: Any, context: Any) -> Any:
+        return behaviour(request, context)
+
+    setattr(handler, "experimental_thread_pool", pool)  # noqa: B010 (a function attribute)
+    return handler
 
 
 class Health:
@@ -34,9 +49,32 @@ class Health:
             servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         return servicer
 
-    def add_to(self, server: Any, *, peer: bool = False) -> None:
-        """Serve health on `server`: the peer listener's (`peer`) or the local one's."""
-        health_pb2_grpc.add_HealthServicer_to_server(self._peer if peer else self._local, server)
+    def add_to(self, server: Any, *, peer: bool = False, pool: Executor | None = None) -> None:
+        """Serve health on `server`: the peer listener's (`peer`) or the local one's.
+
+        With `pool` its Check runs on those threads, not the server's: a pool saturated by
+        slow calls (a silent S3, audit 3 H7) never fails the liveness probe."""
+        servicer = self._peer if peer else self._local
+        if pool is None:
+            health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+            return
+        check = _on_pool(servicer.Check, pool)
+        handlers = {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                check,
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                servicer.Watch,
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(HEALTH_SERVICE, handlers),)
+        )
+        server.add_registered_method_handlers(HEALTH_SERVICE, handlers)
 
     def serving(self) -> None:
         for servicer, names in self._services.items():
