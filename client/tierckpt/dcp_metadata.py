@@ -9,14 +9,28 @@ dataclasses, ``torch.Size``, dtypes and layouts, ``pathlib`` paths (``storage_me
 checkpoint id) and a few builtin containers. Every one of them is inert to construct. No
 callable that reaches the filesystem, the interpreter or torch storages is admitted.
 
-Two more things the allow-list alone would not stop:
+What the allow-list alone would not stop:
 
+- Algorithmic bombs (audit 3, H1): a 170-byte pickle of a memoized nested tuple that
+  expands to 2^30 leaves when hashed, ``bytearray(512 MiB)`` from 68 bytes. Before any
+  object is built, `tierckpt.pickle_scan.scan` walks the opcodes and bounds the work and
+  memory: at most `MAX_METADATA_BYTES` of input, nesting at most
+  `tierckpt.pickle_scan.MAX_DEPTH` deep, and a logical object count (a memo GET of a
+  container counts its whole expanded size again) of at most `object_budget` of the
+  file's size, which scales with it (real DCP metadata uses about a tenth of it). The
+  builtins admitted are wrapped: ``bytearray`` only from a bytes literal, never from a
+  length.
 - A pickle can ``BUILD`` onto an admitted *class* (or function, or enum member) and
-  overwrite its attributes for the whole process. Loads are serialized, those objects'
-  dicts are compared before and after, and any change is undone and refused.
+  overwrite its attributes for the whole process. The scan refuses a ``BUILD`` onto
+  anything but an object a DCP class just made; those objects' dicts are also compared
+  before and after each load (a second line: a change is undone and refused).
 - An admitted class built with the wrong fields. The result must be a `Metadata` whose
   ``storage_data`` maps `MetadataIndex` to `_StorageInfo` with a valid file name, and
   non-negative int offset and length.
+
+No lock is held across a load (loads on many threads run side by side), and the C
+unpickler reads through a Python source (`_Source`), so a long load lets other threads
+run at least every frame (64 KiB) instead of holding the GIL to the end.
 
 Anything else raises `tierckpt.errors.UnsafeMetadata`, which names what was refused and
 runs nothing. torch is imported on first use (the daemon does not otherwise need it).
@@ -29,20 +43,41 @@ import functools
 import importlib
 import io
 import pickle
-import threading
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from tierckpt.errors import InvalidName, UnsafeMetadata
 from tierckpt.names import METADATA_FILE, check_file_name
+from tierckpt.pickle_scan import ScanRefused, scan
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "dump_metadata", "load_metadata", "unpickle_allowed"]
+__all__ = [
+    "MAX_METADATA_BYTES",
+    "dump_metadata",
+    "load_metadata",
+    "object_budget",
+    "unpickle_allowed",
+]
 
-MAX_METADATA_BYTES = 1 << 30
-"""A `.metadata` larger than this is refused before it is parsed (160k items is ~30 MB)."""
+MAX_METADATA_BYTES = 256 << 20
+"""A `.metadata` larger than this is refused before it is parsed (2,000 tensors of 64
+chunks each, 128k items, is 18 MB)."""
+
+OBJECTS_PER_BYTE = 4
+"""The logical object budget per byte of input (real DCP metadata: about 0.5)."""
+
+MIN_OBJECTS = 1 << 20
+"""The logical object budget of any input, however small (milliseconds of hashing)."""
+
+
+def object_budget(size: int) -> int:
+    """The most logical objects (expanded, see `tierckpt.pickle_scan`) a pickle of `size`
+    bytes may build."""
+    return MIN_OBJECTS + OBJECTS_PER_BYTE * size
+
 
 _MAX_INT = 2**63 - 1
 _SHOWN = 64  # characters of a refused name or value that go into an error message
@@ -72,12 +107,39 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
 }
 
-# One load at a time, so the class-dict check below sees only its own load's effects.
-_LOCK = threading.Lock()
+# Fresh objects a BUILD may fill, and containers SETITEM/APPENDS/ADDITEMS may fill.
+_FRESH = frozenset(
+    {(_DCP_METADATA, name) for name in _ALLOWED[_DCP_METADATA] - {"_MEM_FORMAT_ENCODING"}}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    | {(module, name) for module in ("pathlib", "pathlib._local") for name in _ALLOWED[module]}
+)
+_CONTAINERS = frozenset({("collections", "OrderedDict"), ("builtins", "set")})
+
+
+def _bytearray(*args: object) -> bytearray:
+    """``builtins.bytearray`` as a pickle may call it: from a bytes literal only (how
+    protocol 3 and 4 write one), never from a length (``bytearray(1 << 29)``)."""
+    if args and not (len(args) == 1 and type(args[0]) is bytes):
+        raise UnsafeMetadata("bytearray() from anything but a bytes literal")
+    return bytearray(*args)
+
+
+_WRAPPED = {("builtins", "bytearray"): _bytearray}
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _SHOWN
+_REPR.maxlevel = 3
 
 
 def _shown(value: object) -> str:
-    text = repr(value)
+    """A short text for `value` in an error, in bounded time: never the repr of a whole
+    structure (a pickle may build one whose repr is exponential)."""
+    if type(value) is int and value.bit_length() > 64:
+        return f"<an int of {value.bit_length()} bits>"
+    if type(value) in (str, bytes, int, float, bool, type(None), list, tuple, dict, set):
+        text = _REPR.repr(value)
+    else:
+        text = f"<a {type(value).__name__}>"
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
@@ -98,13 +160,15 @@ class _AllowListUnpickler(pickle.Unpickler):
         what: str,
         extra: Mapping[tuple[str, str], type] | None = None,
     ) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(_Source(data))
         self.what = what
         self.extra = extra or {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.extra:
             return self.extra[(module, name)]
+        if (module, name) in _WRAPPED:
+            return _WRAPPED[(module, name)]
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch":
@@ -117,6 +181,36 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise _refuse(self.what, "it refers to a persistent id")
+
+
+class _Source:
+    """The pickle's bytes as a file the C unpickler reads through Python calls (``peek``
+    prefetches 128 KiB, a frame is 64 KiB): each call lets a waiting thread take the GIL,
+    which a load from ``bytes`` would hold to the end."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._data) if n is None or n < 0 else min(len(self._data), self._pos + n)
+        chunk = bytes(self._data[self._pos : end])
+        self._pos = end
+        return chunk
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        chunk = self._data[self._pos : self._pos + len(out)]
+        out[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def readline(self) -> bytes:
+        end = bytes(self._data[self._pos : self._pos + (1 << 16)]).find(b"\n")
+        return self.read(-1 if end < 0 else end + 1)
+
+    def peek(self, n: int = 0) -> bytes:
+        return bytes(self._data[self._pos : self._pos + max(n, 1)])
 
 
 @functools.cache
@@ -238,19 +332,31 @@ def _unpickle(
     size = memoryview(raw).nbytes
     if size > MAX_METADATA_BYTES:
         raise _refuse(what, f"{size} bytes, more than the {MAX_METADATA_BYTES} allowed")
+    data = raw if isinstance(raw, bytes) else bytes(raw)
+    try:
+        scan(
+            data,
+            budget=object_budget(size),
+            fresh=_FRESH | frozenset(extra),
+            containers=_CONTAINERS,
+        )
+    except ScanRefused as e:
+        why = f"unreadable: {e}" if e.malformed else str(e)
+        raise _refuse(what, why if len(why) <= 300 else why[:297] + "...") from None
     guarded = _guarded() + tuple(extra.values())
-    with _LOCK:
-        before = _snapshot(guarded)
-        try:
-            return _AllowListUnpickler(raw, what, extra).load()
-        except UnsafeMetadata:
+    before = _snapshot(guarded)
+    try:
+        return _AllowListUnpickler(data, what, extra).load()
+    except UnsafeMetadata as e:
+        if str(e).startswith(what):
             raise
-        except Exception as e:  # UnpicklingError, EOFError, RecursionError, MemoryError...
-            raise _refuse(what, f"unreadable: {type(e).__name__}: {_shown(str(e))}") from None
-        finally:
-            changed = _undo_changes(before)
-            if changed:
-                raise _refuse(what, f"it tried to change {_shown(', '.join(changed))}")
+        raise _refuse(what, str(e)) from None  # a wrapped builtin's refusal
+    except Exception as e:  # UnpicklingError, EOFError, RecursionError, MemoryError...
+        raise _refuse(what, f"unreadable: {type(e).__name__}: {_shown(str(e))}") from None
+    finally:
+        changed = _undo_changes(before)
+        if changed:
+            raise _refuse(what, f"it tried to change {_shown(', '.join(changed))}")
 
 
 def unpickle_allowed(
