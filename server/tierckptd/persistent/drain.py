@@ -39,9 +39,15 @@ retention may evict it like any checkpoint that is not due (the newest is still 
 Pinning it until it is durable would pin it forever: any local client could fill the
 memory tier that way.
 
+The decode is bounded (`tierckpt.pickle_scan`: size, depth, expanded object count), so a
+decoder bomb is refused in milliseconds instead of freezing the daemon (audit 3, H1), and
+a refusal is remembered across restarts (`refusals.RefusedMetadata`, a record in the
+memory dir): a restarted daemon does not decode the same `.metadata` again, it marks the
+checkpoint drain-failed at once (``tierckpt_refused_metadata{where="drain-remembered"}``).
+
 Operator override: `Drainer.retry_failed()` (meant for SIGHUP) clears every drain-failed
 mark and retries those checkpoints at once with fresh counters; a refused `.metadata` is
-decoded again (still never run) and refused again unless the checkpoint changed.
+forgotten, decoded again (still never run) and refused again unless the checkpoint changed.
 
 Persistent retention (``persistent_keep_last``/``persistent_keep_every``) runs on the node
 that committed `.metadata`, right after it did: only durable checkpoints are candidates,
@@ -89,6 +95,8 @@ from tierckptd.persistent.drain_plan import (
 from tierckptd.persistent.emergency import emergency_drain
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.markers import fingerprint
+from tierckptd.persistent.refusals import FILE_NAME as REFUSALS_FILE
+from tierckptd.persistent.refusals import RefusedMetadata
 from tierckptd.persistent.retention import PersistentRetention
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
@@ -109,6 +117,11 @@ logger = logging.getLogger(__name__)
 Restore = Callable[[str, str, str], tuple[FileRecord, str]]
 """The restore chain's `ensure_local(namespace, checkpoint_id, name)`: a verified local
 copy of a committed file (record, path), from a peer or the persistent tier."""
+
+
+class RememberedRefusal(UnsafeMetadata):
+    """The checkpoint's `.metadata` was refused before (this run or an earlier one) and
+    has not changed: refused again without being decoded."""
 
 
 def _index(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
@@ -182,9 +195,17 @@ class Drainer:
         )
         self._queue: JobQueue[Drain] = JobQueue(self._job, name="tierckptd-drain")
         self._drain_lock = threading.Lock()
+        self.refusals = RefusedMetadata(catalog.tier.root / REFUSALS_FILE, self._has)
         metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
         metrics.DRAIN_BACKLOG_CHECKPOINTS.set_function(lambda: len(catalog.due_not_durable()))
         metrics.DRAIN_BACKLOG_BYTES.set_function(self.backlog_bytes)
+
+    def _has(self, key: Key) -> bool:
+        try:
+            self.catalog.get(*key)
+        except CheckpointNotFound:
+            return False
+        return True
 
     def backlog_bytes(self) -> int:
         """Bytes of the files this node owns and holds of the checkpoints due and not
@@ -205,8 +226,9 @@ class Drainer:
         self._queue.put(Drain(namespace, checkpoint_id), delay)
 
     def resume(self) -> int:
-        """Queue every committed checkpoint that is due and not known durable."""
-        keys = self.catalog.due_not_durable()
+        """Queue every committed checkpoint that is due and not known durable, except
+        the ones whose `.metadata` was refused before the restart (marked at once)."""
+        keys = [k for k in self.catalog.due_not_durable() if not self._refused_before(k)]
         for key in keys:
             self.enqueue(*key)
         if keys:
@@ -251,8 +273,10 @@ class Drainer:
 
     def retry_failed(self) -> int:
         """Operator override (SIGHUP): retry every drain-failed checkpoint now, with
-        fresh counters. Returns how many were queued."""
+        fresh counters, decoding a refused `.metadata` again. Returns how many were
+        queued."""
         keys = sorted(self.catalog.drain_failed())
+        self.refusals.forget(keys)
         for key in keys:
             self.backoff.reset(key)
             self.enqueue(*key)
@@ -286,9 +310,36 @@ class Drainer:
             )
         try:
             return self._drain(namespace, checkpoint_id, everything)
+        except RememberedRefusal as e:
+            self._mark_refused_before(key, str(e))
+            raise
         except UnsafeMetadata as e:
             self.backoff.refuse(key, e)
             raise
+
+    def _refused_before(self, key: Key) -> bool:
+        """Whether the checkpoint's `.metadata` is one refused before (then marked
+        drain-failed and refused, without decoding it)."""
+        try:
+            f, _ = self.catalog.file_view(*key, METADATA_FILE)
+        except CheckpointNotFound:
+            return False
+        why = self.refusals.why(key, fingerprint(f)) if f.checksums is not None else None
+        if why is not None:
+            self._mark_refused_before(key, why)
+        return why is not None
+
+    def _mark_refused_before(self, key: Key, why: str) -> None:
+        metrics.REFUSED_METADATA.labels(where="drain-remembered").inc()
+        self.catalog.set_drain_failed(*key, True, refused=True)
+        logger.warning(
+            "persistent tier drain of %s/%s: its .metadata was refused before and has not "
+            "changed, so it is not decoded again (%s); it stays drain-failed. Delete it "
+            "(tierckpt rm %s %s), or SIGHUP to decode it again",
+            *key,
+            why,
+            *key,
+        )
 
     def _tier(self, namespace: str, checkpoint_id: str, url: str) -> PersistentTier:
         tier = self.stores.tier(url)
@@ -432,9 +483,18 @@ class Drainer:
             )
         assert f.checksums is not None
         what = f"{namespace}/{checkpoint_id}/{METADATA_FILE}"
+        key, bytes_id = (namespace, checkpoint_id), fingerprint(f)
+        why = self.refusals.why(key, bytes_id)
+        if why is not None:
+            raise RememberedRefusal(why)  # refused before: never decoded twice
         with VerifiedFile(path, f.size, f.checksums, what=what) as vf:
             raw = bytes(vf.read(0, f.size))
-        return raw, data_files(raw, what=what)
+        try:
+            # Bounded in work and memory (tierckpt.pickle_scan), no process-wide lock.
+            return raw, data_files(raw, what=what)
+        except UnsafeMetadata as e:
+            self.refusals.remember(key, bytes_id, str(e))
+            raise
 
     def _upload(
         self,

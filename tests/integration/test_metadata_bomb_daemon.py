@@ -1,0 +1,137 @@
+"""Audit 3, H1 against a real daemon: a rank commits a decoder bomb as `.metadata` (the
+170-byte memoized tuple, hashed as a frozenset element) with a persistent tier (moto).
+
+The daemon answers Health all along, the drain refuses the file with a clear error, the
+reader refuses it too, and after a restart the same `.metadata` is not decoded again:
+the refusal is remembered in the memory dir (``where="drain-remembered"``), and a real
+checkpoint saved after the restart drains while the decode counter stays at zero.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tierckpt.daemon_client import DaemonClient
+from tierckpt.errors import UnsafeMetadata
+from tierckpt.storage_reader import TieredStorageReader
+
+from tests.integration.test_untrusted_metadata import metric
+from tests.support import moto_s3
+from tests.support.cli import ls_json
+from tests.support.daemon_process import DaemonProcess
+from tests.support.dcp_files import save_checkpoint
+from tests.support.ports import free_ports
+from tests.support.raw_rpc import raw_save
+from tests.unit.tierckpt.test_metadata_bounds import bombs
+
+pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
+
+REFUSED = 'tierckpt_refused_metadata_total{where="drain"}'
+REMEMBERED = 'tierckpt_refused_metadata_total{where="drain-remembered"}'
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def node(s3: moto_s3.S3Bucket) -> Iterator[tuple[DaemonProcess, str]]:
+    (metrics_port,) = free_ports(1)
+    daemon = DaemonProcess(
+        {
+            "persistent": {"url": s3.url(), "storage_options": dict(s3.storage_options)},
+            "retention": {"memory_keep_last": 3},
+            "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
+        },
+        name="bombed",
+    )
+    try:
+        yield daemon, f"http://127.0.0.1:{metrics_port}/metrics"
+    finally:
+        daemon.cleanup()
+
+
+def healthy(daemon: DaemonProcess) -> None:
+    """One Health call with a short deadline (the audit saw DEADLINE_EXCEEDED)."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5.0
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def tiers(daemon: DaemonProcess, ns: str, cid: str) -> list[str]:
+    rows = {row["id"]: row for row in ls_json(daemon.address, ns)}
+    return list(rows[cid]["tiers"]) if cid in rows else []
+
+
+def test_a_bomb_metadata_is_refused_once_and_stays_refused_across_a_restart(
+    node: tuple[DaemonProcess, str], s3: moto_s3.S3Bucket, tmp_path: Path
+) -> None:
+    daemon, metrics_url = node
+    bomb = bombs()["frozenset"]
+    assert len(bomb) < 170
+    client = DaemonClient(daemon.address, timeout_s=30)
+    try:
+        raw_save(client, "bombed", "step-1", {"__0_0.distcp": b"d" * 4096, ".metadata": bomb})
+
+        def refused_while_healthy() -> bool:
+            healthy(daemon)  # every poll: the daemon answers while the drain decodes
+            return "drain-failed" in client.get_checkpoint("bombed", "step-1").tiers
+
+        wait_for(refused_while_healthy, "the drain's refusal")
+        healthy(daemon)
+        assert metric(metrics_url, REFUSED) == 1
+        log = daemon.log_path.read_text()
+        assert "bombed/step-1/.metadata: refused" in log and "expands to more than" in log
+        fs = s3.fs()
+        assert not fs.exists(f"{s3.name}/bombed/step-1/.metadata")
+
+        # The reader uses the same bounded decoder: a clear error, at once.
+        reader = TieredStorageReader("bombed", daemon=daemon.address)
+        reader.reset("step-1")
+        with pytest.raises(UnsafeMetadata, match=r"bombed/step-1/\.metadata.*expands to more"):
+            reader.read_metadata()
+        healthy(daemon)
+    finally:
+        client.close()
+
+    assert daemon.terminate() == 0
+    daemon.start()
+    client = DaemonClient(daemon.address, timeout_s=30)
+    try:
+        wait_for(
+            lambda: "refused before and has not changed" in daemon.log_path.read_text(),
+            "the remembered refusal after the restart",
+        )
+        healthy(daemon)
+        assert "drain-failed" in tiers(daemon, "bombed", "step-1")
+        assert metric(metrics_url, REMEMBERED) == 1
+        # A real checkpoint drains after the restart; the bomb was never decoded again.
+        good = save_checkpoint(tmp_path / "good")
+        names = [*good.data_names, ".metadata"]
+        raw_save(client, "bombed", "step-2", {n: (good.directory / n).read_bytes() for n in names})
+        wait_for(
+            lambda: "persistent" in client.get_checkpoint("bombed", "step-2").tiers,
+            "the good checkpoint to drain",
+        )
+        assert metric(metrics_url, REFUSED) == 0  # this process decoded no refused file
+        assert metric(metrics_url, REMEMBERED) == 1
+        assert "drain-failed" in tiers(daemon, "bombed", "step-1")
+        restarted = daemon.log_path.read_text().split("===== start #2 =====")[1]
+        lines = [line for line in restarted.splitlines() if "expands to more than" in line]
+        assert lines and all("not decoded again" in line for line in lines), lines
+        healthy(daemon)
+    finally:
+        client.close()
