@@ -65,8 +65,8 @@ Job = Heal | Repair | Landed | Tell
 REPLICATORS = 4
 # A heal of a checkpoint another replicator is healing runs again after this long.
 BUSY_RETRY = 0.2
-# A heal left under-replicated because a peer it asked did not answer (a deadline missed
-# under load, a gray peer backing off) runs again, this many times at most, after
+# A heal that left a file short of copies while a peer it asked did not answer (a deadline
+# missed under load, a peer not started yet, a gray peer backing off) runs again, this many times at most, after
 # HEAL_RETRY_FIRST seconds doubling up to HEAL_RETRY_CAP: not only at the next heal round.
 HEAL_RETRIES = 6
 HEAL_RETRY_FIRST = 1.0
@@ -269,10 +269,11 @@ class Cluster:
         return None
 
     def _heal_again(self, job: Heal, plan: HealPlan | None) -> float | None:
-        """The delay before `job` runs again: when it left the checkpoint under-replicated
-        and a peer it asked was not reached (bounded: HEAL_RETRIES), else None."""
+        """The delay before `job` runs again: when a peer it asked was not reached and a
+        file was left with fewer than k extra copies (a push it could not make, or a
+        holder it could not see; bounded: HEAL_RETRIES), else None."""
         with self._healing_lock:
-            if plan is None or not (plan.under and plan.unreached):
+            if plan is None or not (plan.unreached and (plan.under or plan.short)):
                 self._heal_tries.pop(job, None)
                 return None
             tries = self._heal_tries.get(job, 0) + 1

@@ -97,8 +97,10 @@ class HealPlan:
     replicas: Mapping[str, list[str]] = field(default_factory=dict)
     lost: tuple[str, ...] = ()
     under: tuple[str, ...] = ()
-    # Nodes the heal asked that did not answer (or were skipped while they back off).
+    # Nodes the heal asked that did not answer (or were skipped while they back off), and
+    # the files left with fewer than k extra copies on the nodes that answered.
     unreached: tuple[str, ...] = ()
+    short: tuple[str, ...] = ()
 
     @property
     def mark(self) -> str:
@@ -340,7 +342,11 @@ class Healer:
                     expected=files_by_name[name].replica_nodes,
                 )
         self._record(namespace, checkpoint_id, plan, k)
-        return dataclasses.replace(plan, unreached=tuple(n for n in asked if n not in holdings))
+        unreached = tuple(n for n in asked if n not in holdings)
+        short = tuple(
+            f.name for f in view.files if sum(f.name in h.names for h in holdings.values()) < k + 1
+        )
+        return dataclasses.replace(plan, unreached=unreached, short=short)
 
     def _trim(
         self, view: CheckpointView, name: str, kept: list[str], k: int, told: list[str]

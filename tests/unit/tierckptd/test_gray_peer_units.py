@@ -121,3 +121,8 @@ def test_a_heal_left_short_by_an_unreached_peer_runs_again_a_bounded_number_of_t
     assert cluster._heal_again(job, HealPlan()) is None  # healthy: done, forgotten
     assert cluster._heal_again(job, HealPlan(under=("__0_0.distcp",))) is None  # all answered
     cluster.client.membership.close()
+    cluster2 = Cluster(catalog, Restorer(catalog, no_sources), heal_interval=0)
+    # the owner's view: no holder missing, but a copy it could not push (peer not reached)
+    assert cluster2._heal_again(job, HealPlan(short=("f",), unreached=("n1",))) == 1.0
+    assert cluster2._heal_again(job, HealPlan(short=("f",))) is None
+    cluster2.client.membership.close()
