@@ -228,6 +228,16 @@ def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> 
     return _valid_ids(found, namespace)
 
 
+def _listed_ids(tier: PersistentTier, namespace: str) -> set[str]:
+    """`durable_ids` for a re-listing: the index, or the scan's ids that have bookkeeping
+    (junk ``.metadata`` keys cost the listing, not a request each)."""
+    ids = _indexed_ids(tier, namespace)
+    if ids:
+        return ids
+    scanned = durable_ids(tier, namespace, scan=True)
+    return scanned & _bookkept_ids(tier, namespace) if scanned else scanned
+
+
 # ---- adoption -------------------------------------------------------------------------
 
 
@@ -280,6 +290,7 @@ def _adopt_ids(
     one per id (a bucket full of junk keys). `until` (monotonic) stops it."""
     adopted = 0
     skipped: list[str] = []
+    first_cause = ""  # why the first refused one was: shown with the summary
     known = set(catalog.committed_keys())
     for checkpoint_id in sorted(ids):
         if until is not None and time.monotonic() >= until:
@@ -303,14 +314,17 @@ def _adopt_ids(
             raise
         except Exception as e:
             skipped.append(checkpoint_id)
-            logger.debug("%s/%s: not adopted: %s: %.300s", *key, type(e).__name__, e)
+            cause = f"{checkpoint_id}: {type(e).__name__}: {str(e)[:300]}"
+            first_cause = first_cause or cause
+            logger.debug("%s/%s", namespace, cause)
     if skipped:
         logger.warning(
             "%s: %d durable-looking checkpoint(s) not adopted from the persistent tier (no "
-            "manifest, or one refused), e.g. %s",
+            "manifest, or one refused), e.g. %s%s",
             namespace,
             len(skipped),
             ", ".join(skipped[:3]),
+            f"; first refusal: {first_cause}" if first_cause else "",
         )
     return adopted
 
@@ -605,7 +619,7 @@ class Discovery:
         try:
             with tier.within(self.listing_deadline):
                 for ns in [namespace] if namespace else tier.list_namespaces():
-                    ids = durable_ids(tier, ns)
+                    ids = _listed_ids(tier, ns)
                     adopted += _adopt_ids(tier, self.catalog, ns, ids, verified=False, url=url)
                     self._forget_deleted(tier, ns, ids, url)
         except OSError as e:  # an outage, a 403: answer from what this node knows
