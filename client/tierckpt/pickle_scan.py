@@ -156,6 +156,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
     unit = STRING_UNIT
     one = _ONE
     frombytes = int.from_bytes
+    kinds = {ref: _CONTAINER for ref in containers}
+    kinds.update({ref: _INSTANCE for ref in fresh})
+    glob, other, instance, container = _GLOBAL, _OTHER, _INSTANCE, _CONTAINER
     while True:
         op = data[pos]
         pos += 1
@@ -184,9 +187,13 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             push = stack.append
         elif op == 0x29 or op == 0x89 or op == 0x4E or op == 0x88:  # (), False, None, True
             push(one)
-        elif op == 0x81:  # NEWOBJ
+        elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE
             args = stack.pop()
-            stack[-1] = _made(stack[-1], args, "NEWOBJ", fresh, containers)
+            node = stack[-1]
+            if node[1] != glob or args[2] >= MAX_DEPTH:
+                _made(node, args, "NEWOBJ" if op == 0x81 else "REDUCE", fresh, containers)
+            ref = node[3]
+            stack[-1] = [1 + args[0], kinds.get(ref, other), args[2] + 1, False, ref]
         elif op == 0x85:  # TUPLE1
             a = stack[-1]
             if a[2] >= MAX_DEPTH:
@@ -194,7 +201,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             stack[-1] = (1 + a[0], _FROZEN, a[2] + 1, None)
         elif op == 0x62:  # BUILD
             state = stack.pop()
-            node = _target(stack, _INSTANCE, "BUILD")
+            node = stack[-1]
+            if node[1] != instance or node[3]:
+                _target(stack, _INSTANCE, "BUILD")  # raises
             node[0] += state[0]
             if state[2] >= node[2]:
                 if state[2] >= MAX_DEPTH:
@@ -204,18 +213,24 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             items = stack
             stack = marks.pop()
             push = stack.append
-            _grow(_target(stack, _CONTAINER, "adding items"), items)
+            node = stack[-1]
+            if node[1] != container or node[3]:
+                _target(stack, _CONTAINER, "adding items")  # raises
+            _grow(node, items)
         elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
             push([1, _CONTAINER, 0, False, None])
-        elif op == 0x52:  # REDUCE
-            args = stack.pop()
-            stack[-1] = _made(stack[-1], args, "REDUCE", fresh, containers)
-        elif op == 0x86 or op == 0x87:  # TUPLE2, TUPLE3
-            n = op - 0x84
-            items = stack[-n:]
-            if len(items) < n:
-                raise _malformed("TUPLE with too few items", pos)
-            del stack[-n:]
+        elif op == 0x86:  # TUPLE2
+            b = stack.pop()
+            a = stack[-1]
+            depth = (a[2] if a[2] > b[2] else b[2]) + 1
+            if depth > MAX_DEPTH:
+                raise _deep()
+            stack[-1] = (1 + a[0] + b[0], _FROZEN, depth, None)
+        elif op == 0x87:  # TUPLE3
+            items = stack[-3:]
+            if len(items) < 3:
+                raise _malformed("TUPLE3 with too few items", pos)
+            del stack[-3:]
             depth = max([i[2] for i in items]) + 1
             if depth > MAX_DEPTH:
                 raise _deep()
@@ -228,7 +243,10 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             if pos > size:
                 raise _malformed("a string past the end of the data", pos)
             push((1 + n // unit, _STR, 0, (start, pos)))
-            heavy += n // unit
+            if n >= unit:
+                heavy += n // unit
+                if heavy > heavy_budget:
+                    raise _over(budget)
         elif op == 0x4D:  # BININT2
             pos += 2
             push(one)
@@ -253,6 +271,8 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
                 raise _malformed("a literal past the end of the data", pos)
             push((1 + n // unit, _ATOM, 0, None))
             heavy += n // unit
+            if heavy > heavy_budget:
+                raise _over(budget)
         elif op == 0x8A or op == 0x8B:  # LONG1, LONG4
             width = 1 if op == 0x8A else 4
             n = frombytes(data[pos : pos + width], "little")
@@ -261,6 +281,8 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
                 raise _malformed("an int past the end of the data", pos)
             push((1 + n // unit, _ATOM, 0, None))
             heavy += n // unit
+            if heavy > heavy_budget:
+                raise _over(budget)
         elif op == 0x93:  # STACK_GLOBAL
             name = _name(data, stack.pop())
             module = _name(data, stack[-1])
@@ -338,14 +360,14 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             n = end - pos
             push((1 + n // unit, _STR if op == 0x56 else _ATOM, 0, (pos, end)))
             heavy += n // unit
+            if heavy > heavy_budget:
+                raise _over(budget)
             pos = end + 1
         else:
             named = _REFUSED_OPS.get(op)
             if named:
                 raise ScanRefused(f"it uses the {named}, which plain data never needs")
             raise _malformed(f"an unknown opcode 0x{op:02x}", pos - 1)
-        if heavy > heavy_budget:
-            raise _over(budget)
 
 
 _BYTES = {0x55: 1, 0x54: 4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}
