@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierckpt import __version__
-from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry, PeerMarks
 from tierckpt.errors import ChecksumMismatch, TierckptError
 from tierckpt.freshness import TIERS
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
@@ -213,23 +213,38 @@ def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _peers_json(peers: PeerMarks) -> dict[str, Any]:
+    return {
+        "peers_applied": peers.applied,
+        "peers_pending": list(peers.pending),
+        "peers_refused": list(peers.refused),
+    }
+
+
 def _cmd_rm(client: DaemonClient, args: argparse.Namespace) -> int:
-    freed = client.delete_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
+    freed, peers = client.remove_checkpoint(
+        check_namespace(args.namespace), check_checkpoint_id(args.id)
+    )
     _emit(
         args,
-        {"id": args.id, "freed_bytes": freed},
-        f"removed {args.namespace}/{args.id} ({format_size(freed)})",
+        {"id": args.id, "freed_bytes": freed, **_peers_json(peers)},
+        f"removed {args.namespace}/{args.id} here ({format_size(freed)}); "
+        f"peers notified ({peers.summary()})",
     )
     return 0
 
 
 def _cmd_pin(client: DaemonClient, args: argparse.Namespace) -> int:
     pinned = args.command == "pin"
-    info = client.pin_checkpoint(
+    info, peers = client.pin_checkpoint_report(
         check_namespace(args.namespace), check_checkpoint_id(args.id), pinned
     )
     verb = "pinned" if pinned else "unpinned"
-    _emit(args, info.to_json(), f"{verb} {info.namespace}/{info.checkpoint_id}")
+    _emit(
+        args,
+        {**info.to_json(), **_peers_json(peers)},
+        f"{verb} {info.namespace}/{info.checkpoint_id} here; peers notified ({peers.summary()})",
+    )
     return 0
 
 

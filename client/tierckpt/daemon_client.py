@@ -53,6 +53,26 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class PeerMarks:
+    """What the peers did with a cluster rm/pin/unpin this daemon made: how many applied
+    it (or had nothing of the checkpoint), which have not answered yet (the daemon keeps
+    retrying them, and they learn it when they next pull its manifests), which refused."""
+
+    applied: int = 0
+    pending: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """Like "2 applied, pending: n3", for a human."""
+        text = f"{self.applied} applied"
+        if self.pending:
+            text += f", pending: {', '.join(self.pending)}"
+        if self.refused:
+            text += f", refused by: {', '.join(self.refused)}"
+        return text
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     namespace: str
     checkpoint_id: str
@@ -319,17 +339,31 @@ class DaemonClient:
     def delete_checkpoint(self, namespace: str, checkpoint_id: str) -> int:
         """Delete a checkpoint from every node and the persistent tier (`tierckpt rm`);
         the bytes freed on this node."""
-        return int(
-            self._call(self._service().DeleteCheckpoint, _ref(namespace, checkpoint_id)).freed_bytes
-        )
+        return self.remove_checkpoint(namespace, checkpoint_id)[0]
+
+    def remove_checkpoint(self, namespace: str, checkpoint_id: str) -> tuple[int, PeerMarks]:
+        """`delete_checkpoint`, also returning what the peers did with the rm."""
+        resp = self._call(self._service().DeleteCheckpoint, _ref(namespace, checkpoint_id))
+        peers = PeerMarks(resp.peers_applied, tuple(resp.peers_pending), tuple(resp.peers_refused))
+        return int(resp.freed_bytes), peers
 
     def pin_checkpoint(
         self, namespace: str, checkpoint_id: str, pinned: bool = True
     ) -> CheckpointInfo:
         """Exempt a checkpoint from retention on every node and in the persistent tier (or
         lift that with pinned=False)."""
+        return self.pin_checkpoint_report(namespace, checkpoint_id, pinned)[0]
+
+    def pin_checkpoint_report(
+        self, namespace: str, checkpoint_id: str, pinned: bool = True
+    ) -> tuple[CheckpointInfo, PeerMarks]:
+        """`pin_checkpoint`, also returning what the peers did with the pin or unpin."""
         req = daemon_pb2.PinCheckpointRequest(ref=_ref(namespace, checkpoint_id), pinned=pinned)
-        return _info_from_wire(self._call(self._service().PinCheckpoint, req))
+        info = self._call(self._service().PinCheckpoint, req)
+        peers = PeerMarks(
+            info.mark_peers_applied, tuple(info.mark_peers_pending), tuple(info.mark_peers_refused)
+        )
+        return _info_from_wire(info), peers
 
     def set_namespace(self, namespace: str, *, persistent_url: str = "") -> str:
         """Make the namespace's next commits on this node drain to `persistent_url` ("":

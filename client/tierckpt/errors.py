@@ -21,6 +21,7 @@ __all__ = [
     "InvalidName",
     "MemoryBudgetExceeded",
     "NoPersistentTier",
+    "NotAJobNode",
     "PermissionDenied",
     "TierUnavailable",
     "TierckptError",
@@ -118,6 +119,18 @@ class NoPersistentTier(TierckptError, RuntimeError):
 NO_PERSISTENT_TIER_PREFIX = "no persistent tier: "
 
 
+class NotAJobNode(TierckptError, RuntimeError):
+    """A cluster rm/pin/unpin asked of a node that neither coordinates nor holds the
+    checkpoint (its peers take marks only from such nodes); the message names the nodes
+    to ask. Travels as FAILED_PRECONDITION with a message starting with
+    `NOT_A_JOB_NODE_PREFIX`."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+NOT_A_JOB_NODE_PREFIX = "not a node of the checkpoint: "
+
+
 class DaemonTimeout(TierckptError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -151,6 +164,8 @@ def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
         NO_PERSISTENT_TIER_PREFIX
     ):
         return NoPersistentTier(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(NOT_A_JOB_NODE_PREFIX):
+        return NotAJobNode(message)
     if code == grpc.StatusCode.DATA_LOSS and message.startswith(CHECKPOINT_LOST_PREFIX):
         return CheckpointLost(message)
     return _BY_CODE.get(code, TierckptError)(message)

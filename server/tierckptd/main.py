@@ -29,6 +29,7 @@ from types import FrameType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tierckpt.errors import TierckptError
 from tierckpt.units import format_size
 
 from tierckptd import __version__
@@ -307,7 +308,12 @@ class Daemon:
         # [membership]: the first round now, so a restarted node knows its peers before
         # it asks them for manifests; then in the background (started with the cluster).
         self.discoverer = discoverer_for(cfg, cluster, lambda: self.config.replication.copies)
-        cluster.pull_manifests()
+        try:
+            cluster.pull_manifests()
+        except (TierckptError, OSError) as e:
+            # A full tmpfs (or any tier error) while adopting what peers know: start
+            # degraded, serving what this node holds; gossip pulls again later.
+            logger.error("start-up pull of the peers' manifests stopped: %.300s", e)
         # Files of saves committed while this daemon was down (orphans) are kept once they
         # verify against a pulled manifest; the sweeper asks the peers about the others.
         catalog.resolve_unfinished = cluster.resolve_unfinished

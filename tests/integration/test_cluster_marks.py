@@ -53,6 +53,17 @@ def _held_by(c: LocalCluster, checkpoint_id: str) -> list[str]:
     ]
 
 
+def _replica_holder(c: LocalCluster, checkpoint_id: str) -> int:
+    """The index of a node other than node0 that holds copies of the checkpoint."""
+    client = DaemonClient(c.nodes[0].address, timeout_s=60)
+    try:
+        info = client.get_checkpoint(NS, checkpoint_id)
+    finally:
+        client.close()
+    holders = {n for f in info.files for n in f.replica_nodes} - {"node0"}
+    return int(min(holders).removeprefix("node"))
+
+
 def _overrides(bucket: moto_s3.S3Bucket, **retention: int) -> dict[str, Any]:
     return {
         "persistent": {"url": bucket.url(), "storage_options": dict(bucket.storage_options)},
@@ -113,7 +124,10 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
     with local_cluster(3, namespace=NS, overrides=overrides) as c:
         _save(c, 0, "step-000001", saved)
         c.wait_state("step-000001", "DURABLE")
-        out = cli(c.nodes[2].address, "pin", NS, "step-000001")  # not the committer
+        # A node of the job that is not the committer: the one holding the copies (a
+        # node that neither coordinates nor holds it is refused: test_mark_authority).
+        holder = _replica_holder(c, "step-000001")
+        out = cli(c.nodes[holder].address, "pin", NS, "step-000001")
         assert "pinned" in out.stdout
         c.wait(
             "every node shows step-000001 pinned",
@@ -134,7 +148,7 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         assert any(k.endswith("step-000001/.metadata") for k in _s3_keys(s3, "step-000001"))
         for i in range(3):
             assert "step-000001" in c.rows(i)
-        cli(c.nodes[1].address, "unpin", NS, "step-000001")
+        cli(c.nodes[holder].address, "unpin", NS, "step-000001")
         _save(c, 0, "step-000004", saved)
         c.wait_state("step-000004", "DURABLE")
         c.wait(

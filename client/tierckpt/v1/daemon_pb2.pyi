@@ -413,15 +413,31 @@ class DeleteCheckpointResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FREED_BYTES_FIELD_NUMBER: _builtins.int
+    PEERS_APPLIED_FIELD_NUMBER: _builtins.int
+    PEERS_PENDING_FIELD_NUMBER: _builtins.int
+    PEERS_REFUSED_FIELD_NUMBER: _builtins.int
     freed_bytes: _builtins.int
+    """on the node asked"""
+    peers_applied: _builtins.int
+    """The cluster rm's mark on the peers: how many applied it (or had nothing of it),
+    which did not answer yet (retried in the background; they also learn it when they
+    next pull this node's manifests), and which refused it.
+    """
+    @_builtins.property
+    def peers_pending(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def peers_refused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         freed_bytes: _builtins.int = ...,
+        peers_applied: _builtins.int = ...,
+        peers_pending: _abc.Iterable[_builtins.str] | None = ...,
+        peers_refused: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes", "peers_applied", b"peers_applied", "peers_pending", b"peers_pending", "peers_refused", b"peers_refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

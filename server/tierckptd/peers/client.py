@@ -414,6 +414,25 @@ class PeerClient:
             return newest.owner_uid, newest.owner_claim_node[:128] or node
         return None
 
+    def marks_of(self, node: str, namespace: str) -> list[Mark]:
+        """The marks `node` states for `namespace` (its ListManifests answer's marks,
+        validated one by one, not handed to `on_marks`): how a relayed mark is confirmed
+        with its origin (`ClusterOps.learn`). Fails fast when `node` is down."""
+        stub = self._stub(node, "ListManifests")
+        try:
+            resp = stub.ListManifests(
+                peer_pb2.ListManifestsRequest(namespace=namespace), timeout=CONTROL_TIMEOUT
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "ListManifests", e) from None
+        marks: list[Mark] = []
+        for m in resp.marks[:MAX_MARKS]:
+            try:
+                marks.append(mark_from_wire(m, now=time.time()))
+            except TierckptError:
+                continue
+        return marks
+
     def apply_mark(self, node: str, mark: Mark) -> None:
         """ApplyMark: tell `node` of a cluster rm, pin or unpin this node made (a peer
         down for CONTROL_TIMEOUT is retried later by the caller)."""

@@ -52,7 +52,7 @@ from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.marks import Mark
 from tierckptd.peers.membership import ChannelFactory, Membership
-from tierckptd.peers.operations import ClusterOps
+from tierckptd.peers.operations import ClusterOps, Delivery
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -328,13 +328,19 @@ class Cluster:
         return self.committer.republish_own()
 
     # ---- cluster rm / pin / unpin -------------------------------------------------------
-    def remove(self, namespace: str, checkpoint_id: str) -> int:
-        """`tierckpt rm` on every node and the persistent tier (`ClusterOps.remove`)."""
-        return self.ops.remove(namespace, checkpoint_id)
+    def remove(
+        self, namespace: str, checkpoint_id: str, uid: int | None = None
+    ) -> tuple[int, Delivery]:
+        """`tierckpt rm` on every node and the persistent tier (`ClusterOps.remove`):
+        the bytes freed here and what the peers did. `uid`: the tenant that asked (uid
+        isolation), carried by the mark."""
+        return self.ops.remove(namespace, checkpoint_id, uid)
 
-    def pin(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView:
+    def pin(
+        self, namespace: str, checkpoint_id: str, pinned: bool, uid: int | None = None
+    ) -> tuple[CheckpointView, Delivery]:
         """`tierckpt pin` / `unpin` on every node (`ClusterOps.pin`)."""
-        return self.ops.pin(namespace, checkpoint_id, pinned)
+        return self.ops.pin(namespace, checkpoint_id, pinned, uid)
 
     def apply_mark(self, mark: Mark) -> bool:
         """A peer's ApplyMark (the servicer checked it is the mark's origin)."""

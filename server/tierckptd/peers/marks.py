@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierckpt.errors import InvalidArgument
+from tierckpt.errors import InvalidArgument, TierckptError
 from tierckpt.names import check_checkpoint_id, check_namespace
 
 from tierckptd.memory.manifest import atomic_write
@@ -132,6 +132,7 @@ class MarkJournal:
         self.max_age = max_age
         self._lock = threading.Lock()
         self._entries: dict[Key, _Entry] = {}
+        self._unsaved = False  # a change kept in memory that the file does not have yet
         self._load()
 
     # ---- queries ----------------------------------------------------------------------
@@ -166,16 +167,38 @@ class MarkJournal:
         with self._lock:
             return {k: e.url for k, e in self._entries.items() if e.url is not None}
 
+    def is_new(self, mark: Mark) -> bool:
+        """Whether `merge(mark)` would change anything (no newer mark of its kind)."""
+        with self._lock:
+            e = self._entries.get(mark.key)
+            if e is None:
+                return True
+            known = e.deleted if mark.kind is MarkKind.DELETED else e.pin
+            return known is None or known.order() < mark.order()
+
+    @property
+    def unsaved(self) -> bool:
+        """A change is only in memory: the last write of the journal failed (`flush`)."""
+        with self._lock:
+            return self._unsaved
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
 
     # ---- changes ----------------------------------------------------------------------
-    def merge(self, mark: Mark) -> bool:
+    def merge(self, mark: Mark, *, keep_unsaved: bool = False) -> bool:
         """Keep `mark` if it is newer than what is known of its kind (persisted before
-        this returns); True when it changed anything."""
+        this returns); True when it changed anything.
+
+        When the journal cannot be written (a full tmpfs: MemoryBudgetExceeded, an
+        OSError), the change is undone and the error raised, unless `keep_unsaved`: then
+        the mark is kept in memory, `unsaved` is set and the caller retries `flush`
+        (a peer's mark: this node must not refuse what its peers already did, and it
+        learns the mark again from them if it stops before the write succeeds)."""
         with self._lock:
-            e = self._entries.get(mark.key) or _Entry()
+            before = self._entries.get(mark.key)
+            e = dataclasses.replace(before) if before is not None else _Entry()
             if mark.kind is MarkKind.DELETED:
                 if e.deleted is not None and e.deleted.order() >= mark.order():
                     return False
@@ -184,19 +207,50 @@ class MarkJournal:
                 if e.pin is not None and e.pin.order() >= mark.order():
                     return False
                 e.pin = mark
+            entries = dict(self._entries)
             self._entries[mark.key] = e
             self._bound()
-            self._save()
+            try:
+                self._save()
+            except (TierckptError, OSError) as err:
+                if not keep_unsaved:
+                    self._entries = entries
+                    raise
+                self._unsaved = True
+                logger.error(
+                    "cannot write the marks journal %s (%.200s): %s is kept in memory and "
+                    "the write is retried",
+                    self.path,
+                    err,
+                    mark,
+                )
             return mark.key in self._entries
 
-    def owe(self, key: Key, url: str | None) -> None:
-        """Record (a URL) or clear (None) a persistent-tier delete this node owes."""
+    def flush(self) -> bool:
+        """Write a change `merge(keep_unsaved=True)` or `owe` could not write; True when
+        there was one. Raises what the write raises (retry later)."""
+        with self._lock:
+            if not self._unsaved:
+                return False
+            self._save()
+            self._unsaved = False
+            return True
+
+    def owe(self, key: Key, url: str | None, *, keep_unsaved: bool = False) -> None:
+        """Record (a URL) or clear (None) a persistent-tier delete this node owes
+        (`keep_unsaved`: as in `merge`)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None or e.url == url:
                 return
-            e.url = url
-            self._save()
+            before, e.url = e.url, url
+            try:
+                self._save()
+            except (TierckptError, OSError):
+                if not keep_unsaved:
+                    e.url = before
+                    raise
+                self._unsaved = True
 
     def _bound(self) -> None:
         """Drop marks older than `max_age`, then the oldest beyond `max_marks` (call

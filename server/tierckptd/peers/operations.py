@@ -15,6 +15,21 @@ Any node whose drain makes a deleted checkpoint durable after the rm (the drain 
 it) deletes it again (`Catalog.on_gone_durable`).
 
 Every mark is applied idempotently: the newest stamp of each kind wins (`marks`).
+
+Who may mark what. A mark is a statement of the node a user asked, and a checkpoint's
+marks are taken only from the nodes of its job: its coordinator and the nodes that own or
+hold a copy of one of its files, per this node's record of it (`authority`). So:
+- a user's rm/pin/unpin on a node that is none of them is refused before anything
+  changes (FAILED_PRECONDITION naming the nodes to ask: `NotAJobNode`);
+- a peer's ApplyMark is applied only when the peer (its origin) is one of them, else
+  PERMISSION_DENIED; a checkpoint this node does not know is NOT_FOUND (nothing to mark;
+  a later adoption of it goes through its coordinator, which no longer has it);
+- a mark in a ListManifests answer is taken as the answering node's own statement when it
+  is its origin; a relayed one (another origin) only after that origin, asked itself,
+  states it (the mark it serves is the one applied), as relayed manifests are confirmed
+  with their coordinator (`commit.py`). A node's own marks relayed back are ignored.
+A stamp ahead of this node's clock tombstones the checkpoint here only up to now, so a
+future stamp cannot refuse a later save of that id.
 """
 
 from __future__ import annotations
@@ -28,6 +43,8 @@ from dataclasses import dataclass
 from tierckpt.errors import (
     TIER_UNAVAILABLE_PREFIX,
     CheckpointNotFound,
+    NotAJobNode,
+    PermissionDenied,
     TierckptError,
     TierUnavailable,
 )
@@ -39,7 +56,7 @@ from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.marks import Mark, MarkJournal, MarkKind
 
-__all__ = ["ClusterOps", "SendMarks", "Unstore", "Unstorer"]
+__all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +74,7 @@ SEND_TRIES = 40  # ~30 min of retries; a peer down longer learns the mark on its
 RESEND_WINDOW = 3600.0  # at start, this node's marks this recent are sent again
 MAX_RECENT = 4096  # URLs of checkpoints deleted here, for a drain that raced the rm
 _FINAL = {"PERMISSION_DENIED", "INVALID_ARGUMENT", "UNIMPLEMENTED", "NOT_A_PEER"}
+_NOTHING_THERE = "NOT_FOUND"  # the peer does not know the checkpoint: nothing to mark there
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,32 @@ class Unstore:
     checkpoint_id: str
 
 
-Job = SendMarks | Unstore
+@dataclass(frozen=True)
+class Flush:
+    """Write the mark journal again after a write failed (a full tmpfs)."""
+
+
+Job = SendMarks | Unstore | Flush
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What the peers did with a mark this node made: `applied` took it (or had nothing
+    of the checkpoint), `pending` did not answer (retried in the background, or learnt
+    when they next pull this node's manifests), `refused` said no (not retried)."""
+
+    applied: tuple[str, ...] = ()
+    pending: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """Like "N applied, pending: a, b", for messages."""
+        text = f"{len(self.applied)} applied"
+        if self.pending:
+            text += f", pending: {', '.join(self.pending[:16])}"
+        if self.refused:
+            text += f", refused by: {', '.join(self.refused[:16])}"
+        return text
 
 
 class ClusterOps:
@@ -106,6 +149,9 @@ class ClusterOps:
         self.journal = journal if journal is not None else MarkJournal(catalog.tier.root)
         self._wall = wall_clock
         self.unstore: Unstorer | None = None  # main.py, when a persistent tier exists
+        # uid isolation (`LocalAccess.check_mark`, wired by main.py): a peer's mark made
+        # for a uid applies only to that uid's checkpoints (PermissionDenied).
+        self.check_mark: Callable[[Mark], None] | None = None
         self.jobs: JobQueue[Job] = JobQueue(self._run, name="tierckptd-marks")
         self._tries: dict[Job, int] = {}
         self._recent: dict[Key, str] = {}  # persistent URL of checkpoints rm deleted here
@@ -136,34 +182,43 @@ class ClusterOps:
         self.jobs.stop()
 
     # ---- the origin ---------------------------------------------------------------------
-    def remove(self, namespace: str, checkpoint_id: str) -> int:
-        """`tierckpt rm`: delete the checkpoint from every node and the persistent tier;
-        returns the bytes freed here. A save still writing here (never committed) is
-        only collected here.
+    def remove(
+        self, namespace: str, checkpoint_id: str, uid: int | None = None
+    ) -> tuple[int, Delivery]:
+        """`tierckpt rm`: delete the checkpoint here, from the persistent tier and, by
+        its mark, from every peer; returns the bytes freed here and what the peers did.
+        A save still writing here (never committed) is only collected here.
 
         Raises:
             CheckpointNotFound: no tier knows it (or an earlier rm removed it all).
-            TierUnavailable: removed from memory everywhere, but the persistent tier did
-                not answer: its delete is retried in the background (rm again to check).
+            NotAJobNode: this node neither coordinates nor holds it (nothing changed).
+            TierUnavailable: removed here and the peers notified, but the persistent tier
+                did not answer: its delete is retried in the background (rm again to check).
         """
         key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
         state, _ = self.catalog.holdings(*key)
         if state is State.WRITING:
-            return self.catalog.delete(*key)
+            return self.catalog.delete(*key), Delivery()
         known = self._known_here(*key)
         earlier = self.journal.deleted(*key)
         if not known:
-            return self._remove_again(key, earlier)
-        mark = self._stamp(key, MarkKind.DELETED, earlier)
+            return self._remove_again(key, earlier), Delivery()
+        self._check_origin(key, "rm")
+        mark = self._stamp(key, MarkKind.DELETED, earlier, uid)  # uid: isolation's tenant
         self.journal.merge(mark)
         removed = self.catalog.remove_marked(namespace, checkpoint_id, mark.stamp)
         freed, url = removed if removed is not None else (0, self.catalog.persistent_url(namespace))
         self._remember(key, url)
-        failure = self._unstore_now(key, url)[1] if self.unstore is not None else None
-        self._send(mark)
-        if failure is not None:
-            raise failure
-        return freed
+        cause = self._unstore_now(key, url)[1] if self.unstore is not None else None
+        delivery = self._send(mark)
+        if cause is not None:
+            raise TierUnavailable(
+                f"{TIER_UNAVAILABLE_PREFIX}{namespace}/{checkpoint_id} is removed here; "
+                f"peers notified ({delivery.summary()}); but not yet from the persistent "
+                f"tier ({cause[:300]}): node {self.node_id} retries that in the background; "
+                "run `tierckpt rm` again to check"
+            )
+        return freed, delivery
 
     def retired(self, namespace: str, checkpoint_id: str) -> None:
         """Persistent retention deleted the checkpoint (this node committed it and
@@ -180,12 +235,17 @@ class ClusterOps:
         be owed (or another copy sits there); else NOT_FOUND."""
         namespace, checkpoint_id = key
         if earlier is not None:
-            self._send(earlier)  # a peer may still lack it
+            delivery = self._send(earlier)  # a peer may still lack it
             url = self.journal.owed().get(key, self.catalog.persistent_url(namespace))
             if self.unstore is not None:
-                found, failure = self._unstore_now(key, url)
-                if failure is not None:
-                    raise failure
+                found, cause = self._unstore_now(key, url)
+                if cause is not None:
+                    raise TierUnavailable(
+                        f"{TIER_UNAVAILABLE_PREFIX}{namespace}/{checkpoint_id} was removed "
+                        f"here by an earlier rm; peers notified ({delivery.summary()}); but "
+                        f"not yet from the persistent tier ({cause[:300]}): node "
+                        f"{self.node_id} retries that in the background"
+                    )
                 if found:
                     return 0
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(earlier.stamp))
@@ -202,28 +262,85 @@ class ClusterOps:
             f"({peers}) or the persistent tier; `tierckpt ls {key[0]}` lists what there is"
         )
 
-    def pin(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView:
+    def pin(
+        self, namespace: str, checkpoint_id: str, pinned: bool, uid: int | None = None
+    ) -> tuple[CheckpointView, Delivery]:
         """`tierckpt pin` / `unpin` on every node: memory retention everywhere and the
-        persistent tier's retention obey it. CheckpointNotFound if no tier knows it."""
+        persistent tier's retention obey it; returns the view here and what the peers
+        did. CheckpointNotFound if no tier knows it; NotAJobNode on a node that neither
+        coordinates nor holds it."""
         key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
         if not self._known_here(*key):
             raise self._not_found(key)
+        self._check_origin(key, "pin" if pinned else "unpin")
         kind = MarkKind.PINNED if pinned else MarkKind.UNPINNED
-        mark = self._stamp(key, kind, None)
+        mark = self._stamp(key, kind, None, uid)
         self.journal.merge(mark)
         view = self.catalog.apply_pin(namespace, checkpoint_id, pinned)
         if view is None:  # deleted meanwhile
             raise self._not_found(key)
-        self._send(mark)
-        return view
+        return view, self._send(mark)
 
-    def _stamp(self, key: Key, kind: MarkKind, earlier: Mark | None) -> Mark:
+    # ---- who may mark a checkpoint --------------------------------------------------------
+    def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
+        """The nodes whose marks on the checkpoint this node takes: its coordinator and
+        every node that owns or holds one of its files, per this node's record; None
+        when this node has no committed record of it. Empty for a checkpoint no node is
+        recorded for (found only in the persistent tier, written by another cluster)."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return None
+        nodes = {f.owner_node for f in view.files}
+        nodes.update(n for f in view.files for n in f.replica_nodes)
+        nodes.discard("")
+        return nodes
+
+    def _check_origin(self, key: Key, verb: str) -> None:
+        """A user's rm/pin/unpin here: this node must be one its peers take the mark
+        from (else NotAJobNode, nothing changed). A checkpoint no node is recorded for
+        (persistent only) may be marked from any node: its peers refuse the mark (they
+        list it until they find it gone), but there are no memory copies to protect."""
+        nodes = self.authority(*key)
+        if not nodes or self.node_id in nodes:
+            return
+        ask = ", ".join(sorted(nodes)[:8])
+        raise NotAJobNode(
+            f"not a node of the checkpoint: node {self.node_id} neither coordinates nor "
+            f"holds {key[0]}/{key[1]}, so its peers would refuse the {verb}; run `tierckpt "
+            f"{verb} {key[0]} {key[1]}` on a node that does: {ask}"
+        )
+
+    def _refusal(self, mark: Mark, nodes: set[str] | None) -> TierckptError | None:
+        """Why `mark` (stated by its origin) is not taken here, or None."""
+        what = f"{mark.namespace}/{mark.checkpoint_id}"
+        if nodes is None:
+            return CheckpointNotFound(
+                f"node {self.node_id} has no committed checkpoint {what}: nothing to mark "
+                f"{mark.kind.value} here"
+            )
+        if mark.origin not in nodes:
+            ask = ", ".join(sorted(nodes)[:8]) or "none"
+            return PermissionDenied(
+                f"node {mark.origin} may not mark {what} {mark.kind.value}: only a node that "
+                f"coordinates or holds it may ({ask})"
+            )
+        if self.check_mark is not None:  # uid isolation: only the owner's marks
+            try:
+                self.check_mark(mark)
+            except PermissionDenied as e:
+                return e
+        return None
+
+    def _stamp(
+        self, key: Key, kind: MarkKind, earlier: Mark | None, uid: int | None = None
+    ) -> Mark:
         """A new mark, stamped after every mark of the checkpoint this node knows."""
         after = [m.stamp for m in self.journal.marks(key[0]) if m.key == key]
         if earlier is not None:
             after.append(earlier.stamp)
         stamp = max([self._wall(), *(s + 1e-3 for s in after)])
-        return Mark(key[0], key[1], kind, stamp, self.node_id)
+        return Mark(key[0], key[1], kind, stamp, self.node_id, uid)
 
     def _known_here(self, namespace: str, checkpoint_id: str) -> bool:
         """Whether the checkpoint is committed here, after adopting a peer's manifest of
@@ -246,9 +363,9 @@ class ClusterOps:
         return False
 
     # ---- the persistent tier ------------------------------------------------------------
-    def _unstore_now(self, key: Key, url: str) -> tuple[bool, TierUnavailable | None]:
+    def _unstore_now(self, key: Key, url: str) -> tuple[bool, str | None]:
         """Delete from the persistent tier now: (whether it was there, None), or on a
-        failure owe it (retried) and return (False, the error to raise once the peers
+        failure owe it (retried) and return (False, the cause, to report once the peers
         are told)."""
         assert self.unstore is not None
         self.journal.owe(key, url)
@@ -259,11 +376,7 @@ class ClusterOps:
             cause = str(e)
             if cause.startswith(TIER_UNAVAILABLE_PREFIX):
                 cause = cause[len(TIER_UNAVAILABLE_PREFIX) :]
-            return False, TierUnavailable(
-                f"{TIER_UNAVAILABLE_PREFIX}{key[0]}/{key[1]} is removed from the memory tier "
-                f"of every node, but not yet from the persistent tier ({cause[:300]}); this "
-                "node retries in the background: run `tierckpt rm` again to check"
-            )
+            return False, cause
         self.journal.owe(key, None)
         return found, None
 
@@ -277,37 +390,108 @@ class ClusterOps:
 
     # ---- receiving ------------------------------------------------------------------------
     def receive(self, mark: Mark) -> bool:
-        """A peer's mark (ApplyMark, the caller authorized): journal and apply it if it
-        is newer than what this node knows; True when it was."""
-        if not self.journal.merge(mark):
+        """A peer's own mark (ApplyMark; the servicer checked the caller is its origin):
+        journal and apply it if it is newer than what this node knows; True when it was.
+        Raises PermissionDenied when its origin neither coordinates nor holds the
+        checkpoint here, CheckpointNotFound when this node has no record of it."""
+        refusal = self._refusal(mark, self.authority(*mark.key))
+        if refusal is not None:
+            raise refusal
+        return self._take(mark)
+
+    def _take(self, mark: Mark) -> bool:
+        """Journal (kept in memory if the journal cannot be written now, retried) and
+        apply an authorized mark; True when it was new."""
+        if not self.journal.merge(mark, keep_unsaved=True):
             return False
+        if self.journal.unsaved:
+            self.jobs.put(Flush(), RETRY_FIRST)
         logger.info("cluster mark: %s", mark)
         self._apply(mark)
         return True
 
     def learn(self, node: str, marks: list[Mark]) -> None:
-        """Marks in `node`'s ListManifests answer: taken from configured members only."""
+        """Marks in `node`'s ListManifests answer: its own ones as it states them (it is
+        their origin), a relayed one only once its origin confirms it (see the module
+        docstring); each only from a node that coordinates or holds the checkpoint.
+        Never raises (a node starts on a full tmpfs: `_take`)."""
         members = self.members()
-        strangers = 0
+        stated: dict[tuple[str, str], list[Mark] | None] = {}
+        ignored = 0
         for mark in marks:
-            if mark.origin not in members:
-                strangers += 1
+            if not self.journal.is_new(mark):
                 continue
-            self.receive(mark)
-        if strangers:
-            logger.warning("ignored %d mark(s) from %s made by non-members", strangers, node)
+            if mark.origin not in members or mark.origin == self.node_id:
+                ignored += 1
+                continue
+            if self._refusal(mark, self.authority(*mark.key)) is not None:
+                ignored += 1
+                continue
+            if mark.origin != node:
+                confirmed = self._confirm(mark, stated)
+                if confirmed is None:
+                    logger.warning("%s relays %s, which %s does not state", node, mark, mark.origin)
+                    ignored += 1
+                    continue
+                mark = confirmed
+            try:
+                self._take(mark)
+            except (TierckptError, OSError) as e:
+                logger.error("cannot take the cluster mark %s: %.300s", mark, e)
+        if ignored:
+            logger.info("ignored %d mark(s) in %s's manifests (see the log above)", ignored, node)
+
+    def _confirm(self, mark: Mark, stated: dict[tuple[str, str], list[Mark] | None]) -> Mark | None:
+        """The mark `mark.origin` itself states for the checkpoint, of the same kind and
+        at least as new as the relayed one; None when it states none or cannot be asked
+        now (asked again when the mark is relayed again). `stated` caches the origins'
+        answers for one listing."""
+        asked = (mark.origin, mark.namespace)
+        if asked not in stated:
+            try:
+                stated[asked] = self.client.marks_of(mark.origin, mark.namespace)
+            except (TierckptError, OSError) as e:
+                logger.info("cannot confirm %s with its origin: %.200s", mark, e)
+                stated[asked] = None
+        deleted = mark.kind is MarkKind.DELETED
+        for own in stated[asked] or []:
+            if (
+                own.key == mark.key
+                and own.origin == mark.origin
+                and (own.kind is MarkKind.DELETED) == deleted
+                and own.order() >= mark.order()
+            ):
+                return own
+        return None
 
     def _apply(self, mark: Mark) -> None:
         try:
             if mark.kind is MarkKind.DELETED:
-                removed = self.catalog.remove_marked(*mark.key, mark.stamp)
+                durable = self.catalog.is_durable(*mark.key)
+                # A stamp ahead of this clock tombstones only up to now (a later save of
+                # the id is not refused for the skew).
+                stamp = min(mark.stamp, self._wall())
+                removed = self.catalog.remove_marked(*mark.key, stamp)
                 if removed is not None:
                     self._remember(mark.key, removed[1])
+                    if durable and mark.origin != self.node_id:
+                        self._unstore_again(mark.key, removed[1])
             else:
                 self.catalog.apply_pin(*mark.key, mark.kind is MarkKind.PINNED)
         except (TierckptError, OSError) as e:
             # Kept in the journal: re-applied at the next start.
             logger.error("cannot apply the cluster mark %s here: %.300s", mark, e)
+
+    def _unstore_again(self, key: Key, url: str) -> None:
+        """A peer's rm reached a checkpoint this node knew durable: it may have drained it
+        after the rm (a partition kept the mark from it), so it deletes it from the
+        persistent tier too, owed in the journal until done."""
+        if self.unstore is None:
+            return
+        self.journal.owe(key, url, keep_unsaved=True)
+        if self.journal.unsaved:
+            self.jobs.put(Flush(), RETRY_FIRST)
+        self.jobs.put(Unstore(*key))
 
     def _remember(self, key: Key, url: str) -> None:
         """The persistent URL of a checkpoint an rm deleted here (`_raced`), bounded."""
@@ -321,27 +505,40 @@ class ClusterOps:
         return self.journal.marks(namespace)
 
     # ---- delivery -------------------------------------------------------------------------
-    def _send(self, mark: Mark) -> None:
-        """ApplyMark on every peer; a failed one is retried in the background."""
+    def _send(self, mark: Mark) -> Delivery:
+        """ApplyMark on every peer at once; a failed one is retried in the background.
+        Returns which peers applied it, are pending, or refused it."""
+        pending: list[str] = []
+        refused: list[str] = []
 
         def failed(node: str, e: PeerCallError) -> None:
+            if e.code == _NOTHING_THERE:
+                return
             if e.code in _FINAL:
                 logger.warning("peer %s refuses the mark %s: %s", node, mark, e)
+                refused.append(node)
                 return
             logger.info("peer %s missed the mark %s (%s); retrying", node, mark, e.code)
+            pending.append(node)
             self.jobs.put(SendMarks(node, *mark.key), RETRY_FIRST)
 
-        self.client.each(lambda node: self.client.apply_mark(node, mark), on_error=failed)
+        self.client.each(
+            lambda node: self.client.apply_mark(node, mark), on_error=failed, parallel=True
+        )
+        applied = [n for n in self.client.peer_ids if n not in pending and n not in refused]
+        return Delivery(tuple(applied), tuple(pending), tuple(refused))
 
     def _run(self, job: Job) -> float | None:
         try:
             if isinstance(job, SendMarks):
                 self._resend(job)
+            elif isinstance(job, Flush):
+                self.journal.flush()
             else:
                 self._unstore_owed(job)
         except (TierckptError, OSError) as e:
             tries = self._tries.get(job, 0) + 1
-            final = isinstance(e, PeerCallError) and e.code in _FINAL
+            final = isinstance(e, PeerCallError) and (e.code in _FINAL or e.code == _NOTHING_THERE)
             if final or (isinstance(job, SendMarks) and tries >= SEND_TRIES):
                 logger.warning("giving up %s: %.300s", job, e)
                 self._tries.pop(job, None)
@@ -368,5 +565,5 @@ class ClusterOps:
         if url is None or self.unstore is None:
             return
         self.unstore(job.namespace, job.checkpoint_id, url)
-        self.journal.owe(key, None)
+        self.journal.owe(key, None, keep_unsaved=True)
         logger.info("deleted %s/%s from the persistent tier (cluster rm)", *key)

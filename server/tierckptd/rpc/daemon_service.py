@@ -234,16 +234,21 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     def DeleteCheckpoint(
         self, request: common_pb2.CheckpointRef, context: Any
     ) -> daemon_pb2.DeleteCheckpointResponse:
-        self._allow(context, "DeleteCheckpoint", request.namespace)
+        tenant = self._allow(context, "DeleteCheckpoint", request.namespace)
         ns, cid = check_namespace(request.namespace), check_checkpoint_id(request.checkpoint_id)
         unreachable = self._probe(ns, cid)
         try:
-            freed = self.cluster.remove(ns, cid)
+            freed, peers = self.cluster.remove(ns, cid, tenant)
         except CheckpointNotFound:
             if unreachable is not None:
                 raise unreachable from None  # it may be there: say why it was not asked
             raise
-        return daemon_pb2.DeleteCheckpointResponse(freed_bytes=freed)
+        return daemon_pb2.DeleteCheckpointResponse(
+            freed_bytes=freed,
+            peers_applied=len(peers.applied),
+            peers_pending=peers.pending,
+            peers_refused=peers.refused,
+        )
 
     def _probe(self, namespace: str, checkpoint_id: str) -> TierUnavailable | None:
         """Before a cluster rm or pin of a checkpoint this node does not know: learn it
@@ -262,16 +267,20 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         self, request: daemon_pb2.PinCheckpointRequest, context: Any
     ) -> common_pb2.CheckpointInfo:
         ref = request.ref
-        self._allow(context, "PinCheckpoint", ref.namespace)
+        tenant = self._allow(context, "PinCheckpoint", ref.namespace)
         ns, cid = check_namespace(ref.namespace), check_checkpoint_id(ref.checkpoint_id)
         unreachable = self._probe(ns, cid)
         try:
-            view = self.cluster.pin(ns, cid, request.pinned)
+            view, peers = self.cluster.pin(ns, cid, request.pinned, tenant)
         except CheckpointNotFound:
             if unreachable is not None:
                 raise unreachable from None
             raise
-        return to_info(view)
+        info = to_info(view)
+        info.mark_peers_applied = len(peers.applied)
+        info.mark_peers_pending.extend(peers.pending)
+        info.mark_peers_refused.extend(peers.refused)
+        return info
 
     @rpc_method
     def VerifyCheckpoint(

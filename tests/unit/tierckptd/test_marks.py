@@ -198,6 +198,16 @@ def test_apply_mark_from_a_member_is_applied_and_served_back(
     save: Save,
 ) -> None:
     save(peer_port.catalog, "run", "s1", {"__0_0.distcp": b"q" * 10})
+    # node-m neither coordinates nor holds s1: its marks are refused (audit 3 H3).
+    for kind in (peer_pb2.MARK_PINNED, peer_pb2.MARK_DELETED):
+        with pytest.raises(grpc.RpcError) as refused:
+            _send(peer_port, _wire("s1", kind))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert peer_port.catalog.knows("run", "s1") and peer_port.cluster.marks() == []
+    with pytest.raises(grpc.RpcError) as unknown:
+        _send(peer_port, _wire("never-saved", peer_pb2.MARK_DELETED))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    peer_port.catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-m"])  # now a holder
     _send(peer_port, _wire("s1", peer_pb2.MARK_PINNED))
     assert peer_port.catalog.get("run", "s1").pinned
     _send(peer_port, _wire("s1", peer_pb2.MARK_DELETED))
@@ -301,9 +311,13 @@ def test_marks_in_a_peers_listing_are_taken_from_members_only(catalog: Catalog, 
     stranger = Mark("run", "s1", MarkKind.DELETED, time.time(), "mallory")
     cluster.ops.learn("node-m", [stranger])  # relayed by a member, made by a stranger
     assert catalog.knows("run", "s1") and cluster.marks() == []
-    # A member's mark relayed by another member, and this node's own mark echoed back
-    # (a replacement node that lost its journal learns its own rm again).
+    # This node's own mark relayed back is not taken (a peer cannot speak for it), nor
+    # is a mark of node-m, which neither coordinates nor holds s1.
     own = Mark("run", "s1", MarkKind.PINNED, time.time(), "node-a")
-    cluster.ops.learn("node-m", [own])
+    cluster.ops.learn("node-m", [own, Mark("run", "s1", MarkKind.PINNED, time.time(), "node-m")])
+    assert not catalog.get("run", "s1").pinned and cluster.marks() == []
+    # Once node-m holds a copy, the mark it states itself is taken.
+    catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-m"])
+    cluster.ops.learn("node-m", [Mark("run", "s1", MarkKind.PINNED, time.time(), "node-m")])
     assert catalog.get("run", "s1").pinned
     cluster.stop()
