@@ -7,10 +7,13 @@ same through real daemons and real uids)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
+import grpc
 import pytest
 from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import PermissionDenied
+from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.catalog import Catalog
 from tierckptd.memory.manifest import read_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
@@ -18,6 +21,7 @@ from tierckptd.rpc.local_access import LocalAccess, open_local_access
 from tierckptd.wire import record_from_info, to_info
 
 from tests.unit.tierckptd.conftest import MakeCatalog, Save
+from tests.unit.tierckptd.test_peer_tier import PeerPort, peer_port  # noqa: F401 - the fixture
 
 A, B = 1001, 1002
 
@@ -154,3 +158,37 @@ def test_owner_files_of_older_versions_still_read(make_catalog: MakeCatalog) -> 
     access = _access(catalog)
     (catalog.tier.root / "owners" / "old").write_text(f"{A}\n")
     assert access.claim_of("old") == (A, "node-a")
+
+
+def test_a_peers_mark_made_for_another_uid_is_refused(
+    peer_port: PeerPort,  # noqa: F811
+    save: Save,
+) -> None:
+    """ApplyMark over the real peer port: a holder's rm/pin made for uid 1002 does not touch
+    uid 1001's checkpoint (PERMISSION_DENIED); the owner's own mark is applied."""
+    catalog = peer_port.catalog
+    access = _access(catalog)
+    peer_port.cluster.ops.check_mark = lambda m: access.check_mark(
+        m.namespace, m.checkpoint_id, m.uid
+    )
+    access.authorize(A, "jobA", "BeginCheckpoint", begin=True)
+    save(catalog, "jobA", "s1", {"__0_0.distcp": b"q" * 10})
+    catalog.set_replicas("jobA", "s1", "__0_0.distcp", ["node-m"])  # node-m may mark it
+
+    def mark(kind: int, uid: int) -> peer_pb2.CheckpointMark:
+        return peer_pb2.CheckpointMark(
+            ref=common_pb2.CheckpointRef(namespace="jobA", checkpoint_id="s1"),
+            kind=kind,
+            stamp_unix=time.time(),
+            origin_node="node-m",
+            caller_uid=uid,
+        )
+
+    for kind in (peer_pb2.MARK_PINNED, peer_pb2.MARK_DELETED):
+        with pytest.raises(grpc.RpcError) as refused:
+            peer_port.stub().ApplyMark(mark(kind, B), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "uid 1002 may not rm, pin or unpin jobA/s1" in (refused.value.details() or "")
+    assert catalog.knows("jobA", "s1") and not catalog.get("jobA", "s1").pinned
+    peer_port.stub().ApplyMark(mark(peer_pb2.MARK_PINNED, A), timeout=10)
+    assert catalog.get("jobA", "s1").pinned
