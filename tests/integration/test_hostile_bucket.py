@@ -1,11 +1,13 @@
 """Audit 3 M7 and L2: a shared bucket with junk in it, and an upload a kill -9 left open.
 
 M7: a few hundred ``<id>/.metadata`` keys (valid names, no bookkeeping) under a namespace
-that has a durable index, and under one that has none. Before the fix every start
+this node drains to, and under one that has no index. Before the fix every start
 scanned every namespace before READY, wrote an index entry into the bucket for each
-junk key and logged a line for each. Now the start-up adoption runs after READY, from
+junk key and logged a line for each, and persistent retention counted junk among the
+newest checkpoints (and deleted it). Now the start-up adoption runs after READY, from
 the index (a namespace without one is scanned, and only ids whose manifest parses get
-an entry): no entry is ever written for junk, and junk is summarized in the log.
+an entry): no entry is ever written for junk, junk is summarized in the log, and
+retention neither counts nor deletes what has no tierckpt bookkeeping.
 
 L2: a multipart upload of a data file this node owns, left open (as a kill -9 mid-drain
 leaves it), is aborted when the daemon starts; another key's open upload is left alone.
@@ -73,23 +75,28 @@ def test_junk_keys_get_no_index_entry_and_a_killed_upload_is_aborted(
 ) -> None:
     persistent = {"url": s3.url("jobs"), "storage_options": s3.storage_options}
     fs = s3.fs()
-    # every = 1000: only the SIGTERM drain makes step-1 durable (at once, no drain delay).
-    daemon = DaemonProcess({"persistent": {**persistent, "every": 1000}}, name="hostile")
+    # The shared bucket holds junk before this cluster's first save: under a namespace
+    # this node drains to (so, soon, beside an index) and under one without an index.
+    junk = {f"{s3.name}/jobs/job/junk-{i}/.metadata": b"junk" for i in range(JUNK_INDEXED)}
+    junk |= {f"{s3.name}/jobs/bare/junk-{i}/.metadata": b"junk" for i in range(JUNK_BARE)}
+    fs.pipe(junk)
+    # keep_last = 1: junk counted as durable checkpoints would be "newer" than step-1
+    # (ids without a step sort last) and retention would delete them from the bucket.
+    daemon = DaemonProcess(
+        {"persistent": {**persistent, "every": 1}, "retention": {"persistent_keep_last": 1}},
+        name="hostile",
+    )
     fresh: DaemonProcess | None = None
     try:
         client = DaemonClient(daemon.address, timeout_s=30)
         saved = save_checkpoint(tmp_path / "step-1")
         names = [*saved.data_names, ".metadata"]
         raw_save(client, "job", "step-1", {n: (saved.directory / n).read_bytes() for n in names})
+        _wait("step-1 durable", lambda: _index(fs, "job") == {"step-1"})
+        _wait("step-1 DURABLE", lambda: "persistent" in client.get_checkpoint("job").tiers)
         client.close()
-        assert daemon.terminate(timeout=60) == 0
-        assert _index(fs, "job") == {"step-1"}
-        daemon.start()
 
-        # The shared bucket fills with junk; a kill -9 leaves an upload of our file open.
-        junk = {f"{s3.name}/jobs/job/junk-{i}/.metadata": b"junk" for i in range(JUNK_INDEXED)}
-        junk |= {f"{s3.name}/jobs/bare/junk-{i}/.metadata": b"junk" for i in range(JUNK_BARE)}
-        fs.pipe(junk)
+        # A kill -9 mid-drain leaves an upload of our file open; another key's is not ours.
         ours = f"jobs/job/step-1/{saved.data_names[0]}"
         theirs = "jobs/job/step-9/__0_0.distcp"  # not a file this node owns
         _open_upload(fs, ours)
@@ -117,6 +124,8 @@ def test_junk_keys_get_no_index_entry_and_a_killed_upload_is_aborted(
         # line by line.
         assert _index(fs, "job") == {"step-1"}
         assert _index(fs, "bare") == set()
+        fs.invalidate_cache()
+        assert len(fs.glob(f"{s3.name}/jobs/*/junk-*/.metadata")) == JUNK_INDEXED + JUNK_BARE
         for node in (daemon, fresh):
             lines = node.log_path.read_text(errors="replace").splitlines()
             junk_lines = [line for line in lines if "junk-" in line]

@@ -111,7 +111,7 @@ def test_a_silent_s3_delays_neither_ready_nor_the_control_socket(black_hole: Bla
             with grpc.insecure_channel(daemon.address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 for _ in range(3):
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
                     assert reply.status == health_pb2.HealthCheckResponse.SERVING
             client = DaemonClient(daemon.address, timeout_s=30)
             try:

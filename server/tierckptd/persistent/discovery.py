@@ -60,7 +60,7 @@ from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
 from tierckptd.persistent.readback import check_stored_record
 from tierckptd.persistent.source import describe_failure, tier_label
-from tierckptd.persistent.store import BOOKKEEPING_DIR, PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent.stores import Stores
 
 __all__ = [
@@ -143,19 +143,9 @@ def _indexed_ids(tier: PersistentTier, namespace: str) -> set[str]:
 
 
 def _bookkept_ids(tier: PersistentTier, namespace: str) -> set[str]:
-    """Ids with a bookkeeping directory (``<url>/.tierckpt/<ns>/<id>/``): one delimiter
-    listing, so ids that only have a junk ``.metadata`` cost nothing more."""
-    base = f"{tier.root}/{BOOKKEEPING_DIR}/{check_namespace(namespace)}"
-
-    def scan() -> list[str]:
-        tier.fs.invalidate_cache(base)
-        try:
-            found = tier.fs.ls(base, detail=False)
-        except FileNotFoundError:
-            return []
-        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
-
-    return {n for n in tier.retrying(scan, f"list {namespace} bookkeeping") if is_checkpoint_id(n)}
+    """Ids with a bookkeeping directory: ids that only have a junk ``.metadata`` cost
+    nothing more than this one delimiter listing."""
+    return tier.bookkept_ids(namespace)
 
 
 def _manifest_parses(tier: PersistentTier, key: Key) -> bool:

@@ -468,7 +468,36 @@ class PersistentTier(RemoteStore):
                 len(bad),
                 bad[0],
             )
-        return sorted(ids.difference(bad), key=step_order)
+        ids.difference_update(bad)
+        # A `.metadata` without tierckpt's bookkeeping is not a checkpoint this deployment
+        # drained (junk in a shared bucket, audit 3 M7): retention neither counts it among
+        # the newest (it would evict real ones) nor deletes it.
+        foreign = ids - self.bookkept_ids(namespace) if ids else set()
+        if foreign:
+            logger.info(
+                "%s: %d .metadata object(s) without tierckpt bookkeeping ignored, e.g. %s",
+                namespace,
+                len(foreign),
+                sorted(foreign)[0],
+            )
+        return sorted(ids - foreign, key=step_order)
+
+    def bookkept_ids(self, namespace: str) -> set[str]:
+        """Ids with a bookkeeping directory (``<url>/.tierckpt/<ns>/<id>/``: upload markers,
+        the manifest), valid ones only: one delimiter listing."""
+        base = f"{self.root}/{BOOKKEEPING_DIR}/{check_namespace(namespace)}"
+
+        def scan() -> list[str]:
+            self.fs.invalidate_cache(base)
+            try:
+                found = self.fs.ls(base, detail=False)
+            except FileNotFoundError:
+                return []
+            return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+        return {
+            n for n in self.retrying(scan, f"list {namespace} bookkeeping") if is_checkpoint_id(n)
+        }
 
     def read_range(
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
