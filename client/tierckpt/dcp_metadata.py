@@ -156,7 +156,7 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def __init__(
         self,
-        data: bytes | bytearray | memoryview,
+        data: bytes,
         what: str,
         extra: Mapping[tuple[str, str], type] | None = None,
     ) -> None:
@@ -188,29 +188,30 @@ class _Source:
     prefetches 128 KiB, a frame is 64 KiB): each call lets a waiting thread take the GIL,
     which a load from ``bytes`` would hold to the end."""
 
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self._data = memoryview(data).cast("B")
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self._view = memoryview(data)
         self._pos = 0
 
     def read(self, n: int = -1) -> bytes:
         end = len(self._data) if n is None or n < 0 else min(len(self._data), self._pos + n)
-        chunk = bytes(self._data[self._pos : end])
+        chunk = self._data[self._pos : end]
         self._pos = end
         return chunk
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        chunk = self._data[self._pos : self._pos + len(out)]
+        chunk = self._view[self._pos : self._pos + len(out)]
         out[: len(chunk)] = chunk
         self._pos += len(chunk)
         return len(chunk)
 
     def readline(self) -> bytes:
-        end = bytes(self._data[self._pos : self._pos + (1 << 16)]).find(b"\n")
-        return self.read(-1 if end < 0 else end + 1)
+        end = self._data.find(b"\n", self._pos)
+        return self.read(-1 if end < 0 else end + 1 - self._pos)
 
     def peek(self, n: int = 0) -> bytes:
-        return bytes(self._data[self._pos : self._pos + max(n, 1)])
+        return self._data[self._pos : self._pos + max(n, 1)]
 
 
 @functools.cache
