@@ -111,6 +111,8 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
         "pool_misses": s.pool_misses,
         # newest commit time per namespace and tier (memory, replicated, durable)
         "freshness": fresh,
+        # seconds each peer's clock was ahead of this daemon's (order never depends on it)
+        "peer_clocks": s.peer_clocks,
     }
     text = (
         f"node {s.node_id} (failure domain {s.failure_domain}) at {client.address}, tierckptd {s.version}\n"
@@ -124,6 +126,10 @@ def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
     lines = _freshness_lines(fresh, time.time())
     if lines:
         text += "\nnewest checkpoint per tier (RPO):\n  " + "\n  ".join(lines)
+    skewed = {peer: ahead for peer, ahead in s.peer_clocks.items() if ahead > 0}
+    if skewed:
+        text += "\npeer clocks ahead of this node's (times shown clamped; order is unaffected): "
+        text += ", ".join(f"{peer} +{ahead:.0f} s" for peer, ahead in sorted(skewed.items()))
     _emit(args, payload, text)
     return 0
 

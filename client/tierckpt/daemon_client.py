@@ -137,6 +137,8 @@ class NodeStatus:
     prewarm_used_bytes: int = 0
     pool_hits: int = 0
     pool_misses: int = 0
+    # {peer: seconds its clock was ahead of the daemon's} (shown, never trusted for order)
+    peer_clocks: dict[str, float] = field(default_factory=dict)
     # {namespace: {tier: newest commit time}} (`tierckpt.freshness`): the RPO view
     freshness: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -400,4 +402,5 @@ class DaemonClient:
             pool_hits=s.pool_hits,
             pool_misses=s.pool_misses,
             freshness=from_wire(s.freshness),
+            peer_clocks={c.peer: c.ahead_seconds for c in s.peer_clocks},
         )

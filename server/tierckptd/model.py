@@ -197,6 +197,8 @@ class NodeStatusView:
     prewarm_used_bytes: int = 0
     pool_hits: int = 0
     pool_misses: int = 0
+    # Seconds each peer's clock was ahead of this node's at its latest new manifest.
+    peer_clock_skew: tuple[tuple[str, float], ...] = ()
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

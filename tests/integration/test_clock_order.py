@@ -163,6 +163,7 @@ def test_a_node_ten_minutes_ahead_still_replicates_and_its_skew_is_reported(
     )
     assert skew is not None and 500 < skew < 700, skew
     assert "clock is" in a.log_tail(200) and "ahead of this node's" in a.log_tail(200)
+    assert 500 < client_a.status().peer_clocks["b"] < 700  # and in `tierckpt status`
     # b's next save is the newest on both nodes (order is the sequence, not time).
     raw_save(client_a, NS + "-a", "x-1", _files("x-1"))  # a's own counter moves on
     raw_save(client_b, NS, "step-2", _files("step-2"))

@@ -504,6 +504,7 @@ class NodeStatus(_message.Message):
     POOL_HITS_FIELD_NUMBER: _builtins.int
     POOL_MISSES_FIELD_NUMBER: _builtins.int
     FRESHNESS_FIELD_NUMBER: _builtins.int
+    PEER_CLOCKS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     failure_domain: _builtins.str
     memory_dir: _builtins.str
@@ -535,6 +536,12 @@ class NodeStatus(_message.Message):
         tierckpt_newest_checkpoint_timestamp_seconds gauge reports it.
         """
 
+    @_builtins.property
+    def peer_clocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerClock]:
+        """Peers whose clock was ahead of this node's at the latest new manifest they
+        coordinated (measured, shown, never acted on: order follows the sequence).
+        """
+
     def __init__(
         self,
         *,
@@ -554,14 +561,39 @@ class NodeStatus(_message.Message):
         pool_hits: _builtins.int = ...,
         pool_misses: _builtins.int = ...,
         freshness: _abc.Iterable[Global___NamespaceFreshness] | None = ...,
+        peer_clocks: _abc.Iterable[Global___PeerClock] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "freshness", b"freshness", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "pool_bytes", b"pool_bytes", "pool_hits", b"pool_hits", "pool_misses", b"pool_misses", "prewarm_pending_bytes", b"prewarm_pending_bytes", "prewarm_ready_bytes", b"prewarm_ready_bytes", "prewarm_used_bytes", b"prewarm_used_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "checkpoints", b"checkpoints", "failure_domain", b"failure_domain", "freshness", b"freshness", "memory_dir", b"memory_dir", "namespaces", b"namespaces", "node_id", b"node_id", "peer_clocks", b"peer_clocks", "pool_bytes", b"pool_bytes", "pool_hits", b"pool_hits", "pool_misses", b"pool_misses", "prewarm_pending_bytes", b"prewarm_pending_bytes", "prewarm_ready_bytes", b"prewarm_ready_bytes", "prewarm_used_bytes", b"prewarm_used_bytes", "reserved_bytes", b"reserved_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeStatus: _TypeAlias = NodeStatus  # noqa: Y015
+
+@_typing.final
+class PeerClock(_message.Message):
+    """How far a peer's clock was ahead of this node's (seconds; 0: not ahead)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_FIELD_NUMBER: _builtins.int
+    AHEAD_SECONDS_FIELD_NUMBER: _builtins.int
+    peer: _builtins.str
+    ahead_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        peer: _builtins.str = ...,
+        ahead_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_seconds", b"ahead_seconds", "peer", b"peer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerClock: _TypeAlias = PeerClock  # noqa: Y015
 
 @_typing.final
 class NamespaceFreshness(_message.Message):

@@ -469,6 +469,7 @@ class Catalog(UnfinishedSaves):
                 prewarm_used_bytes=self.pool_use.prewarmed_bytes,
                 pool_hits=self.pool_use.hits,
                 pool_misses=self.pool_use.misses,
+                peer_clock_skew=tuple(sorted(self._skew.items())),
             )
 
     # ---- background work ----------------------------------------------------------------

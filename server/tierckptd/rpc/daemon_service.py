@@ -327,6 +327,10 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             prewarm_used_bytes=s.prewarm_used_bytes,
             pool_hits=s.pool_hits,
             pool_misses=s.pool_misses,
+            peer_clocks=[
+                daemon_pb2.PeerClock(peer=peer, ahead_seconds=ahead)
+                for peer, ahead in s.peer_clock_skew
+            ],
             freshness=[
                 daemon_pb2.NamespaceFreshness(
                     namespace=ns,
