@@ -47,7 +47,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 
 from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, TierckptError, TierUnavailable
@@ -346,6 +346,38 @@ def _adopt_namespace(
     return adopted
 
 
+def _each(fn: Callable[[str], int], items: list[str], workers: int, name: str) -> list[int]:
+    """`fn` over `items`, `workers` at a time, on daemon threads (a shutdown never waits
+    for a call to a silent endpoint); joined before it returns."""
+    queued = iter(items)
+    results: list[int] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                item = next(queued, None)
+            if item is None:
+                return
+            try:
+                result = fn(item)
+            except Exception:  # a bug: logged, the other items still run
+                logger.exception("%s: %s failed", name, item)
+                continue
+            with lock:
+                results.append(result)
+
+    threads = [
+        threading.Thread(target=work, name=name, daemon=True)
+        for _ in range(max(1, min(workers, len(items))))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def adopt_all(
     tier: PersistentTier,
     catalog: Catalog,
@@ -382,8 +414,7 @@ def adopt_all(
             failures.append(e)
             return 0
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="tierckptd-adopt") as pool:
-        adopted = sum(pool.map(one, namespaces))
+    adopted = sum(_each(one, namespaces, workers, "tierckptd-adopt"))
     if adopted:
         logger.info("adopted %d durable checkpoints from %s", adopted, redact(tier.url))
     if until is not None and time.monotonic() >= until:
