@@ -447,12 +447,15 @@ class ClusterOps:
         now (asked again when the mark is relayed again). `stated` caches the origins'
         answers for one listing."""
         asked = (mark.origin, mark.namespace)
+        if (mark.origin, "") in stated:
+            return None  # the origin did not answer in this listing: not asked again
         if asked not in stated:
             try:
                 stated[asked] = self.client.marks_of(mark.origin, mark.namespace)
             except (TierckptError, OSError) as e:
                 logger.info("cannot confirm %s with its origin: %.200s", mark, e)
-                stated[asked] = None
+                stated[(mark.origin, "")] = None
+                return None
         deleted = mark.kind is MarkKind.DELETED
         for own in stated[asked] or []:
             if (

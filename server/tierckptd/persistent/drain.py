@@ -426,6 +426,12 @@ class Drainer:
             return Outcome.UPLOADED if everything else Outcome.WAITING
         if metadata is None:
             metadata, _ = self._metadata(namespace, checkpoint_id)
+        if not self.catalog.knows(namespace, checkpoint_id):
+            # An rm's mark arrived while the files went up (audit 3 M4): no `.metadata`
+            # makes it loadable; marking it durable tells the rm's side, which deletes
+            # what went up (`Catalog.on_gone_durable`).
+            self.catalog.mark_durable(namespace, checkpoint_id)
+            return Outcome.DURABLE
         return self._commit(tier, namespace, checkpoint_id, metadata, plan.by_rule)
 
     def _commit(
