@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import UnsafeMetadata
 from tierckpt.storage_reader import TieredStorageReader
+from tierckptd.persistent.refusals import FILE_NAME, RefusedMetadata
 
 from tests.integration.test_untrusted_metadata import metric
 from tests.support import moto_s3
@@ -135,3 +136,23 @@ def test_a_bomb_metadata_is_refused_once_and_stays_refused_across_a_restart(
         healthy(daemon)
     finally:
         client.close()
+
+
+def test_the_refusal_record_holds_for_the_same_bytes_only(tmp_path: Path) -> None:
+    """The record a restart reads: the refused bytes' fingerprint must match (a new save
+    under the same id is decoded), entries of checkpoints gone are dropped, and a damaged
+    record is set aside (refused files are then decoded again, still bounded)."""
+    path = tmp_path / FILE_NAME
+    alive = {("ns", "step-1"), ("ns", "step-2")}
+    record = RefusedMetadata(path, alive.__contains__)
+    record.remember(("ns", "step-1"), "xxh3:aaa", "ns/step-1/.metadata: refused (bomb)")
+    record.remember(("ns", "step-2"), "xxh3:bbb", "ns/step-2/.metadata: refused (bomb)")
+    again = RefusedMetadata(path, alive.__contains__)
+    assert again.why(("ns", "step-1"), "xxh3:aaa") == "ns/step-1/.metadata: refused (bomb)"
+    assert again.why(("ns", "step-1"), "xxh3:other") is None  # re-saved: decoded again
+    alive.discard(("ns", "step-2"))  # deleted: its entry goes at the next write
+    again.forget([("ns", "step-1")])  # SIGHUP's retry
+    assert RefusedMetadata(path, alive.__contains__).keys() == []
+    path.write_text('{"format": 1, "refused": [{"namespace": "../x"}]}')
+    assert RefusedMetadata(path, alive.__contains__).keys() == []
+    assert path.with_name(FILE_NAME + ".corrupt").exists()
