@@ -6,8 +6,10 @@
   bottom, `catalog/` sits on it, `peers/` and `persistent/` sit on both and never import
   each other, only `main.py` (the composition root), `restore.py` and `rpc/` know several
   tiers, nothing imports `main`, and protobuf (`tierckpt.v1`) stops at `rpc/`, `wire.py`,
-  `peers/client.py` and `peers/chunk_wire.py`;
-- no module in server/ or client/ (generated `tierckpt/v1` aside) is over 600 lines.
+  `peers/client.py` and `peers/chunk_wire.py`.
+
+There is no line-count rule: a module holds one concern whatever its length, and review,
+not a counter, judges that (issue 23: the 600-line cap cut modules by size, not concept).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ CLIENT = ROOT / "client" / "tierckpt"
 DAEMON = ROOT / "server" / "tierckptd"
 GENERATED = CLIENT / "v1"
 FORBIDDEN = "tierckptd"
-MAX_LINES = 600
 
 # Daemon packages (one per tier or edge) and the shared top-level modules every package
 # may use. `tierckptd` itself (its __init__: the version) is shared too.
@@ -350,23 +351,6 @@ def test_daemon_package_rule(rule: str, modules: list[Module]) -> None:
 def test_only_main_restore_and_rpc_know_several_tiers(modules: list[Module]) -> None:
     found = _several_tiers(modules)
     assert not found, "\n".join(found)
-
-
-def test_no_module_over_600_lines() -> None:
-    files = [
-        p
-        for top in (ROOT / "server", ROOT / "client")
-        for p in sorted(top.rglob("*.py"))
-        if GENERATED not in p.parents
-    ]
-    assert len(files) >= 50  # the walk found both packages
-    assert any(len(p.read_text().splitlines()) > 200 for p in files)
-    too_long = [
-        f"{p.relative_to(ROOT)}: {n} lines"
-        for p in files
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    ]
-    assert not too_long, f"modules over {MAX_LINES} lines:\n" + "\n".join(too_long)
 
 
 def test_readme_layout_names_every_daemon_package_and_top_level_module() -> None:
