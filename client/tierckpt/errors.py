@@ -120,9 +120,9 @@ NO_PERSISTENT_TIER_PREFIX = "no persistent tier: "
 
 
 class NotAJobNode(TierckptError, RuntimeError):
-    """A cluster rm/pin/unpin asked of a node that neither coordinates nor holds the
-    checkpoint (its peers take marks only from such nodes); the message names the nodes
-    to ask. Travels as FAILED_PRECONDITION with a message starting with
+    """A cluster rm/pin/unpin asked of a node that neither coordinates the checkpoint nor
+    wrote one of its files (its peers take marks only from such nodes); the message names
+    the nodes to ask. Travels as FAILED_PRECONDITION with a message starting with
     `NOT_A_JOB_NODE_PREFIX`."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION

@@ -53,17 +53,6 @@ def _held_by(c: LocalCluster, checkpoint_id: str) -> list[str]:
     ]
 
 
-def _replica_holder(c: LocalCluster, checkpoint_id: str) -> int:
-    """The index of a node other than node0 that holds copies of the checkpoint."""
-    client = DaemonClient(c.nodes[0].address, timeout_s=60)
-    try:
-        info = client.get_checkpoint(NS, checkpoint_id)
-    finally:
-        client.close()
-    holders = {n for f in info.files for n in f.replica_nodes} - {"node0"}
-    return int(min(holders).removeprefix("node"))
-
-
 def _overrides(bucket: moto_s3.S3Bucket, **retention: int) -> dict[str, Any]:
     return {
         "persistent": {"url": bucket.url(), "storage_options": dict(bucket.storage_options)},
@@ -93,8 +82,9 @@ def test_rm_on_one_node_removes_every_copy_and_the_persistent_one(
             WAIT,
         )
         assert _s3_keys(s3, "step-000001")
-        # Asked of node 2, which neither coordinates nor owns a file of it.
-        out = cli(c.nodes[2].address, "rm", NS, "step-000001")
+        # Asked of its coordinator (node 2, which neither coordinates nor wrote a file of
+        # it, is refused: test_mark_authority.py).
+        out = cli(c.nodes[0].address, "rm", NS, "step-000001")
         assert "step-000001" in out.stdout
         assert not _s3_keys(s3, "step-000001"), "rm left objects in the persistent tier"
         c.wait("every node forgot step-000001", lambda: not _held_by(c, "step-000001"), WAIT)
@@ -124,10 +114,8 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
     with local_cluster(3, namespace=NS, overrides=overrides) as c:
         _save(c, 0, "step-000001", saved)
         c.wait_state("step-000001", "DURABLE")
-        # A node of the job that is not the committer: the one holding the copies (a
-        # node that neither coordinates nor holds it is refused: test_mark_authority).
-        holder = _replica_holder(c, "step-000001")
-        out = cli(c.nodes[holder].address, "pin", NS, "step-000001")
+        # Asked of the node of its job (another node is refused: test_mark_authority).
+        out = cli(c.nodes[0].address, "pin", NS, "step-000001")
         assert "pinned" in out.stdout
         c.wait(
             "every node shows step-000001 pinned",
@@ -148,7 +136,7 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         assert any(k.endswith("step-000001/.metadata") for k in _s3_keys(s3, "step-000001"))
         for i in range(3):
             assert "step-000001" in c.rows(i)
-        cli(c.nodes[holder].address, "unpin", NS, "step-000001")
+        cli(c.nodes[0].address, "unpin", NS, "step-000001")
         _save(c, 0, "step-000004", saved)
         c.wait_state("step-000004", "DURABLE")
         c.wait(
@@ -195,7 +183,7 @@ def test_a_node_down_during_rm_and_pin_learns_both_on_return(saved: SavedCheckpo
         assert c.nodes[2].manifest_path(NS, "step-000001").exists()
         c.nodes[2].kill9()  # down, its memory dir kept
         cli(c.nodes[0].address, "rm", NS, "step-000001")
-        cli(c.nodes[1].address, "pin", NS, "step-000002")
+        cli(c.nodes[0].address, "pin", NS, "step-000002")
         c.nodes[2].start()
         rows = c.rows(2)
         assert "step-000001" not in rows, rows

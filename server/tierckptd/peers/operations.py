@@ -17,13 +17,17 @@ it) deletes it again (`Catalog.on_gone_durable`).
 Every mark is applied idempotently: the newest stamp of each kind wins (`marks`).
 
 Who may mark what. A mark is a statement of the node a user asked, and a checkpoint's
-marks are taken only from the nodes of its job: its coordinator and the nodes that own or
-hold a copy of one of its files, per this node's record of it (`authority`). So:
+marks are taken only from the nodes of its job: its coordinator and the nodes whose ranks
+wrote (own) one of its files, per this node's record of it (`authority`). A node that
+only keeps a replica is not one of them: any member may list itself as a copy's holder
+(UpdateReplicas, after a fetch), so holding a copy grants nothing. So:
 - a user's rm/pin/unpin on a node that is none of them is refused before anything
   changes (FAILED_PRECONDITION naming the nodes to ask: `NotAJobNode`);
 - a peer's ApplyMark is applied only when the peer (its origin) is one of them, else
-  PERMISSION_DENIED; a checkpoint this node does not know is NOT_FOUND (nothing to mark;
-  a later adoption of it goes through its coordinator, which no longer has it);
+  PERMISSION_DENIED (a checkpoint only the persistent tier holds has no such nodes: any
+  member's mark is taken, as every member can reach that bucket anyway); a checkpoint
+  this node does not know is NOT_FOUND (nothing to mark; a later adoption of it goes
+  through its coordinator, which no longer has it);
 - a mark in a ListManifests answer is taken as the answering node's own statement when it
   is its origin; a relayed one (another origin) only after that origin, asked itself,
   states it (the mark it serves is the one applied), as relayed manifests are confirmed
@@ -191,7 +195,7 @@ class ClusterOps:
 
         Raises:
             CheckpointNotFound: no tier knows it (or an earlier rm removed it all).
-            NotAJobNode: this node neither coordinates nor holds it (nothing changed).
+            NotAJobNode: this node is not a node of its job (nothing changed).
             TierUnavailable: removed here and the peers notified, but the persistent tier
                 did not answer: its delete is retried in the background (rm again to check).
         """
@@ -267,8 +271,8 @@ class ClusterOps:
     ) -> tuple[CheckpointView, Delivery]:
         """`tierckpt pin` / `unpin` on every node: memory retention everywhere and the
         persistent tier's retention obey it; returns the view here and what the peers
-        did. CheckpointNotFound if no tier knows it; NotAJobNode on a node that neither
-        coordinates nor holds it."""
+        did. CheckpointNotFound if no tier knows it; NotAJobNode on a node that is not a
+        node of its job."""
         key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
         if not self._known_here(*key):
             raise self._not_found(key)
@@ -283,32 +287,34 @@ class ClusterOps:
 
     # ---- who may mark a checkpoint --------------------------------------------------------
     def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
-        """The nodes whose marks on the checkpoint this node takes: its coordinator and
-        every node that owns or holds one of its files, per this node's record; None
-        when this node has no committed record of it. Empty for a checkpoint no node is
-        recorded for (found only in the persistent tier, written by another cluster)."""
+        """The nodes whose marks on the checkpoint this node takes (the nodes of its
+        job): the owners of its files, the coordinator (owner of `.metadata`) among them,
+        per this node's record; never a node that only keeps a replica. None when this
+        node has no committed record of it; empty for a checkpoint no node is recorded
+        for (found only in the persistent tier, written by another cluster)."""
         try:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
             return None
         nodes = {f.owner_node for f in view.files}
-        nodes.update(n for f in view.files for n in f.replica_nodes)
         nodes.discard("")
         return nodes
 
     def _check_origin(self, key: Key, verb: str) -> None:
         """A user's rm/pin/unpin here: this node must be one its peers take the mark
-        from (else NotAJobNode, nothing changed). A checkpoint no node is recorded for
-        (persistent only) may be marked from any node: its peers refuse the mark (they
-        list it until they find it gone), but there are no memory copies to protect."""
+        from (else NotAJobNode, nothing changed). A checkpoint no node's memory holds
+        (persistent only: no owner recorded) may be marked from any node, and its peers
+        take that mark from any member: there is no memory copy to protect, and every
+        member can reach the bucket it lives in anyway."""
         nodes = self.authority(*key)
         if not nodes or self.node_id in nodes:
             return
         ask = ", ".join(sorted(nodes)[:8])
         raise NotAJobNode(
-            f"not a node of the checkpoint: node {self.node_id} neither coordinates nor "
-            f"holds {key[0]}/{key[1]}, so its peers would refuse the {verb}; run `tierckpt "
-            f"{verb} {key[0]} {key[1]}` on a node that does: {ask}"
+            f"not a node of the checkpoint: node {self.node_id} neither coordinates "
+            f"{key[0]}/{key[1]} nor wrote a file of it (a replica is not enough), so its "
+            f"peers would refuse the {verb}; run `tierckpt {verb} {key[0]} {key[1]}` on a "
+            f"node of its job: {ask}"
         )
 
     def _refusal(self, mark: Mark, nodes: set[str] | None) -> TierckptError | None:
@@ -319,11 +325,11 @@ class ClusterOps:
                 f"node {self.node_id} has no committed checkpoint {what}: nothing to mark "
                 f"{mark.kind.value} here"
             )
-        if mark.origin not in nodes:
-            ask = ", ".join(sorted(nodes)[:8]) or "none"
+        if nodes and mark.origin not in nodes:
+            ask = ", ".join(sorted(nodes)[:8])
             return PermissionDenied(
-                f"node {mark.origin} may not mark {what} {mark.kind.value}: only a node that "
-                f"coordinates or holds it may ({ask})"
+                f"node {mark.origin} may not mark {what} {mark.kind.value}: only its "
+                f"coordinator or a node that wrote one of its files may ({ask})"
             )
         if self.check_mark is not None:  # uid isolation: only the owner's marks
             try:
@@ -392,8 +398,8 @@ class ClusterOps:
     def receive(self, mark: Mark) -> bool:
         """A peer's own mark (ApplyMark; the servicer checked the caller is its origin):
         journal and apply it if it is newer than what this node knows; True when it was.
-        Raises PermissionDenied when its origin neither coordinates nor holds the
-        checkpoint here, CheckpointNotFound when this node has no record of it."""
+        Raises PermissionDenied when its origin is not a node of the checkpoint's job
+        here, CheckpointNotFound when this node has no record of it."""
         refusal = self._refusal(mark, self.authority(*mark.key))
         if refusal is not None:
             raise refusal
@@ -413,7 +419,7 @@ class ClusterOps:
     def learn(self, node: str, marks: list[Mark]) -> None:
         """Marks in `node`'s ListManifests answer: its own ones as it states them (it is
         their origin), a relayed one only once its origin confirms it (see the module
-        docstring); each only from a node that coordinates or holds the checkpoint.
+        docstring); each only from a node of the checkpoint's job.
         Never raises (a node starts on a full tmpfs: `_take`)."""
         members = self.members()
         stated: dict[tuple[str, str], list[Mark] | None] = {}

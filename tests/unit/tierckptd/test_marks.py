@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import (
     TIER_UNAVAILABLE_PREFIX,
     CheckpointNotFound,
@@ -23,7 +24,7 @@ from tierckpt.errors import (
 from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
-from tierckptd.model import CheckpointRecord, State
+from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers import operations
 from tierckptd.peers.client import mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster import Cluster
@@ -137,6 +138,18 @@ def _published(cid: str, committed: float) -> CheckpointRecord:
     return CheckpointRecord("run", cid, State.COMMITTED, committed, "node-x", committed, 1)
 
 
+def _coordinated_by(node: str, cid: str) -> CheckpointRecord:
+    """A peer's manifest of a checkpoint `node` coordinates (it owns `.metadata`)."""
+    rec = CheckpointRecord("run", cid, State.COMMITTED, time.time(), node, time.time(), 1)
+    meta = b"meta-" + cid.encode()
+    rec.files = {
+        ".metadata": FileRecord(
+            ".metadata", 0, len(meta), checksum_bytes(meta), owner_node=node, held=False
+        )
+    }
+    return rec
+
+
 def test_a_delete_mark_removes_what_was_committed_before_it_and_refuses_it_back(
     catalog: Catalog, save: Save
 ) -> None:
@@ -198,7 +211,9 @@ def test_apply_mark_from_a_member_is_applied_and_served_back(
     save: Save,
 ) -> None:
     save(peer_port.catalog, "run", "s1", {"__0_0.distcp": b"q" * 10})
-    # node-m neither coordinates nor holds s1: its marks are refused (audit 3 H3).
+    # node-m neither coordinates s1 nor wrote a file of it: its marks are refused (audit
+    # 3 H3), also once it listed itself as a replica holder (any member may).
+    peer_port.catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-m"])
     for kind in (peer_pb2.MARK_PINNED, peer_pb2.MARK_DELETED):
         with pytest.raises(grpc.RpcError) as refused:
             _send(peer_port, _wire("s1", kind))
@@ -207,15 +222,16 @@ def test_apply_mark_from_a_member_is_applied_and_served_back(
     with pytest.raises(grpc.RpcError) as unknown:
         _send(peer_port, _wire("never-saved", peer_pb2.MARK_DELETED))
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-    peer_port.catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-m"])  # now a holder
-    _send(peer_port, _wire("s1", peer_pb2.MARK_PINNED))
-    assert peer_port.catalog.get("run", "s1").pinned
-    _send(peer_port, _wire("s1", peer_pb2.MARK_DELETED))
-    assert not peer_port.catalog.knows("run", "s1")
+    # Its own checkpoint: taken.
+    assert peer_port.catalog.publish(_coordinated_by("node-m", "m1"))
+    _send(peer_port, _wire("m1", peer_pb2.MARK_PINNED))
+    assert peer_port.catalog.get("run", "m1").pinned
+    _send(peer_port, _wire("m1", peer_pb2.MARK_DELETED))
+    assert not peer_port.catalog.knows("run", "m1")
     listed = peer_port.stub().ListManifests(peer_pb2.ListManifestsRequest(), timeout=10)
     assert {(m.ref.checkpoint_id, m.kind) for m in listed.marks} == {
-        ("s1", peer_pb2.MARK_PINNED),
-        ("s1", peer_pb2.MARK_DELETED),
+        ("m1", peer_pb2.MARK_PINNED),
+        ("m1", peer_pb2.MARK_DELETED),
     }
 
 
@@ -312,12 +328,12 @@ def test_marks_in_a_peers_listing_are_taken_from_members_only(catalog: Catalog, 
     cluster.ops.learn("node-m", [stranger])  # relayed by a member, made by a stranger
     assert catalog.knows("run", "s1") and cluster.marks() == []
     # This node's own mark relayed back is not taken (a peer cannot speak for it), nor
-    # is a mark of node-m, which neither coordinates nor holds s1.
+    # is a mark of node-m, which is not a node of s1's job.
     own = Mark("run", "s1", MarkKind.PINNED, time.time(), "node-a")
     cluster.ops.learn("node-m", [own, Mark("run", "s1", MarkKind.PINNED, time.time(), "node-m")])
     assert not catalog.get("run", "s1").pinned and cluster.marks() == []
-    # Once node-m holds a copy, the mark it states itself is taken.
-    catalog.set_replicas("run", "s1", "__0_0.distcp", ["node-m"])
-    cluster.ops.learn("node-m", [Mark("run", "s1", MarkKind.PINNED, time.time(), "node-m")])
-    assert catalog.get("run", "s1").pinned
+    # On a checkpoint node-m coordinates, the mark it states itself is taken.
+    assert catalog.publish(_coordinated_by("node-m", "m1"))
+    cluster.ops.learn("node-m", [Mark("run", "m1", MarkKind.PINNED, time.time(), "node-m")])
+    assert catalog.get("run", "m1").pinned
     cluster.stop()
