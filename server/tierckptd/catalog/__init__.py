@@ -511,7 +511,8 @@ class Catalog(UnfinishedSaves):
                 self._track(rec)
             for key, nbytes in charged.items():
                 self._budget.charge_manifest(key, nbytes)
-                self._budget.owned_by(key, coordinator_of(records[key].files))  # M3: its cap
+                if (by := coordinator_of(records[key].files)) != self.node_id:
+                    self._budget.owned_by(key, by)  # a peer's: within its cap (M3)
             # Lamport: above every sequence taken from a writer (a FOREIGN manifest's,
             # whatever it says, never pushes this node's counter: `model.Trust`).
             taken = (r.sequence for r in records.values() if r.trust is not Trust.FOREIGN)
