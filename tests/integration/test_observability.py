@@ -145,7 +145,14 @@ def test_save_replicate_drain_and_restores_are_observed(
         # Every memory tier is lost; a replacement node0 finds the checkpoint in S3 only.
         c.lose(0, 1, 2)
         c.replace(0)
+        # Adoption from S3 runs after READY, in the background (a silent S3 must not hold
+        # READY, audit 3 H7): wait, boundedly, for the durable series to appear.
+        deadline = time.monotonic() + 60
         body = _scrape(c.metrics_ports[0])
+        while _value(body, FRESH, namespace=NS, tier="durable") is None:
+            assert time.monotonic() < deadline, "the replacement never adopted from S3"
+            time.sleep(0.2)
+            body = _scrape(c.metrics_ports[0])
         assert _value(body, FRESH, namespace=NS, tier="memory") is None  # nothing in memory
         assert _value(body, FRESH, namespace=NS, tier="durable") == pytest.approx(committed)
         assert _value(body, "tierckpt_peer_up", peer="node1") == 0.0  # down since its start
