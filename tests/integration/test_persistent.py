@@ -96,6 +96,13 @@ def test_every_nth_checkpoint_is_drained_and_a_restart_resumes(
         fs.rm(f"{s3.name}/{NS}/step-000002/.metadata")
         c.nodes[0].start()
         c.wait_state("step-000002", "DURABLE")
+        # The check of what S3 still holds runs after READY, in the background (audit 3
+        # H7): wait, boundedly, for the re-drained `.metadata`.
+        deadline = time.monotonic() + 90
+        while not fs.exists(f"{s3.name}/{NS}/step-000002/.metadata"):
+            assert time.monotonic() < deadline, "the restarted daemon never re-drained"
+            time.sleep(0.5)
+            fs.invalidate_cache()
         stock_load(s3, NS, 2, "step-000002", tmp_path)
 
 
