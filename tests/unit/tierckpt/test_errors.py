@@ -22,6 +22,7 @@ MAPPED = [cls for cls in ALL_ERRORS if cls is not TierckptError and cls not in R
 PREFIXED = {
     errors.TierUnavailable: errors.TIER_UNAVAILABLE_PREFIX,
     errors.NoPersistentTier: errors.NO_PERSISTENT_TIER_PREFIX,
+    errors.NotAJobNode: errors.NOT_A_JOB_NODE_PREFIX,
     errors.CheckpointLost: errors.CHECKPOINT_LOST_PREFIX,
 }
 
@@ -35,7 +36,7 @@ def _subclasses(cls: type) -> set[type]:
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
     assert _subclasses(TierckptError) - set(REFINEMENTS) == set(MAPPED)
-    assert len(MAPPED) == 12
+    assert len(MAPPED) == 13
     for refined, base in REFINEMENTS.items():
         assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
