@@ -164,7 +164,7 @@ def test_a_peers_mark_made_for_another_uid_is_refused(
     peer_port: PeerPort,  # noqa: F811
     save: Save,
 ) -> None:
-    """ApplyMark over the real peer port: a holder's rm/pin made for uid 1002 does not touch
+    """ApplyMark over the real peer port: a job node's rm/pin made for uid 1002 does not touch
     uid 1001's checkpoint (PERMISSION_DENIED); the owner's own mark is applied."""
     catalog = peer_port.catalog
     access = _access(catalog)
@@ -173,7 +173,11 @@ def test_a_peers_mark_made_for_another_uid_is_refused(
     )
     access.authorize(A, "jobA", "BeginCheckpoint", begin=True)
     save(catalog, "jobA", "s1", {"__0_0.distcp": b"q" * 10})
-    catalog.set_replicas("jobA", "s1", "__0_0.distcp", ["node-m"])  # node-m may mark it
+    catalog.set_replicas("jobA", "s1", "__0_0.distcp", ["node-m"])
+    # node-m may mark it as a node of the job (audit 3 H3: a replica alone is not enough;
+    # that rule has its own tests), so what refuses below is the uid check alone.
+    authority = peer_port.cluster.ops.authority
+    peer_port.cluster.ops.authority = lambda ns, cid: (authority(ns, cid) or set()) | {"node-m"}
 
     def mark(kind: int, uid: int) -> peer_pb2.CheckpointMark:
         return peer_pb2.CheckpointMark(
