@@ -221,6 +221,11 @@ class CatalogState:
         with self._lock:
             return self._writers(namespace)
 
+    def bound_namespaces(self) -> set[str]:
+        """The namespaces this node has writers of (`_writers`): its binding, kept."""
+        with self._lock:
+            return {ns for ns, w in self._writers_by_namespace().items() if w}
+
     def proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
         """This node's own binding (what it states to peers): per namespace, the
         coordinators of the checkpoints it committed, took part in, or found durable."""
@@ -231,8 +236,9 @@ class CatalogState:
         self, namespace: str, writers: set[str], stated: dict[str, frozenset[str]]
     ) -> bool:
         """The writers of `namespace` a majority of the peers stated (`stated`: what each
-        said), for a node with no PROVEN checkpoint of it: they replace trust on first
-        use. Returns False (nothing set) when this node has its own binding."""
+        said), for a node that had no binding of it (`bound_namespaces`, asked before the
+        peers were): they replace trust on first use, and any VOUCHED one a peer's publish
+        made meanwhile. Returns False (nothing set) when this node has PROVEN writers."""
         with self._lock:
             if self._proven_writers(namespace):
                 return False
@@ -313,7 +319,7 @@ class CatalogState:
         """Why a namespace has no newest when its peers agreed on no writer of it (a node
         with no binding of its own: `set_cluster_writers`), naming the candidates."""
         if self._proven_writers(namespace) or self._cluster_writers.get(namespace, True):
-            return None
+            return None  # a binding of its own, or the peers agreed on writers
         candidates = sorted(
             (r for r in self._records.values() if r.namespace == namespace),
             key=lambda r: r.order,

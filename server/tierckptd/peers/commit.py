@@ -261,8 +261,9 @@ class Committer:
 
         # Every peer at once (the fan-out pool): one slow or dead peer's deadline no longer
         # adds to every other's, so a cluster that starts together is ready in seconds.
+        bound = self.catalog.bound_namespaces()  # before any peer is heard
         pulled = self.client.each(self.client.list_manifests, on_error=unanswered, parallel=True)
-        stated = self._bind_namespaces(pulled)
+        stated = self._bind_namespaces(pulled, bound)
         for node, got in pulled.items():
             refused = list(got.refused)
             for rec in got.records:
@@ -304,20 +305,22 @@ class Committer:
         return len(adopted)
 
     def _bind_namespaces(
-        self, pulled: dict[str, Manifests]
+        self, pulled: dict[str, Manifests], bound: set[str]
     ) -> dict[str, dict[str, frozenset[str]]]:
         """Every namespace the peers answered about that this node has no binding of (no
-        PROVEN checkpoint: a replacement or new node) gets the writers a majority of the
-        peers state (`quorum`), before any manifest is taken, so the order the answers
-        came in chooses nothing (audit 3 H2). Returns what each peer stated, by namespace."""
+        PROVEN or VOUCHED checkpoint of it: a replacement or new node) gets the writers a
+        majority of the peers state (`quorum`), before any manifest is taken, so the order
+        the answers came in chooses nothing (audit 3 H2). A node that has a binding keeps
+        it (`bound`: the namespaces it had writers of before any peer was asked; a
+        publish that came in meanwhile does not count). Returns what each peer stated,
+        by namespace."""
         stated: dict[str, dict[str, frozenset[str]]] = {}
         for node, got in pulled.items():
             for namespace, writers in got.writers.items():
                 if writers:
                     stated.setdefault(namespace, {})[node] = writers
-        mine = self.catalog.proven_writers()
         listed = {rec.namespace for got in pulled.values() for rec in got.records}
-        for namespace in sorted((listed | set(stated)) - set(mine)):
+        for namespace in sorted((listed | set(stated)) - bound):
             said = stated.get(namespace, {})
             writers = quorum(said)
             if not self.catalog.set_cluster_writers(namespace, writers, said):
