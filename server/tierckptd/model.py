@@ -71,8 +71,9 @@ class Trust(enum.Enum):
     # Committed here, saved with files this node's ranks wrote (this node took part in
     # the save), or found in this node's persistent tier.
     PROVEN = "proven"
-    # A peer's, coordinated by a writer of the namespace, or the first coordinator this
-    # node heard of for a namespace it knew nothing of (trust on first use).
+    # A peer's, coordinated by a writer of the namespace: on a node that had no binding
+    # of it at start-up, a writer a majority of its peers state (`commit.quorum`); for a
+    # namespace new to a running node, the first coordinator publishing its own save.
     VOUCHED = "vouched"
     # A peer's, whose coordinator does not write the namespace here.
     FOREIGN = "foreign"

@@ -173,3 +173,65 @@ def test_a_node_ten_minutes_ahead_still_replicates_and_its_skew_is_reported(
     )
     assert client_a.get_checkpoint(NS).checkpoint_id == "step-2"
     assert client_b.get_checkpoint(NS).checkpoint_id == "step-2"
+
+
+@pytest.mark.timeout(150)
+def test_rm_on_a_node_ten_minutes_ahead_reaches_its_peer_and_a_resave_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack
+) -> None:
+    """Audit 3 H6(b): `rm` on a node 10 minutes ahead answered ok while its peer kept
+    listing the checkpoint (the peer refused the mark's future stamp). The peer applies
+    it, at its own clock: a save of the same id a little later (by the peer's clock,
+    past `DELETE_SKEW`, long before the origin's stamp) is kept, also after a restart
+    that re-applies the journal and learns the mark again (its clock corrected by then:
+    the helper's offset is set only while the daemon runs)."""
+    port_a, port_b = free_ports(2)
+    peer = {"copies": 1, "heal_interval": 3600.0}
+
+    def config(me: str, port: int, other: str, other_port: int) -> dict[str, object]:
+        return {
+            "node": {"id": me, "failure_domain": f"rack-{me}"},
+            "listen": {"peer": f"127.0.0.1:{port}"},
+            "memory": {"budget": "64MiB"},
+            "replication": peer,
+            "peers": [{"id": other, "address": f"127.0.0.1:{other_port}", "failure_domain": "r"}],
+        }
+
+    offset_a, offset_b = tmp_path / "offset-a", tmp_path / "offset-b"
+    _skewable(monkeypatch, offset_a)
+    a = DaemonProcess(config("a", port_a, "b", port_b), name="a")
+    stack.callback(a.cleanup)
+    monkeypatch.setenv("TIERCKPT_TEST_CLOCK_FILE", str(offset_b))
+    offset_b.write_text("0")
+    b = DaemonProcess(config("b", port_b, "a", port_a), name="b")
+    stack.callback(b.cleanup)
+    _step(offset_b, 600.0)  # b is 10 minutes ahead
+    client_a = DaemonClient(a.address, timeout_s=30)
+    stack.callback(client_a.close)
+    client_b = DaemonClient(b.address, timeout_s=30)
+    stack.callback(client_b.close)
+
+    def on_a() -> set[str]:
+        return {c.checkpoint_id for c in client_a.list_checkpoints(NS)}
+
+    raw_save(client_b, NS, "step-1", _files("step-1"))
+    _wait("a listing b's step-1", lambda: "step-1" in on_a())
+    client_b.delete_checkpoint(NS, "step-1")  # answers ok on b
+    _wait("a applying b's rm of step-1", lambda: "step-1" not in on_a(), timeout=20)
+    # A minute and a half later by a's clock (b is still 10 minutes ahead), the job saves
+    # step-1 again: a takes it and keeps it, also across a restart.
+    _step(offset_a, 90.0)
+    _step(offset_b, 690.0)
+    raw_save(client_b, NS, "step-1", _files("step-1"))
+    _wait("a listing the re-saved step-1", lambda: "step-1" in on_a())
+    # a restarts with its clock corrected (NTP): the tombstone stays where a first put it.
+    monkeypatch.setenv("TIERCKPT_TEST_CLOCK_FILE", str(offset_a))
+    a.terminate()
+    offset_a.write_text("0")
+    a.start()
+    client_a.close()
+    client_a = DaemonClient(a.address, timeout_s=30)
+    stack.callback(client_a.close)
+    # The journal's replay and the start-up pull (b's marks again) ran before "ready".
+    assert "step-1" in on_a()
+    assert client_a.get_checkpoint(NS).checkpoint_id == "step-1"

@@ -370,6 +370,7 @@ class ListManifestsResponse(_message.Message):
     MARKS_FIELD_NUMBER: _builtins.int
     NAMESPACE_OWNER_UID_FIELD_NUMBER: _builtins.int
     NAMESPACE_OWNER_NODE_FIELD_NUMBER: _builtins.int
+    WRITERS_FIELD_NUMBER: _builtins.int
     namespace_owner_uid: _builtins.int
     """With local_isolation = "uid" and a request for one namespace: its owner here (the
     uid and the node where it was claimed), so a node asked to claim it first asks this.
@@ -381,6 +382,14 @@ class ListManifestsResponse(_message.Message):
     def marks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointMark]:
         """the cluster operations this node knows of"""
 
+    @_builtins.property
+    def writers(self) -> _containers.RepeatedCompositeFieldContainer[Global___NamespaceWriters]:
+        """This node's own binding of each namespace it answers for (audit 3 H2): the
+        coordinators of the checkpoints it committed or took part in (PROVEN), never the
+        ones it only heard of. A node with no binding of its own takes the writers a
+        majority of its peers state.
+        """
+
     def __init__(
         self,
         *,
@@ -388,13 +397,37 @@ class ListManifestsResponse(_message.Message):
         marks: _abc.Iterable[Global___CheckpointMark] | None = ...,
         namespace_owner_uid: _builtins.int | None = ...,
         namespace_owner_node: _builtins.str = ...,
+        writers: _abc.Iterable[Global___NamespaceWriters] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid", "namespace_owner_uid", b"namespace_owner_uid"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid", "checkpoints", b"checkpoints", "marks", b"marks", "namespace_owner_node", b"namespace_owner_node", "namespace_owner_uid", b"namespace_owner_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid", "checkpoints", b"checkpoints", "marks", b"marks", "namespace_owner_node", b"namespace_owner_node", "namespace_owner_uid", b"namespace_owner_uid", "writers", b"writers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__namespace_owner_uid: _TypeAlias = _typing.Literal["namespace_owner_uid"]  # noqa: Y015
     _WhichOneofArgType__namespace_owner_uid: _TypeAlias = _typing.Literal["_namespace_owner_uid", b"_namespace_owner_uid"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__namespace_owner_uid) -> _WhichOneofReturnType__namespace_owner_uid | None: ...
 
 Global___ListManifestsResponse: _TypeAlias = ListManifestsResponse  # noqa: Y015
+
+@_typing.final
+class NamespaceWriters(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NamespaceWriters: _TypeAlias = NamespaceWriters  # noqa: Y015

@@ -235,10 +235,13 @@ class PeerState(PersistentMarks):
 
     def _trust_of(self, published: CheckpointRecord) -> Trust:
         """A peer's manifest this node took no part in (call under the lock): VOUCHED when
-        its coordinator writes the namespace here, or the namespace has no writer yet
-        (trust on first use), else FOREIGN (`model.Trust`)."""
+        its coordinator writes the namespace here, or the namespace has no writer yet and
+        the peers were not asked about it (trust on first use: a coordinator publishing
+        its own save), else FOREIGN (`model.Trust`). Once the peers stated the writers
+        (`set_cluster_writers`), those decide, an empty agreement included."""
         writers = self._writers(published.namespace)
-        if not writers or coordinator_of(published.files) in writers:
+        asked = published.namespace in self._cluster_writers
+        if (not writers and not asked) or coordinator_of(published.files) in writers:
             return Trust.VOUCHED
         return Trust.FOREIGN
 

@@ -99,6 +99,12 @@ class CatalogState:
         # Seconds each peer's clock was ahead of this one at its latest new manifest
         # (`PeerState.clock_skew`; insertion-ordered, bounded by MAX_SKEWED_PEERS).
         self._skew: dict[str, float] = {}
+        # The writers the cluster states for a namespace this node has no PROVEN
+        # checkpoint of (`set_cluster_writers`, audit 3 H2): they replace trust on first
+        # use. An empty set: the peers agreed on none (no newest from peers). Beside it,
+        # what each peer stated, for the messages.
+        self._cluster_writers: dict[str, frozenset[str]] = {}
+        self._stated: dict[str, dict[str, frozenset[str]]] = {}
         # Retention's evictions of checkpoints not known durable here, kept apart from
         # deletions: a peer's publish of one is refused as well (retention would only
         # evict it again), but the persistent tier's adoption is not (the drain may have
@@ -177,22 +183,68 @@ class CatalogState:
 
     def _writers(self, namespace: str) -> set[str]:
         """The nodes that write `namespace` here (`model.Trust`): the coordinators of its
-        PROVEN checkpoints, or while it has none, of its VOUCHED ones."""
+        PROVEN checkpoints; while it has none, the writers a majority of the peers stated
+        (`set_cluster_writers`) once they were asked; else of its VOUCHED ones."""
         return self._writers_by_namespace(namespace).get(namespace, set())
+
+    def _proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
+        """The coordinators of the PROVEN checkpoints of `namespace` (or of every one)."""
+        proven: dict[str, set[str]] = {}
+        for r in self._records.values():
+            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
+                continue
+            if r.trust is Trust.PROVEN and (coordinator := coordinator_of(r.files)):
+                proven.setdefault(r.namespace, set()).add(coordinator)
+        return proven
 
     def _writers_by_namespace(self, namespace: str = "") -> dict[str, set[str]]:
         """`_writers` of `namespace`, or of every namespace (""), in one pass."""
-        proven: dict[str, set[str]] = {}
+        proven = self._proven_writers(namespace)
         vouched: dict[str, set[str]] = {}
         for r in self._records.values():
             if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
                 continue
-            if coordinator := coordinator_of(r.files):
-                if r.trust is Trust.PROVEN:
-                    proven.setdefault(r.namespace, set()).add(coordinator)
-                elif r.trust is Trust.VOUCHED:
-                    vouched.setdefault(r.namespace, set()).add(coordinator)
-        return {ns: proven.get(ns) or vouched[ns] for ns in {*proven, *vouched}}
+            if r.trust is Trust.VOUCHED and (coordinator := coordinator_of(r.files)):
+                vouched.setdefault(r.namespace, set()).add(coordinator)
+        cluster = {
+            ns: set(w)
+            for ns, w in self._cluster_writers.items()
+            if not namespace or ns == namespace
+        }
+        return {
+            ns: proven.get(ns) or (cluster[ns] if ns in cluster else vouched.get(ns, set()))
+            for ns in {*proven, *vouched, *cluster}
+        }
+
+    def writers(self, namespace: str) -> set[str]:
+        """The nodes that write `namespace` here (`_writers`)."""
+        with self._lock:
+            return self._writers(namespace)
+
+    def bound_namespaces(self) -> set[str]:
+        """The namespaces this node has writers of (`_writers`): its binding, kept."""
+        with self._lock:
+            return {ns for ns, w in self._writers_by_namespace().items() if w}
+
+    def proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
+        """This node's own binding (what it states to peers): per namespace, the
+        coordinators of the checkpoints it committed, took part in, or found durable."""
+        with self._lock:
+            return self._proven_writers(namespace)
+
+    def set_cluster_writers(
+        self, namespace: str, writers: set[str], stated: dict[str, frozenset[str]]
+    ) -> bool:
+        """The writers of `namespace` a majority of the peers stated (`stated`: what each
+        said), for a node that had no binding of it (`bound_namespaces`, asked before the
+        peers were): they replace trust on first use, and any VOUCHED one a peer's publish
+        made meanwhile. Returns False (nothing set) when this node has PROVEN writers."""
+        with self._lock:
+            if self._proven_writers(namespace):
+                return False
+            self._cluster_writers[namespace] = frozenset(writers)
+            self._stated[namespace] = dict(stated)
+            return True
 
     def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
         """The committed checkpoints of `recs` that may be the namespace's newest: not
@@ -245,6 +297,8 @@ class CatalogState:
 
     def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
         newest = self._newest(namespace)
+        if not checkpoint_id and newest is None and (unbound := self._unbound(namespace)):
+            return unbound
         lost = [r for r in self._records.values() if r.namespace == namespace]
         if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
             return all_lost(namespace, self.node_id, [r for r in lost if self._is_lost(r)])
@@ -260,6 +314,39 @@ class CatalogState:
         )
         verb = "not found" if checkpoint_id else "found"
         return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
+
+    def _unbound(self, namespace: str) -> CheckpointNotFound | None:
+        """Why a namespace has no newest when its peers agreed on no writer of it (a node
+        with no binding of its own: `set_cluster_writers`), naming the candidates."""
+        if self._proven_writers(namespace) or self._cluster_writers.get(namespace, True):
+            return None  # a binding of its own, or the peers agreed on writers
+        candidates = sorted(
+            (r for r in self._records.values() if r.namespace == namespace),
+            key=lambda r: r.order,
+            reverse=True,
+        )
+        committed = [r for r in candidates if r.state is State.COMMITTED]
+        if not committed:
+            return None
+        stated = self._stated.get(namespace, {})
+        said = "; ".join(
+            f"{node} says {listing(sorted(w)) if w else 'none'}"
+            for node, w in sorted(stated.items())
+        )
+        return CheckpointNotFound(
+            f"no newest checkpoint of {namespace} on node {self.node_id}: this node took no "
+            f"part in {namespace} and its peers agree on no writer of it (a writer needs a "
+            f"majority of the {len(stated)} peers that state one, and a node never vouches "
+            f"for itself alone: {said or 'none stated'}); candidates: "
+            + listing(
+                [
+                    f"{r.checkpoint_id} (by {coordinator_of(r.files) or 'none'}"
+                    + (", LOST)" if self._is_lost(r) else ")")
+                    for r in committed
+                ]
+            )
+            + "; load one by its id"
+        )
 
     def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
         key = self._ref(namespace, checkpoint_id)

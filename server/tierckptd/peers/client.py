@@ -15,14 +15,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 from tierckpt.checksum import BytesLike
-from tierckpt.errors import InvalidArgument, TierckptError
+from tierckpt.errors import InvalidArgument, InvalidName, TierckptError
+from tierckpt.names import check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
@@ -34,7 +35,15 @@ from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
 from tierckptd.peers.security import HelloChallenge
-from tierckptd.wire import bounded, file_entry, file_from_entry, record_from_info, ref, to_info
+from tierckptd.wire import (
+    bounded,
+    check_node_id,
+    file_entry,
+    file_from_entry,
+    record_from_info,
+    ref,
+    to_info,
+)
 
 __all__ = [
     "CONTROL_TIMEOUT",
@@ -119,6 +128,36 @@ class Manifests:
     refused: list[str]
     # Checkpoints the peer lists LOST: a hint to heal them in full here, never adopted.
     lost: list[Key] = field(default_factory=list)
+    # The peer's own binding per namespace (the coordinators it has PROVEN): its vote on
+    # a namespace's writers for a node with no binding of its own (`commit.quorum`).
+    writers: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
+# A peer's stated binding (`Manifests.writers`): namespaces read from one answer, and
+# writers per namespace (a job's coordinators over its life: a handful).
+MAX_BINDINGS = 65_536
+MAX_WRITERS = 64
+
+
+def _writers_from_wire(
+    wire: Sequence[peer_pb2.NamespaceWriters], refused: list[str]
+) -> dict[str, frozenset[str]]:
+    """A peer's stated binding, bounded (MAX_BINDINGS namespaces, MAX_WRITERS nodes
+    each) and validated; an invalid entry is refused (said in `refused`), never half read."""
+    writers: dict[str, frozenset[str]] = {}
+    for entry in wire[:MAX_BINDINGS]:
+        try:
+            namespace = check_namespace(entry.namespace)
+            if len(entry.nodes) > MAX_WRITERS:
+                raise InvalidName(
+                    f"{len(entry.nodes)} writers stated for {namespace} (at most {MAX_WRITERS})"
+                )
+            nodes = frozenset(check_node_id(n, "a stated writer") for n in entry.nodes)
+        except TierckptError as e:
+            refused.append(bounded(str(e)))
+            continue
+        writers[namespace] = writers.get(namespace, frozenset()) | nodes
+    return writers
 
 
 def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
@@ -388,7 +427,7 @@ class PeerClient:
                 continue
             if info.state == common_pb2.LOST:
                 lost.append(records[-1].key)
-        return Manifests(records, refused, lost)
+        return Manifests(records, refused, lost, _writers_from_wire(resp.writers, refused))
 
     def namespace_owner(self, node: str, namespace: str) -> tuple[int, str] | None:
         """Who owns `namespace` per `node` (uid isolation): the owner it recorded, else

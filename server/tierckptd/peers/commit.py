@@ -37,7 +37,7 @@ from tierckptd.ops.faults import fault
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 from tierckptd.peers.placement import Member, interested
 
-__all__ = ["GOSSIP_FANOUT", "Committer", "claims"]
+__all__ = ["GOSSIP_FANOUT", "Committer", "claims", "quorum"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,28 @@ def claims(
                     "save under a new checkpoint_id"
                 )
     return remote
+
+
+def quorum(stated: dict[str, frozenset[str]]) -> set[str]:
+    """The writers of a namespace its peers agree on (audit 3 H2), from what each peer
+    states as its own binding (node -> the coordinators it has PROVEN; peers stating
+    none do not vote): a writer named by more than half of the stating peers, each
+    counted once, and by at least one peer other than itself (a node never vouches for
+    itself alone). Empty when no writer has such a majority."""
+    need = len(stated) // 2 + 1
+    votes: dict[str, int] = {}
+    others: dict[str, int] = {}
+    for node, writers in stated.items():
+        for writer in writers:
+            votes[writer] = votes.get(writer, 0) + 1
+            if writer != node:
+                others[writer] = others.get(writer, 0) + 1
+    return {w for w, n in votes.items() if n >= need and others.get(w, 0) >= 1}
+
+
+def _content(rec: CheckpointRecord) -> dict[str, tuple[int, object]]:
+    """What a manifest says a checkpoint holds: each file's size and checksums."""
+    return {f.name: (f.size, f.checksums) for f in rec.files.values()}
 
 
 class Committer:
@@ -239,10 +261,18 @@ class Committer:
 
         # Every peer at once (the fan-out pool): one slow or dead peer's deadline no longer
         # adds to every other's, so a cluster that starts together is ready in seconds.
+        bound = self.catalog.bound_namespaces()  # before any peer is heard
         pulled = self.client.each(self.client.list_manifests, on_error=unanswered, parallel=True)
+        stated = self._bind_namespaces(pulled, bound)
         for node, got in pulled.items():
             refused = list(got.refused)
             for rec in got.records:
+                if not self._confirmed(node, rec, pulled, stated.get(rec.namespace, {})):
+                    refused.append(
+                        f"{rec.namespace}/{rec.checkpoint_id}: relayed by {node}, coordinated "
+                        f"by {coordinator_of(rec.files) or 'no node'}, which did not confirm it"
+                    )
+                    continue
                 try:
                     if self.catalog.publish(rec) and rec.key not in known:
                         known.add(rec.key)
@@ -273,6 +303,76 @@ class Committer:
                 target=prewarm_then_announce, name="tierckptd-restore-prewarm", daemon=True
             ).start()
         return len(adopted)
+
+    def _bind_namespaces(
+        self, pulled: dict[str, Manifests], bound: set[str]
+    ) -> dict[str, dict[str, frozenset[str]]]:
+        """Every namespace the peers answered about that this node has no binding of (no
+        PROVEN or VOUCHED checkpoint of it: a replacement or new node) gets the writers a
+        majority of the peers state (`quorum`), before any manifest is taken, so the order
+        the answers came in chooses nothing (audit 3 H2). A node that has a binding keeps
+        it (`bound`: the namespaces it had writers of before any peer was asked; a
+        publish that came in meanwhile does not count). Returns what each peer stated,
+        by namespace."""
+        stated: dict[str, dict[str, frozenset[str]]] = {}
+        for node, got in pulled.items():
+            for namespace, writers in got.writers.items():
+                if writers:
+                    stated.setdefault(namespace, {})[node] = writers
+        listed = {rec.namespace for got in pulled.values() for rec in got.records}
+        for namespace in sorted((listed | set(stated)) - bound):
+            said = stated.get(namespace, {})
+            writers = quorum(said)
+            if not self.catalog.set_cluster_writers(namespace, writers, said):
+                continue
+            if writers:
+                logger.info(
+                    "%s: this node took no part in it; its writers per %d of %d peers "
+                    "stating one: %s",
+                    namespace,
+                    sum(1 for w in said.values() if w & writers),
+                    len(said),
+                    ", ".join(sorted(writers)),
+                )
+            else:
+                logger.warning(
+                    "%s: this node took no part in it and its peers agree on no writer of it "
+                    "(%s): no newest from peers; load a checkpoint by its id",
+                    namespace,
+                    "; ".join(f"{n} says {', '.join(sorted(w))}" for n, w in sorted(said.items()))
+                    or "none stated",
+                )
+        return stated
+
+    def _confirmed(
+        self,
+        node: str,
+        rec: CheckpointRecord,
+        pulled: dict[str, Manifests],
+        stated: dict[str, frozenset[str]],
+    ) -> bool:
+        """Whether a manifest `node` listed at start-up is taken: as it is when `node`
+        coordinates it; a relayed one only as its coordinator confirms it (the
+        coordinator's own answer is taken instead; one it does not list is refused).
+        When the coordinator cannot answer (a lost node, or this node's former self: a
+        replacement under the same id with no binding of the namespace yet), the peers
+        that state the coordinator as a writer of the namespace (other than itself) vouch
+        for it: a majority of them must list the same content, and at least one."""
+        coordinator = coordinator_of(rec.files)
+        if coordinator == node:
+            return True
+        if not coordinator or coordinator in pulled:
+            return False  # no coordinator to confirm, or its own manifest is the one taken
+        if coordinator == self.node_id and self.catalog.proven_writers(rec.namespace):
+            return False  # this node keeps its own binding: it knows what it coordinated
+        witnesses = [v for v, w in stated.items() if coordinator in w and v != coordinator]
+        same = sum(
+            1
+            for v in witnesses
+            if v in pulled
+            and any(r.key == rec.key and _content(r) == _content(rec) for r in pulled[v].records)
+        )
+        return bool(witnesses) and same >= len(witnesses) // 2 + 1
 
     def announce(self) -> None:
         """Tell every peer this node has started (ListManifests with `starting`): each

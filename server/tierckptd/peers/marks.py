@@ -63,10 +63,20 @@ class Mark:
     # The uid that asked, under `[security] local_isolation = "uid"` when it is no
     # operator (None otherwise): peers apply it only to that uid's checkpoints.
     uid: int | None = None
+    # The stamp as this node applies it (audit 3 H6): the origin's, or this node's clock
+    # when it first learnt a mark stamped ahead of it (0: the stamp itself). Kept in the
+    # journal, so re-learning or replaying the mark never moves it later: a save of the
+    # id after that time here is a re-save, whatever the origin's clock said.
+    applied: float = 0.0
 
     @property
     def key(self) -> Key:
         return self.namespace, self.checkpoint_id
+
+    @property
+    def applied_stamp(self) -> float:
+        """The stamp a delete tombstones up to here (`applied`)."""
+        return self.applied or self.stamp
 
     def order(self) -> tuple[float, str]:
         """Newer sorts higher: the stamp, then the origin node id (ties)."""
@@ -85,8 +95,10 @@ def check_mark(
     *,
     now: float,
 ) -> Mark:
-    """A validated mark: names checked, a finite stamp neither before the epoch nor more
-    than `CLOCK_SKEW` seconds ahead of `now` (InvalidName / InvalidArgument)."""
+    """A validated mark: names checked, a finite stamp after the epoch (InvalidName /
+    InvalidArgument). A stamp ahead of `now` (the origin's clock is ahead) is taken, not
+    refused (audit 3 H6: an rm there answered ok while its peers kept the checkpoint):
+    order between marks stays the stamps', and it is applied at `now` (`Mark.applied`)."""
     check_namespace(namespace)
     check_checkpoint_id(checkpoint_id)
     try:
@@ -96,12 +108,16 @@ def check_mark(
     if not isinstance(stamp, float | int) or not math.isfinite(stamp) or stamp <= 0:
         raise InvalidArgument(f"the stamp of a mark on {namespace}/{checkpoint_id} is not a time")
     if stamp > now + CLOCK_SKEW:
-        raise InvalidArgument(
-            f"the mark on {namespace}/{checkpoint_id} is stamped {stamp - now:.0f} s in the "
-            f"future (at most {CLOCK_SKEW:.0f} s of clock skew is taken): check the node "
-            f"clocks (NTP) of {origin}"
+        logger.warning(
+            "the mark on %s/%s from %s is stamped %.0f s ahead of this node's clock: "
+            "applied at this node's time; fix the node clocks (NTP)",
+            namespace,
+            checkpoint_id,
+            origin[:64],
+            stamp - now,
         )
-    return Mark(namespace, checkpoint_id, kind, float(stamp), origin)
+    applied = float(now) if stamp > now else 0.0
+    return Mark(namespace, checkpoint_id, kind, float(stamp), origin, applied=applied)
 
 
 @dataclass
@@ -277,6 +293,8 @@ class MarkJournal:
                         "stamp": m.stamp,
                         "origin": m.origin,
                     }
+                    if m.applied:
+                        row["applied"] = m.applied
                     if m.uid is not None:
                         row["uid"] = m.uid
                     if m.kind is MarkKind.DELETED and e.url is not None:
@@ -353,6 +371,11 @@ def _row(row: object, now: float) -> tuple[Mark, str | None]:
         str(row["origin"]),
         now=now,
     )
+    applied = row.get("applied")
+    if applied is not None:  # when this node first applied it (never later than that)
+        if type(applied) is not float or not 0 < applied <= mark.stamp:
+            raise ValueError("applied")
+        mark = dataclasses.replace(mark, applied=applied)
     uid = row.get("uid")
     if uid is not None:
         if type(uid) is not int or not 0 <= uid < 0xFFFFFFFF:

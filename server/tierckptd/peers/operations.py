@@ -477,9 +477,10 @@ class ClusterOps:
         try:
             if mark.kind is MarkKind.DELETED:
                 durable = self.catalog.is_durable(*mark.key)
-                # A stamp ahead of this clock tombstones only up to now (a later save of
-                # the id is not refused for the skew).
-                stamp = min(mark.stamp, self._wall())
+                # A stamp ahead of this clock tombstones only up to when this node first
+                # learnt it (`Mark.applied`, kept in the journal): a later save of the id
+                # is never refused or removed for the origin's skew.
+                stamp = min(mark.applied_stamp, self._wall())
                 removed = self.catalog.remove_marked(*mark.key, stamp)
                 if removed is not None:
                     self._remember(mark.key, removed[1])

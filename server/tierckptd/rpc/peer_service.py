@@ -425,6 +425,10 @@ class PeerService:
                 marks=[mark_to_wire(m) for m in self.cluster.marks(namespace)],
                 namespace_owner_uid=owner[0] if owner is not None else None,
                 namespace_owner_node=owner[1] if owner is not None else "",
+                writers=[
+                    peer_pb2.NamespaceWriters(namespace=ns, nodes=sorted(nodes))
+                    for ns, nodes in sorted(self.catalog.proven_writers(namespace).items())
+                ],
             )
 
         return self.errors.call(context, "ListManifests", manifests)
