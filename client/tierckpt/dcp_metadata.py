@@ -190,13 +190,23 @@ class _AllowListUnpickler(pickle.Unpickler):
         self.what = what
         self.extra = extra or {}
         self.before: list[tuple[Any, dict[str, Any]]] | None = None
+        self.with_torch = False
+
+    def _guard(self, with_torch: bool) -> None:
+        """Take the state of the guarded globals (torch's too when `with_torch`) not
+        taken yet: before the first global is handed out, and before the first of torch
+        (nothing can BUILD onto one earlier). A pickle of plain containers, a bomb,
+        never imports torch; one naming only ``pathlib`` or ``builtins`` neither."""
+        taken = {id(obj) for obj, _ in self.before or []}
+        guarded = _guarded(with_torch) + tuple(self.extra.values())
+        fresh = _snapshot(obj for obj in guarded if id(obj) not in taken)
+        self.before = [*(self.before or []), *fresh]
+        self.with_torch = self.with_torch or with_torch
 
     def find_class(self, module: str, name: str) -> Any:
-        if self.before is None:
-            # The guarded globals' state, taken before the first global is handed out
-            # (nothing can BUILD onto one earlier): a pickle of plain containers, a bomb,
-            # never imports torch.
-            self.before = _snapshot(_guarded() + tuple(self.extra.values()))
+        wants_torch = module == "torch" or module.startswith("torch.")
+        if self.before is None or (wants_torch and not self.with_torch):
+            self._guard(wants_torch)
         if (module, name) in self.extra:
             return self.extra[(module, name)]
         if (module, name) in _WRAPPED:
@@ -247,14 +257,18 @@ class _Source:
 
 
 @functools.cache
-def _guarded() -> tuple[Any, ...]:
+def _guarded(with_torch: bool) -> tuple[Any, ...]:
     """The admitted globals a `BUILD` could write into (classes, `_get_layout`), and
-    the enum members a `REDUCE` hands out (process-wide singletons)."""
-    import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules
-    import torch.distributed.checkpoint.metadata  # noqa: F401
+    the enum members a `REDUCE` hands out (process-wide singletons); torch's only when
+    `with_torch` (importing it)."""
+    if with_torch:
+        import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules
+        import torch.distributed.checkpoint.metadata  # noqa: F401
 
     found: list[Any] = []
     for module, names in _ALLOWED.items():
+        if not with_torch and module.split(".")[0] == "torch":
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError:

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import grpc
 from tierckpt.dcp_metadata import MAX_METADATA_BYTES
 from tierckpt.errors import TierckptError, UnsafeMetadata
 
@@ -71,7 +72,7 @@ MAX_CHILDREN = 2
 
 _CHILD = "tierckptd.persistent.decode_child"
 _LIMITER = threading.BoundedSemaphore(MAX_CHILDREN)
-_CACHE_SIZE = 8
+_CACHE_SIZE = 2  # a drain decodes the same bytes twice (the upload, then the commit)
 _cache: OrderedDict[bytes, Decoded] = OrderedDict()
 _cache_lock = threading.Lock()
 
@@ -79,6 +80,8 @@ _cache_lock = threading.Lock()
 class DecoderUnavailable(TierckptError):
     """The decoding child could not run (start failed, node starved past the deadline):
     not the file's doing, so not a refusal; the drain retries later."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)

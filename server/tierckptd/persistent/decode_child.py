@@ -19,8 +19,10 @@ Output (stdout): one line of JSON, then, for a rewrite, the new `.metadata` byte
 (``rewritten``: their length). The JSON is plain data the daemon parses with `json`:
 ``{"files": [[relative_path, [[offset, length], ...], transformed], ...]}``, or
 ``{"error": {"kind": "unsafe" | "value" | "memory", "message": ...}}`` for a refusal
-(``unsafe``: not plain DCP metadata; ``memory``: the decoder hit ``RLIMIT_AS``;
-``value``: a rewrite whose mappings do not match the file). Exit status 0 either way.
+(``unsafe``: not plain DCP metadata, or more distinct items than `BYTES_PER_ITEM`
+allows, so the rows the daemon parses stay a bounded share of the file; ``memory``: the
+decoder hit ``RLIMIT_AS``; ``value``: a rewrite whose mappings do not match the file).
+Exit status 0 either way.
 
 It imports torch only when the pickle names a global (`tierckpt.dcp_metadata`): a bomb
 of plain containers is refused without it. Only the standard library, `tierckpt` and
@@ -34,6 +36,13 @@ import resource
 import sys
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"  # ZStandard.registry_name() + "/1", as DCP records it
+
+BYTES_PER_ITEM = 48
+"""The rows handed to the daemon are at most one distinct item per this many bytes of
+`.metadata` (+ `MIN_ITEMS`): what the daemon parses stays a bounded share of the file
+(real DCP metadata: one item per 140 bytes, 128k items in 17.9 MB)."""
+
+MIN_ITEMS = 4096
 
 
 def _address_space() -> int:
@@ -91,6 +100,14 @@ def _decode(
         files.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
         if getattr(info, "transform_descriptors", None):
             transformed.add(info.relative_path)
+    count, cap = sum(len(items) for items in files.values()), MIN_ITEMS + len(raw) // BYTES_PER_ITEM
+    if count > cap:
+        message = (
+            f"{what}: refused, not plain DCP metadata ({count} distinct items, more than the "
+            f"{cap} allowed for {len(raw)} bytes: one per {BYTES_PER_ITEM}); nothing in it was "
+            "run. Re-save the checkpoint with dcp.save, or delete it if you did not write it"
+        )
+        return {"error": {"kind": "unsafe", "message": message}}, b""
     body: dict[str, object] = {
         "files": [[path, sorted(items), path in transformed] for path, items in files.items()]
     }
