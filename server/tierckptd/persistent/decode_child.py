@@ -34,6 +34,10 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 ZSTD_DESCRIPTOR = "stream.zstd/1"  # ZStandard.registry_name() + "/1", as DCP records it
 
@@ -126,7 +130,7 @@ def _shown(value: object) -> str:
     return text if len(text) <= 64 else text[:61] + "..."
 
 
-def _rewrite(md: object, mappings: dict[str, list[list[int]]]) -> object:
+def _rewrite(md: Metadata, mappings: dict[str, list[list[int]]]) -> Metadata:
     """`md` with the items of the files in `mappings` pointing at their zstd frames."""
     import dataclasses
 
@@ -134,7 +138,7 @@ def _rewrite(md: object, mappings: dict[str, list[list[int]]]) -> object:
         path: {old: (offset, length) for old, offset, length in rows}
         for path, rows in mappings.items()
     }
-    storage = md.storage_data  # type: ignore[attr-defined]
+    storage = md.storage_data
     rewritten: dict[object, object] = {}
     for key, info in storage.items():
         mapping = indexes.get(info.relative_path)
@@ -159,7 +163,7 @@ def _rewrite(md: object, mappings: dict[str, list[list[int]]]) -> object:
                 transform_descriptors=[ZSTD_DESCRIPTOR],
             )
         rewritten[key] = info
-    md.storage_data = rewritten  # type: ignore[attr-defined]
+    md.storage_data = rewritten
     return md
 
 
