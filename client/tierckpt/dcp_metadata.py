@@ -15,9 +15,10 @@ What the allow-list alone would not stop:
   expands to 2^30 leaves when hashed, ``bytearray(512 MiB)`` from 68 bytes. Before any
   object is built, `tierckpt.pickle_scan.scan` walks the opcodes and bounds the work and
   memory: at most `MAX_METADATA_BYTES` of input, nesting at most
-  `tierckpt.pickle_scan.MAX_DEPTH` deep, and a logical object count (a memo GET of a
+  `tierckpt.pickle_scan.MAX_DEPTH` deep, a logical object count (a memo GET of a
   container counts its whole expanded size again) of at most `object_budget` of the
-  file's size, which scales with it (real DCP metadata uses about a tenth of it). The
+  file's size (work), and at most `container_budget` containers and objects built
+  (memory); both scale with the size, at a few times what real DCP metadata uses. The
   builtins admitted are wrapped: ``bytearray`` only from a bytes literal, never from a
   length.
 - A pickle can ``BUILD`` onto an admitted *class* (or function, or enum member) and
@@ -33,7 +34,9 @@ unpickler reads through a Python source (`_Source`), so a long load lets other t
 run at least every frame (64 KiB) instead of holding the GIL to the end.
 
 Anything else raises `tierckpt.errors.UnsafeMetadata`, which names what was refused and
-runs nothing. torch is imported on first use (the daemon does not otherwise need it).
+runs nothing. torch is imported on first use: when the pickle names its first global
+(the daemon's decoding child, `tierckptd.persistent.decode`, then imports it; a pickle of
+plain containers, a bomb, never does).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "dump_metadata",
     "load_metadata",
+    "container_budget",
     "object_budget",
     "unpickle_allowed",
 ]
@@ -66,11 +70,24 @@ MAX_METADATA_BYTES = 256 << 20
 """A `.metadata` larger than this is refused before it is parsed (2,000 tensors of 64
 chunks each, 128k items, is 18 MB)."""
 
-OBJECTS_PER_BYTE = 4
-"""The logical object budget per byte of input (real DCP metadata: about 0.5)."""
+OBJECTS_PER_BYTE = 2
+"""The logical object budget per byte of input (real DCP metadata: 0.27, measured on
+2,000 tensors of 64 chunks, 17.9 MB): bounds the decoder's work (hashing, compares).
+The scan charges memo GETs and long literals against all but one object per byte (the
+ops it does not count one by one), so 2 is the least that admits real files (their
+GETs alone pass the 1M minimum on 17.9 MB)."""
 
 MIN_OBJECTS = 1 << 20
 """The logical object budget of any input, however small (milliseconds of hashing)."""
+
+CONTAINER_BYTES = 4
+"""One container or object built per this many bytes of input at most (real DCP
+metadata: one per 9.2 bytes, 0.108 per byte): bounds the decoder's memory, so a hostile
+file holds at most about twice what a real one of its size holds (a 16 MB file of empty
+lists was 16M lists, 2 GiB)."""
+
+MIN_CONTAINERS = 1 << 16
+"""The container budget of any input, however small (at most about 16 MB of objects)."""
 
 
 def object_budget(size: int) -> int:
@@ -78,6 +95,15 @@ def object_budget(size: int) -> int:
     bytes may build."""
     return MIN_OBJECTS + OBJECTS_PER_BYTE * size
 
+
+def container_budget(size: int) -> int:
+    """The most containers and objects (`tierckpt.pickle_scan`) a pickle of `size` bytes
+    may build."""
+    return MIN_CONTAINERS + size // CONTAINER_BYTES
+
+
+OUT_OF_MEMORY = "decoding it ran out of memory (MemoryError)"
+"""The refusal's cause when the decoding process hit its memory limit."""
 
 _MAX_INT = 2**63 - 1
 _SHOWN = 64  # characters of a refused name or value that go into an error message
@@ -163,8 +189,24 @@ class _AllowListUnpickler(pickle.Unpickler):
         super().__init__(_Source(data))
         self.what = what
         self.extra = extra or {}
+        self.before: list[tuple[Any, dict[str, Any]]] | None = None
+        self.with_torch = False
+
+    def _guard(self, with_torch: bool) -> None:
+        """Take the state of the guarded globals (torch's too when `with_torch`) not
+        taken yet: before the first global is handed out, and before the first of torch
+        (nothing can BUILD onto one earlier). A pickle of plain containers, a bomb,
+        never imports torch; one naming only ``pathlib`` or ``builtins`` neither."""
+        taken = {id(obj) for obj, _ in self.before or []}
+        guarded = _guarded(with_torch) + tuple(self.extra.values())
+        fresh = _snapshot(obj for obj in guarded if id(obj) not in taken)
+        self.before = [*(self.before or []), *fresh]
+        self.with_torch = self.with_torch or with_torch
 
     def find_class(self, module: str, name: str) -> Any:
+        wants_torch = module == "torch" or module.startswith("torch.")
+        if self.before is None or (wants_torch and not self.with_torch):
+            self._guard(wants_torch)
         if (module, name) in self.extra:
             return self.extra[(module, name)]
         if (module, name) in _WRAPPED:
@@ -215,14 +257,18 @@ class _Source:
 
 
 @functools.cache
-def _guarded() -> tuple[Any, ...]:
+def _guarded(with_torch: bool) -> tuple[Any, ...]:
     """The admitted globals a `BUILD` could write into (classes, `_get_layout`), and
-    the enum members a `REDUCE` hands out (process-wide singletons)."""
-    import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules
-    import torch.distributed.checkpoint.metadata  # noqa: F401
+    the enum members a `REDUCE` hands out (process-wide singletons); torch's only when
+    `with_torch` (importing it)."""
+    if with_torch:
+        import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules
+        import torch.distributed.checkpoint.metadata  # noqa: F401
 
     found: list[Any] = []
     for module, names in _ALLOWED.items():
+        if not with_torch and module.split(".")[0] == "torch":
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError:
@@ -266,6 +312,8 @@ def _check_int(value: object, field: str, what: str) -> None:
 
 
 def _check_shape(md: object, what: str) -> None:
+    if type(md).__module__ != _DCP_METADATA:  # before importing torch (a bomb never does)
+        raise _refuse(what, f"it holds a {type(md).__name__}, not a Metadata")
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -338,24 +386,26 @@ def _unpickle(
         scan(
             data,
             budget=object_budget(size),
+            containers_budget=container_budget(size),
             fresh=_FRESH | frozenset(extra),
             containers=_CONTAINERS,
         )
     except ScanRefused as e:
         why = f"unreadable: {e}" if e.malformed else str(e)
         raise _refuse(what, why if len(why) <= 300 else why[:297] + "...") from None
-    guarded = _guarded() + tuple(extra.values())
-    before = _snapshot(guarded)
+    unpickler = _AllowListUnpickler(data, what, extra)
     try:
-        return _AllowListUnpickler(data, what, extra).load()
+        return unpickler.load()
     except UnsafeMetadata as e:
         if str(e).startswith(what):
             raise
         raise _refuse(what, str(e)) from None  # a wrapped builtin's refusal
-    except Exception as e:  # UnpicklingError, EOFError, RecursionError, MemoryError...
+    except MemoryError:
+        raise _refuse(what, OUT_OF_MEMORY) from None
+    except Exception as e:  # UnpicklingError, EOFError, RecursionError...
         raise _refuse(what, f"unreadable: {type(e).__name__}: {_shown(str(e))}") from None
     finally:
-        changed = _undo_changes(before)
+        changed = _undo_changes(unpickler.before or [])
         if changed:
             raise _refuse(what, f"it tried to change {_shown(', '.join(changed))}")
 

@@ -9,6 +9,11 @@ unpickler's stack and memo with one small record per object, and refuses a pickl
 - the logical (fully expanded) size of what it builds exceeds `budget`: a memo GET of a
   container counts the container's whole expanded size again, a string counts one per
   ``STRING_UNIT`` characters, so the memoized-tuple bomb is refused at its first levels;
+- it builds more than `containers_budget` containers and objects (what decoding *holds
+  in memory*, about 60 to 250 bytes each, where a memo GET costs one reference): a
+  ``.metadata`` of 16M ``EMPTY_LIST`` opcodes in one list is 16M objects, 2 GiB for the
+  decoder from 16 MB, while real DCP metadata builds about one per 9 bytes. A set or
+  frozenset counts `SET_WEIGHT` (its table is 216 bytes empty);
 - an object nests deeper than `MAX_DEPTH` (hash and repr of deep tuples recurse in C);
 - a container or instance is changed after a memo GET handed it out again (a recursive
   structure, or one grown after its expanded size was counted: plain DCP metadata has
@@ -25,9 +30,9 @@ allow-list resolves (`dcp_metadata`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["MAX_DEPTH", "STRING_UNIT", "ScanRefused", "scan"]
+__all__ = ["MAX_DEPTH", "SET_WEIGHT", "STRING_UNIT", "ScanRefused", "Scanned", "scan"]
 
 MAX_DEPTH = 100
 """Deepest nesting of containers and objects admitted (DCP metadata nests about 10)."""
@@ -35,12 +40,18 @@ MAX_DEPTH = 100
 STRING_UNIT = 64
 """A string, bytes or int literal counts 1 + len // STRING_UNIT toward the budget."""
 
+SET_WEIGHT = 4
+"""What a set or frozenset counts toward the container budget (a list or dict counts 1)."""
+
 # Kinds of stack entries. Atoms and immutable containers are tuples (weight, kind, depth,
 # payload); containers and objects that later opcodes may change are lists [weight, kind,
 # depth, shared, made_by] ("shared": a memo GET or DUP handed it out again; "made_by": the
 # (module, name) of the global whose REDUCE/NEWOBJ made it, or None).
 _ATOM, _STR, _GLOBAL, _FROZEN, _CONTAINER, _INSTANCE, _OTHER = range(7)
-_ONE = (1, _ATOM, 0, None)  # None, bools, ints, floats, (): one unit, no payload
+_ONE = (1, _ATOM, 0, None)
+_SETS = frozenset(
+    {("builtins", "set"), ("builtins", "frozenset")}
+)  # None, bools, ints, floats, (): one unit, no payload
 
 
 class ScanRefused(Exception):
@@ -64,15 +75,26 @@ def _name(data: bytes, node: Any) -> str:
     return _text(data[start:end])
 
 
+class Scanned(NamedTuple):
+    """What a scan admitted: the logical (expanded) object count of the result and the
+    containers and objects decoding builds (how `tierckpt.dcp_metadata` sets its
+    per-byte bounds from real files)."""
+
+    objects: int
+    containers: int
+
+
 def scan(
     data: bytes,
     *,
     budget: int,
     fresh: frozenset[tuple[str, str]],
     containers: frozenset[tuple[str, str]],
-) -> None:
+    containers_budget: int | None = None,
+) -> Scanned:
     """Refuse `data` (raise `ScanRefused`) unless decoding it stays within the bounds
-    above; `budget` caps its logical object count.
+    above; `budget` caps its logical object count, `containers_budget` (default: no
+    cap beyond the input's size) the containers and objects it builds.
 
     Args:
         fresh: the globals whose ``NEWOBJ``/``REDUCE`` makes a new instance a ``BUILD``
@@ -80,8 +102,9 @@ def scan(
         containers: the globals whose ``REDUCE`` makes a new container that ``SETITEM``,
             ``APPENDS`` or ``ADDITEMS`` may fill (``OrderedDict``, ``set``).
     """
+    cap = len(data) * SET_WEIGHT if containers_budget is None else containers_budget
     try:
-        _scan(data, budget, fresh, containers)
+        return _scan(data, budget, fresh, containers, cap)
     except (IndexError, ValueError) as e:  # an argument or a memo entry past the end
         raise ScanRefused(f"truncated or malformed ({type(e).__name__})", malformed=True) from None
 
@@ -90,6 +113,13 @@ def _over(budget: int) -> ScanRefused:
     return ScanRefused(
         f"it expands to more than {budget} objects (a memoized container counts its whole "
         "size each time it is referenced)"
+    )
+
+
+def _many(cap: int) -> ScanRefused:
+    return ScanRefused(
+        f"it builds more than {cap} containers and objects, the memory bound for its size "
+        "(real DCP metadata builds about one per 9 bytes)"
     )
 
 
@@ -139,15 +169,17 @@ def _malformed(why: str, pos: int) -> ScanRefused:
     return ScanRefused(f"{why} at byte {pos}", malformed=True)
 
 
-def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
+def _scan(data: bytes, budget: int, fresh: Any, containers: Any, cap: int) -> Scanned:
     """The loop of `scan`, written for speed (it is pure Python, one pass): fixed-width
     arguments are read without bounds checks (an IndexError past the end is malformed),
     and ops that add one object are not counted one by one: there are fewer of them than
     bytes, so `heavy` (everything else: memo GETs, long literals) may use the budget less
-    the input's size."""
+    the input's size. `built` counts the ops that make a container or an object, checked
+    against `cap` as it grows."""
     size = len(data)
     heavy_budget = budget - size
     heavy = 0
+    built = 0
     pos = 0
     stack: list[Any] = []
     push = stack.append
@@ -194,11 +226,17 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
                 _made(node, args, "NEWOBJ" if op == 0x81 else "REDUCE", fresh, containers)
             ref = node[3]
             stack[-1] = [1 + args[0], kinds.get(ref, other), args[2] + 1, False, ref]
+            built += SET_WEIGHT if ref in _SETS else 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x85:  # TUPLE1
             a = stack[-1]
             if a[2] >= MAX_DEPTH:
                 raise _deep()
             stack[-1] = (1 + a[0], _FROZEN, a[2] + 1, None)
+            built += 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x62:  # BUILD
             state = stack.pop()
             node = stack[-1]
@@ -219,6 +257,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             _grow(node, items)
         elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
             push([1, _CONTAINER, 0, False, None])
+            built += SET_WEIGHT if op == 0x8F else 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x86:  # TUPLE2
             b = stack.pop()
             a = stack[-1]
@@ -226,6 +267,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             if depth > MAX_DEPTH:
                 raise _deep()
             stack[-1] = (1 + a[0] + b[0], _FROZEN, depth, None)
+            built += 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x87:  # TUPLE3
             items = stack[-3:]
             if len(items) < 3:
@@ -235,6 +279,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             if depth > MAX_DEPTH:
                 raise _deep()
             push((1 + sum([i[0] for i in items]), _FROZEN, depth, None))
+            built += 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x8C or op == 0x58 or op == 0x8D:  # SHORT_BINUNICODE, BINUNICODE(8)
             width = 1 if op == 0x8C else 4 if op == 0x58 else 8
             n = frombytes(data[pos : pos + width], "little")
@@ -295,6 +342,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             if depth > MAX_DEPTH:
                 raise _deep()
             weight = 1 + sum([i[0] for i in items])
+            built += SET_WEIGHT if op == 0x91 else 1
+            if built > cap:
+                raise _many(cap)
             if op == 0x74 or op == 0x91:
                 push((weight, _FROZEN, depth, None))
             else:
@@ -323,7 +373,7 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
                 raise _malformed("STOP with a MARK open or not exactly one object", pos)
             if pos > size:
                 raise _malformed("an argument past the end of the data", pos)
-            return
+            return Scanned(stack[0][0], built)
         elif op == 0x63:  # GLOBAL
             end = data.index(b"\n", pos)
             module = _text(data[pos:end])
@@ -346,6 +396,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any) -> None:
             args = stack.pop()
             both = (args[0] + kwargs[0], _FROZEN, max(args[2], kwargs[2]), None)
             stack[-1] = _made(stack[-1], both, "NEWOBJ_EX", fresh, containers)
+            built += 1
+            if built > cap:
+                raise _many(cap)
         elif op == 0x30:  # POP
             if stack:
                 stack.pop()

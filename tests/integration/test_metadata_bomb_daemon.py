@@ -5,6 +5,9 @@ The daemon answers Health all along, the drain refuses the file with a clear err
 reader refuses it too, and after a restart the same `.metadata` is not decoded again:
 the refusal is remembered in the memory dir (``where="drain-remembered"``), and a real
 checkpoint saved after the restart drains while the decode counter stays at zero.
+
+A memory bomb (16 MB of empty lists, 2 GiB for the old in-process decoder) is decoded in
+the daemon's decoding child: the daemon's peak RSS hardly moves and it keeps serving.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from tests.support.daemon_process import DaemonProcess
 from tests.support.dcp_files import save_checkpoint
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import raw_save
-from tests.unit.tierckpt.test_metadata_bounds import bombs
+from tests.unit.tierckpt.test_metadata_bounds import bombs, list_bomb
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +159,41 @@ def test_the_refusal_record_holds_for_the_same_bytes_only(tmp_path: Path) -> Non
     path.write_text('{"format": 1, "refused": [{"namespace": "../x"}]}')
     assert RefusedMetadata(path, alive.__contains__).keys() == []
     assert path.with_name(FILE_NAME + ".corrupt").exists()
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
+def test_a_memory_bomb_metadata_leaves_the_daemon_small_and_serving(
+    node: tuple[DaemonProcess, str], s3: moto_s3.S3Bucket
+) -> None:
+    daemon, metrics_url = node
+    bomb = list_bomb(16_000_000)
+    client = DaemonClient(daemon.address, timeout_s=60)
+    try:
+        healthy(daemon)
+        before = peak_rss_kib(daemon.pid)
+        raw_save(client, "lists", "step-1", {"__0_0.distcp": b"d" * 4096, ".metadata": bomb})
+
+        def refused_while_healthy() -> bool:
+            healthy(daemon)
+            return "drain-failed" in client.get_checkpoint("lists", "step-1").tiers
+
+        wait_for(refused_while_healthy, "the drain's refusal", timeout=180)
+        healthy(daemon)
+        grown = peak_rss_kib(daemon.pid) - before
+        # The file's bytes pass through the daemon a few times (the write, the verified
+        # read, the child's stdin); the 16M lists never do (the old decoder: 2 GiB).
+        assert grown < 160 * 1024, f"the daemon's peak RSS grew by {grown} KiB"
+        assert metric(metrics_url, REFUSED) == 1
+        log = daemon.log_path.read_text()
+        assert "lists/step-1/.metadata: refused" in log, daemon.log_tail()
+        assert "containers and objects, the memory bound for its size" in log
+        assert not s3.fs().exists(f"{s3.name}/lists/step-1/.metadata")
+    finally:
+        client.close()

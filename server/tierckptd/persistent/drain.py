@@ -39,9 +39,11 @@ retention may evict it like any checkpoint that is not due (the newest is still 
 Pinning it until it is durable would pin it forever: any local client could fill the
 memory tier that way.
 
-The decode is bounded (`tierckpt.pickle_scan`: size, depth, expanded object count), so a
-decoder bomb is refused in milliseconds instead of freezing the daemon (audit 3, H1), and
-a refusal is remembered across restarts (`refusals.RefusedMetadata`, a record in the
+The decode is bounded (`tierckpt.pickle_scan`: size, depth, expanded object count,
+containers built) and runs in a short-lived child process under RLIMIT_AS and RLIMIT_CPU
+scaled to the file's size (`persistent.decode`), never in the daemon: a decoder bomb is
+refused (the limit it hit named) without touching the daemon's memory or GIL (audit 3,
+H1); a child that cannot run (`DecoderUnavailable`) is retried with backoff. A refusal is remembered across restarts (`refusals.RefusedMetadata`, a record in the
 memory dir): a restarted daemon does not decode the same `.metadata` again, it marks the
 checkpoint drain-failed at once (``tierckpt_refused_metadata{where="drain-remembered"}``).
 
@@ -496,7 +498,7 @@ class Drainer:
         with VerifiedFile(path, f.size, f.checksums, what=what) as vf:
             raw = bytes(vf.read(0, f.size))
         try:
-            # Bounded in work and memory (tierckpt.pickle_scan), no process-wide lock.
+            # In a child process under memory and CPU limits (persistent.decode).
             return raw, data_files(raw, what=what)
         except UnsafeMetadata as e:
             self.refusals.remember(key, bytes_id, str(e))

@@ -12,22 +12,26 @@ decompress instead of loading wrong bytes. Sources are read through `RangeSource
 which `tierckpt.memory_files.VerifiedFile` satisfies: every block is verified against
 the file's block checksums while it is read.
 
-``.metadata`` is a pickle written by ranks or peers, so it is never unpickled here:
-`tierckpt.dcp_metadata.load_metadata` admits only DCP's metadata classes and checks the
-shape (file names, offsets, lengths), raising `UnsafeMetadata` for anything else.
+``.metadata`` is a pickle written by ranks or peers, so it is never unpickled here, nor
+decoded in the daemon at all: `tierckptd.persistent.decode` runs the allow-list decoder
+(`tierckpt.dcp_metadata.load_metadata`: DCP's metadata classes only, then the shape:
+file names, offsets, lengths) in a child process with memory and CPU limits, and reads
+back plain rows (and, for the rewrite, the bytes the child pickled), raising
+`UnsafeMetadata` for anything else.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 import zstandard
 from tierckpt.checksum import BytesLike
-from tierckpt.dcp_metadata import dump_metadata, load_metadata
+
+from tierckptd.persistent.decode import decode
+from tierckptd.persistent.decode_child import ZSTD_DESCRIPTOR
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -43,7 +47,6 @@ __all__ = [
     "rewrite_metadata",
 ]
 
-ZSTD_DESCRIPTOR = "stream.zstd/1"  # ZStandard.registry_name() + "/1", as DCP records it
 DEFAULT_CHUNK_SIZE = 8 << 20
 
 Item = tuple[int, int]
@@ -91,26 +94,17 @@ class DataFile:
     transformed: bool = False
 
 
-def _load(metadata: bytes, what: str) -> Any:
-    # The allow-list decoder (imports torch on first use); never plain pickle.
-    return load_metadata(metadata, what=what)
-
-
 def data_files(metadata: bytes, *, what: str = ".metadata") -> dict[str, DataFile]:
     """Every data file `.metadata` refers to, with its distinct items sorted by offset.
 
     Raises:
-        UnsafeMetadata: `metadata` is not plain DCP metadata (`what` names it).
+        UnsafeMetadata: `metadata` is not plain DCP metadata, or its decoding child hit
+            a limit (`what` names it).
+        DecoderUnavailable: the decoding child could not run (retry later).
     """
-    items: dict[str, set[Item]] = {}
-    transformed: set[str] = set()
-    for info in _load(metadata, what).storage_data.values():
-        items.setdefault(info.relative_path, set()).add((int(info.offset), int(info.length)))
-        if getattr(info, "transform_descriptors", None):
-            transformed.add(info.relative_path)
+    found = decode(metadata, what=what).files
     return {
-        path: DataFile(path, tuple(sorted(found)), path in transformed)
-        for path, found in items.items()
+        path: DataFile(path, items, transformed) for path, (items, transformed) in found.items()
     }
 
 
@@ -183,11 +177,6 @@ def compress_file(
     return spool, index
 
 
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 64 else text[:61] + "..."
-
-
 def rewrite_metadata(
     metadata: bytes, mappings: Mapping[str, FileIndex], *, what: str = ".metadata"
 ) -> bytes:
@@ -198,36 +187,13 @@ def rewrite_metadata(
     With no mappings the bytes come back unchanged (compression "none").
 
     Raises:
-        UnsafeMetadata: `metadata` is not plain DCP metadata.
+        UnsafeMetadata: `metadata` is not plain DCP metadata (or its decoder hit a limit).
+        DecoderUnavailable: the decoding child could not run (retry later).
         ValueError: an item of a mapped file is missing from its mapping, or already
             carries transforms.
     """
     if not mappings:
         return metadata
-    md = _load(metadata, what)
-    rewritten: dict[Any, Any] = {}
-    for key, info in md.storage_data.items():
-        mapping = mappings.get(info.relative_path)
-        if mapping is not None:
-            if getattr(info, "transform_descriptors", None):
-                raise ValueError(
-                    f"{info.relative_path}: item {_shown(key.fqn)} is already transformed "
-                    f"({_shown(info.transform_descriptors)}); upload such files verbatim"
-                )
-            try:
-                new_offset, new_length = mapping[int(info.offset)]
-            except KeyError:
-                raise ValueError(
-                    f"{info.relative_path}: no compressed frame for the item at offset "
-                    f"{info.offset} ({_shown(key.fqn)}); the file's index does not match this "
-                    ".metadata"
-                ) from None
-            info = dataclasses.replace(
-                info,
-                offset=new_offset,
-                length=new_length,
-                transform_descriptors=[ZSTD_DESCRIPTOR],
-            )
-        rewritten[key] = info
-    md.storage_data = rewritten
-    return dump_metadata(md)  # pickle.dump, as FileSystemWriter.finish does
+    rewritten = decode(metadata, what=what, mappings=mappings).rewritten
+    assert rewritten is not None
+    return rewritten  # pickled by the decoding child as FileSystemWriter.finish does

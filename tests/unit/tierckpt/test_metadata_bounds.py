@@ -22,8 +22,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tierckpt.dcp_metadata import dump_metadata, load_metadata
+from tierckpt.dcp_metadata import (
+    _CONTAINERS,
+    _FRESH,
+    CONTAINER_BYTES,
+    OBJECTS_PER_BYTE,
+    container_budget,
+    dump_metadata,
+    load_metadata,
+)
 from tierckpt.errors import InvalidArgument, UnsafeMetadata
+from tierckpt.pickle_scan import scan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -149,8 +158,9 @@ def test_malformed_or_unbounded_shapes_are_refused(payload: bytes, why: str) -> 
 
 def test_a_refused_value_is_shown_in_bounded_time_and_length() -> None:
     """The error names the bad value without its repr: a list of 100,000 references to
-    one 1,000-character string would be a 100 MB message (and a 2^30 tree hours)."""
-    big = ["x" * 1000] * 100_000
+    one 1,000-character string would be a 100 MB message (and a 2^30 tree hours). 50,000
+    references (800k objects expanded) stay within the object budget of the 400 kB file."""
+    big = ["x" * 1000] * 50_000
     md = Metadata(
         state_dict_metadata={},
         storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 8)},
@@ -233,3 +243,66 @@ def test_loads_run_side_by_side_without_a_process_wide_lock() -> None:
     import tierckpt.dcp_metadata as module
 
     assert not hasattr(module, "_LOCK")
+
+
+def list_bomb(n: int) -> bytes:
+    """n EMPTY_LIST opcodes inside one list: n bytes, n lists (the old decoder: 2 GiB
+    for 16M, then refused as "not a Metadata" after 45 s)."""
+    return b"\x80\x02(" + b"]" * n + b"l."
+
+
+_LIST_BOMB = textwrap.dedent(
+    """
+    import json, resource, sys
+    limit = 2560 << 20  # a decoder that holds 16M lists fails here, not the machine
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from tierckpt.dcp_metadata import load_metadata
+    from tierckpt.errors import UnsafeMetadata
+
+    raw = b"\\x80\\x02(" + b"]" * 16_000_000 + b"l."  # list_bomb(16M), without torch
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        load_metadata(raw, what="ns/lists/.metadata")
+        message = "LOADED"
+    except UnsafeMetadata as e:
+        message = str(e)
+    except MemoryError:
+        message = "MemoryError"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps({"message": message, "grown_kib": grown, "torch": "torch" in sys.modules}))
+    """
+)
+
+
+def test_a_memory_bomb_of_empty_lists_is_refused_with_bounded_memory() -> None:
+    """16 MB of EMPTY_LIST opcodes: the scan stops at the container budget (one per
+    `CONTAINER_BYTES` bytes), so the decoding process grows by about 0.5 GiB (the scan's
+    records), not the 2 GiB of 16M lists, and torch is never imported for it."""
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run(
+        [sys.executable, "-c", _LIST_BOMB],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    message = report["message"]
+    assert message.startswith("ns/lists/.metadata: refused"), message
+    assert f"builds more than {container_budget(16_000_005)} containers" in message, message
+    assert report["grown_kib"] < 640 * 1024, report
+    assert not report["torch"]
+
+
+def test_the_bounds_leave_real_metadata_room_and_it_decodes_as_torch_does() -> None:
+    """The 2,000 tensors x 64 chunks `.metadata` (17.9 MB, 128k items): its logical
+    objects and containers per byte are well inside the per-byte bounds (measured:
+    0.27 and 0.108, bounds 2 and 0.25), and it decodes exactly as pickle.loads does."""
+    raw = dump_metadata(_large_metadata(2000, 64))
+    assert len(raw) > 17_000_000
+    found = scan(raw, budget=1 << 40, fresh=_FRESH, containers=_CONTAINERS)
+    assert found.objects / len(raw) < OBJECTS_PER_BYTE / 4
+    assert found.containers / len(raw) < 0.5 / CONTAINER_BYTES
+    assert load_metadata(raw) == pickle.loads(raw)
