@@ -318,8 +318,9 @@ class CatalogState:
     def _unbound(self, namespace: str) -> CheckpointNotFound | None:
         """Why a namespace has no newest when its peers agreed on no writer of it (a node
         with no binding of its own: `set_cluster_writers`), naming the candidates."""
-        if self._proven_writers(namespace) or self._cluster_writers.get(namespace, True):
-            return None  # a binding of its own, or the peers agreed on writers
+        agreed = self._cluster_writers.get(namespace)
+        if self._proven_writers(namespace) or agreed is None or agreed:
+            return None  # a binding of its own, never asked, or the peers agreed on writers
         candidates = sorted(
             (r for r in self._records.values() if r.namespace == namespace),
             key=lambda r: r.order,

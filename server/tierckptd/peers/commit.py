@@ -322,17 +322,17 @@ class Committer:
         listed = {rec.namespace for got in pulled.values() for rec in got.records}
         for namespace in sorted((listed | set(stated)) - bound):
             said = stated.get(namespace, {})
-            writers = quorum(said)
-            if not self.catalog.set_cluster_writers(namespace, writers, said):
+            agreed = quorum(said)
+            if not self.catalog.set_cluster_writers(namespace, agreed, said):
                 continue
-            if writers:
+            if agreed:
                 logger.info(
                     "%s: this node took no part in it; its writers per %d of %d peers "
                     "stating one: %s",
                     namespace,
-                    sum(1 for w in said.values() if w & writers),
+                    sum(1 for w in said.values() if w & agreed),
                     len(said),
-                    ", ".join(sorted(writers)),
+                    ", ".join(sorted(agreed)),
                 )
             else:
                 logger.warning(

@@ -3,7 +3,8 @@
 The in-process decoder (`tierckpt.dcp_metadata`, with its opcode pre-scan) bounds work
 and memory per byte, but its bounds scale with the file (up to 256 MiB) and a bug or a
 shape the scan misjudges would cost the daemon itself: its memory, or the GIL its RPC
-threads need (audit 3, H1). So the daemon never decodes a `.metadata`: `decode` starts
+threads need (audit 3, H1). So the daemon decodes a `.metadata` larger than
+`IN_PROCESS_BYTES` (1 MiB) only in a child: `decode` starts
 `tierckptd.persistent.decode_child` in a fresh interpreter (``sys.executable -m``, never
 a fork of the threaded daemon) with
 
@@ -39,6 +40,8 @@ import grpc
 from tierckpt.dcp_metadata import MAX_METADATA_BYTES
 from tierckpt.errors import TierckptError, UnsafeMetadata
 
+from tierckptd.persistent.decode_child import decode_body
+
 __all__ = [
     "BASE_CPU_S",
     "BASE_MEMORY",
@@ -46,6 +49,7 @@ __all__ = [
     "MAX_CHILDREN",
     "MEMORY_PER_BYTE",
     "Decoded",
+    "IN_PROCESS_BYTES",
     "DecoderUnavailable",
     "Limits",
     "decode",
@@ -66,6 +70,12 @@ BASE_CPU_S = 30
 
 CPU_S_PER_MIB = 1.0
 """CPU seconds per MiB of `.metadata` (the 17.9 MB file decodes in about 10 s here)."""
+
+IN_PROCESS_BYTES = 1 << 20
+"""A `.metadata` up to this size is decoded in the daemon itself: the decoder's own bounds
+(`tierckpt.dcp_metadata`: objects and containers per byte, depth) keep a hostile one of
+1 MiB to tens of MiB and a fraction of a second, while a child would cost an interpreter
+and a torch import (about 5 s of CPU) per drain. Larger files go to the limited child."""
 
 WALL_FACTOR = 4
 MAX_CHILDREN = 2
@@ -145,17 +155,20 @@ def decode(
                 _cache.move_to_end(key)
                 return found
     limits = limits or Limits.for_size(size)
-    header = json.dumps(
-        {
-            "what": what,
-            "mappings": None
-            if mappings is None
-            else {path: [[o, n, ln] for o, (n, ln) in m.items()] for path, m in mappings.items()},
-        }
-    ).encode()
-    request = len(header).to_bytes(8, "little") + header + metadata
-    with _LIMITER:
-        out, err, rc = _run(request, limits, what)
+    wire = (
+        None
+        if mappings is None
+        else {path: [[o, n, ln] for o, (n, ln) in m.items()] for path, m in mappings.items()}
+    )
+    if size <= IN_PROCESS_BYTES:
+        # Small enough that the in-process bounds are small too: no child, no torch import.
+        body, rewritten = decode_body(metadata, what, wire)
+        out, err, rc = json.dumps(body).encode() + b"\n" + rewritten, b"", 0
+    else:
+        header = json.dumps({"what": what, "mappings": wire}).encode()
+        request = len(header).to_bytes(8, "little") + header + metadata
+        with _LIMITER:
+            out, err, rc = _run(request, limits, what)
     decoded = _parse(out, err, rc, what, size, limits, mappings is not None)
     if mappings is None:
         with _cache_lock:

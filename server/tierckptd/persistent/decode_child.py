@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # before anything is decoded
     out = sys.stdout.buffer
     try:
-        body, rewritten = _decode(raw, header["what"], header.get("mappings"))
+        body, rewritten = decode_body(raw, header["what"], header.get("mappings"))
     except MemoryError:
         body, rewritten = {"error": {"kind": "memory", "message": ""}}, b""
     out.write(json.dumps(body).encode() + b"\n")
@@ -86,9 +86,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _decode(
+def decode_body(
     raw: bytes, what: str, mappings: dict[str, list[list[int]]] | None
 ) -> tuple[dict[str, object], bytes]:
+    """The decode itself (in the child, or in the daemon for a small file): a JSON-able
+    body of rows or an error, and the rewritten `.metadata` bytes when `mappings` is given."""
     from tierckpt.dcp_metadata import OUT_OF_MEMORY, dump_metadata, load_metadata
     from tierckpt.errors import UnsafeMetadata
 
