@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient
 
+PAGE = os.sysconf("SC_PAGE_SIZE")  # the daemon's budget charges tmpfs pages, as tmpfs does
+
 __all__ = ["NodeSample", "ProcFigures", "fit_slope", "proc_figures", "sample_node"]
 
 KiB = 1024
@@ -66,6 +68,7 @@ class NodeSample:
     pool: int
     prewarm_pending: int
     held: int  # bytes of the files the daemon says it holds (its own view)
+    charged: int  # what the budget charges for them: whole pages, a page per checkpoint dir
     on_disk: int  # bytes of the checkpoint files under memory.dir/data/<ns>
     in_memory: list[str]  # checkpoints with a copy of some file on some node
     persistent_only: list[str]
@@ -111,13 +114,15 @@ def sample_node(
     sample would itself open and close a socket on the daemon)."""
     status = client.status()
     rows = client.list_checkpoints(namespace)
-    held = 0
+    held = charged = 0
     in_memory, persistent_only = [], []
     manifests_dir = memory_dir / "manifests" / namespace
     for info in rows:
         if _holders(info):
             in_memory.append(info.checkpoint_id)
-            held += sum(f.size for f in info.files if f.local_path)
+            sizes = [f.size for f in info.files if f.local_path]
+            held += sum(sizes)
+            charged += sum(-(-n // PAGE) * PAGE for n in sizes) + (PAGE if sizes else 0)
         else:
             persistent_only.append(info.checkpoint_id)
     data = memory_dir / "data" / namespace
@@ -136,6 +141,7 @@ def sample_node(
         pool=status.pool_bytes,
         prewarm_pending=status.prewarm_pending_bytes,
         held=held,
+        charged=charged,
         on_disk=on_disk,
         in_memory=sorted(in_memory),
         persistent_only=sorted(persistent_only),

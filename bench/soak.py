@@ -60,9 +60,8 @@ COUNT_SLOPE_MAX = 0.5
 JUDGED_SAVES = 200  # fewer saves: the RSS slope is warm-up noise (--quick)
 LAZY_THREADS = 8  # workers the RPC pools may still start during a --quick run
 LAZY_FDS = 2  # S3 keep-alive connections open or not at a --quick sample
-COORDINATOR = "node0"  # rank 0 saves there: it owns `.metadata` and commits
 RELIST_INTERVAL = 2.0  # s: how stale a node's view of S3 may be (a sample waits for it)
-MANIFEST_CHARGE_MAX = 4096  # bytes of one published manifest of this small a checkpoint
+MANIFEST_CHARGE_MAX = 8192  # the pages one manifest of this small a checkpoint is charged
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -208,15 +207,14 @@ class Soak:
                 out.append(f"{s.node} has incoming/temp files: {s.stray[:5]}")
             if s.moved:
                 out.append(f"{s.node}'s used/reserved bytes changed while it was sampled")
-            # C = held files + the manifests of checkpoints another node coordinates
-            # (charged at publish; rewritten manifests drift by a few hundred bytes). A
+            # C = held files in whole pages (a page per checkpoint dir) + the manifest of
+            # every listed checkpoint, the node's own too, in whole pages (audit 3 M6). A
             # node may over-count one checkpoint for a few seconds around the eviction of
             # a durable one (its next sample is exact): past --settle it is a leak.
-            foreign = len(listed) if s.node != COORDINATOR else 0
-            if not 0 <= s.used - s.held <= foreign * MANIFEST_CHARGE_MAX:
+            if not 0 <= s.used - s.charged <= len(listed) * MANIFEST_CHARGE_MAX:
                 out.append(
-                    f"{s.node} used {s.used} = held {s.held} + {s.used - s.held}, more than "
-                    f"{foreign} peer manifests can be"
+                    f"{s.node} used {s.used} = held {s.charged} (pages) + "
+                    f"{s.used - s.charged}, more than {len(listed)} manifests can be"
                 )
             for info in listed:
                 due = a.persistent_every > 0 and info.sequence % a.persistent_every == 0
