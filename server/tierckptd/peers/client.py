@@ -272,6 +272,7 @@ class PeerClient:
         nodes: Iterable[str] | None = None,
         on_error: Callable[[str, PeerCallError], None] | None = None,
         parallel: bool = False,
+        backed_off: bool = False,
     ) -> dict[str, T]:
         """`fn(node)` for every peer (or `nodes`), one after another (`parallel`: up to
         FANOUT_THREADS at a time; `fn` must then be thread-safe): the results of the
@@ -279,11 +280,13 @@ class PeerClient:
         (default: logged at DEBUG), in this thread.
 
         A peer that did not answer its last call is not called while it backs off
-        (`breaker`): it fails at once, UNAVAILABLE, and is probed in the background."""
+        (`breaker`): it fails at once, UNAVAILABLE, and is probed in the background;
+        `backed_off` calls it all the same (a caller that cannot do without it)."""
         skipped: list[str] = []
         targets: list[str] = []
         for node in self.peer_ids if nodes is None else nodes:
             skip, probe = self.breaker.skip(node)
+            skip = skip and not backed_off
             (skipped if skip else targets).append(node)
             if probe:
                 self._fanout_pool().submit(self.probe, node)

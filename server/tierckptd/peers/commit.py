@@ -92,8 +92,11 @@ def quorum(stated: dict[str, frozenset[str]]) -> set[str]:
     """The writers of a namespace its peers agree on (audit 3 H2), from what each peer
     states as its own binding (node -> the coordinators it has PROVEN; peers stating
     none do not vote): a writer named by more than half of the stating peers, each
-    counted once, and by at least one peer other than itself (a node never vouches for
-    itself alone). Empty when no writer has such a majority."""
+    counted once, and by at least one peer other than itself, unless it is the only peer
+    stating any writer (a job coordinated by one node: a replacement of its other node
+    must still find the newest; a second stating peer that disagrees, a hostile one
+    included, leaves no majority, so no newest rather than a chosen one). Empty when no
+    writer has such a majority."""
     need = len(stated) // 2 + 1
     votes: dict[str, int] = {}
     others: dict[str, int] = {}
@@ -102,7 +105,8 @@ def quorum(stated: dict[str, frozenset[str]]) -> set[str]:
             votes[writer] = votes.get(writer, 0) + 1
             if writer != node:
                 others[writer] = others.get(writer, 0) + 1
-    return {w for w, n in votes.items() if n >= need and others.get(w, 0) >= 1}
+    alone = len(stated) == 1
+    return {w for w, n in votes.items() if n >= need and (alone or others.get(w, 0) >= 1)}
 
 
 def _content(rec: CheckpointRecord) -> dict[str, tuple[int, object]]:
@@ -174,14 +178,29 @@ class Committer:
             hinted = [n for n in dict.fromkeys(holders) if n in peers]
             nodes = [*hinted, *(n for n in peers if n not in hinted)]
             asked = len(nodes)
-            held = self.client.each(
-                lambda node: self.client.holdings(node, namespace, checkpoint_id),
-                nodes=nodes,
-                on_error=unanswered,
-                parallel=True,
-            )
+
+            def holdings(node: str) -> Holdings:
+                return self.client.holdings(node, namespace, checkpoint_id)
+
+            held = self.client.each(holdings, nodes=nodes, on_error=unanswered, parallel=True)
             ordered = {node: held[node] for node in nodes if node in held}
             remote.update(claims(namespace, checkpoint_id, ordered, missing))
+            unasked = [n for n in nodes if n not in held]
+            if missing - remote.keys() and unasked:
+                # A file is still missing: ask the peers the first round skipped or lost
+                # too (one backing off after a restart may hold it), rather than fail
+                # the save; this costs a deadline only when the commit would fail anyway.
+                held.update(
+                    self.client.each(
+                        holdings,
+                        nodes=unasked,
+                        on_error=unanswered,
+                        parallel=True,
+                        backed_off=True,
+                    )
+                )
+                ordered = {node: held[node] for node in nodes if node in held}
+                remote = dict(claims(namespace, checkpoint_id, ordered, missing))
             logger.info(
                 "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
                 namespace,

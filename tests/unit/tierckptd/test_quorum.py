@@ -14,9 +14,12 @@ def test_the_honest_binding_wins_two_to_one() -> None:
     assert quorum(_s(a="a", b="a", m="m")) == {"a"}
 
 
-def test_a_lone_member_never_wins_by_vouching_for_itself() -> None:
-    assert quorum(_s(m="m")) == set()
+def test_a_member_never_wins_by_vouching_for_itself_against_another() -> None:
+    # The only peer stating any writer is taken (a job one node coordinates: its
+    # replacement partner must find the newest); the README names that limit.
+    assert quorum(_s(m="m")) == {"m"}
     assert quorum(_s(a="a", m="m")) == set()  # no majority: no writer
+    assert quorum(_s(a="a", b="a", m="m")) == {"a"}
     assert quorum(_s(a="a,m", b="a", m="a,m")) == {"a", "m"}  # m named by a, not alone
 
 
