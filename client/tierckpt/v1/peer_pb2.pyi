@@ -415,7 +415,12 @@ class NamespaceWriters(_message.Message):
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    VOUCHED_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
+    vouched: _builtins.bool
+    """True: the answering node proved no writer of it and states the coordinators of the
+    copies it holds (a weaker vote, counted only where no node states proven writers).
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -423,10 +428,11 @@ class NamespaceWriters(_message.Message):
         *,
         namespace: _builtins.str = ...,
         nodes: _abc.Iterable[_builtins.str] | None = ...,
+        vouched: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "nodes", b"nodes", "vouched", b"vouched"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

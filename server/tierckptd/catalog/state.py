@@ -232,6 +232,21 @@ class CatalogState:
         with self._lock:
             return self._proven_writers(namespace)
 
+    def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
+        """What this node states to peers as a namespace's writers, and whether the
+        statement is only vouched: its PROVEN writers where it has any (False), else the
+        ones it uses itself (True: what its peers agreed on, or the coordinators of the
+        copies it holds). A node that only holds a job's replicas thus still vouches for
+        its coordinator, so the replacement of that job's only writer finds the newest;
+        a vouched statement counts only where no peer states proven writers."""
+        with self._lock:
+            proven = self._proven_writers(namespace)
+            return {
+                ns: (proven[ns], False) if ns in proven else (nodes, True)
+                for ns, nodes in self._writers_by_namespace(namespace).items()
+                if nodes
+            }
+
     def set_cluster_writers(
         self, namespace: str, writers: set[str], stated: dict[str, frozenset[str]]
     ) -> bool:

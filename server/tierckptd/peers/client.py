@@ -131,6 +131,8 @@ class Manifests:
     # The peer's own binding per namespace (the coordinators it has PROVEN): its vote on
     # a namespace's writers for a node with no binding of its own (`commit.quorum`).
     writers: dict[str, frozenset[str]] = field(default_factory=dict)
+    # The namespaces of `writers` the peer only vouches for (it proved no writer of them).
+    vouched: frozenset[str] = frozenset()
 
 
 # A peer's stated binding (`Manifests.writers`): namespaces read from one answer, and
@@ -158,6 +160,12 @@ def _writers_from_wire(
             continue
         writers[namespace] = writers.get(namespace, frozenset()) | nodes
     return writers
+
+
+def _vouched_from_wire(wire: Sequence[peer_pb2.NamespaceWriters]) -> frozenset[str]:
+    """The namespaces a peer's statement only vouches for (read with `_writers_from_wire`,
+    which validates them)."""
+    return frozenset(e.namespace for e in wire[:MAX_BINDINGS] if e.vouched)
 
 
 def _error(node: str, method: str, e: grpc.RpcError) -> PeerCallError:
@@ -430,7 +438,9 @@ class PeerClient:
                 continue
             if info.state == common_pb2.LOST:
                 lost.append(records[-1].key)
-        return Manifests(records, refused, lost, _writers_from_wire(resp.writers, refused))
+        writers = _writers_from_wire(resp.writers, refused)
+        vouched = _vouched_from_wire(resp.writers) & writers.keys()
+        return Manifests(records, refused, lost, writers, frozenset(vouched))
 
     def namespace_owner(self, node: str, namespace: str) -> tuple[int, str] | None:
         """Who owns `namespace` per `node` (uid isolation): the owner it recorded, else

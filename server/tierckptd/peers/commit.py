@@ -334,10 +334,14 @@ class Committer:
         publish that came in meanwhile does not count). Returns what each peer stated,
         by namespace."""
         stated: dict[str, dict[str, frozenset[str]]] = {}
+        weak: dict[str, dict[str, frozenset[str]]] = {}
         for node, got in pulled.items():
             for namespace, writers in got.writers.items():
                 if writers:
-                    stated.setdefault(namespace, {})[node] = writers
+                    into = weak if namespace in got.vouched else stated
+                    into.setdefault(namespace, {})[node] = writers
+        for namespace, said in weak.items():  # vouched votes count where none is proven
+            stated.setdefault(namespace, said)
         listed = {rec.namespace for got in pulled.values() for rec in got.records}
         for namespace in sorted((listed | set(stated)) - bound):
             said = stated.get(namespace, {})

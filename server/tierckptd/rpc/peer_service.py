@@ -426,8 +426,8 @@ class PeerService:
                 namespace_owner_uid=owner[0] if owner is not None else None,
                 namespace_owner_node=owner[1] if owner is not None else "",
                 writers=[
-                    peer_pb2.NamespaceWriters(namespace=ns, nodes=sorted(nodes))
-                    for ns, nodes in sorted(self.catalog.proven_writers(namespace).items())
+                    peer_pb2.NamespaceWriters(namespace=ns, nodes=sorted(nodes), vouched=weak)
+                    for ns, (nodes, weak) in sorted(self.catalog.stated_writers(namespace).items())
                 ],
             )
 
