@@ -310,22 +310,12 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any, cap: int) -> Sc
                 raise _malformed("SETITEM or APPEND with too few items", pos)
             del stack[-n:]
             _grow(_target(stack, _CONTAINER, "adding items"), items)
-        elif op in _BYTES:  # SHORT_BINSTRING, BINSTRING, (SHORT_)BINBYTES(8), BYTEARRAY8
-            width = _BYTES[op]
+        elif op in _SIZED:  # a length-prefixed literal: a string, bytes or LONG1/4 int
+            width = _SIZED[op]
             n = frombytes(data[pos : pos + width], "little")
             pos += width + n
             if pos > size:
                 raise _malformed("a literal past the end of the data", pos)
-            push((1 + n // unit, _ATOM, 0, None))
-            heavy += n // unit
-            if heavy > heavy_budget:
-                raise _over(budget)
-        elif op == 0x8A or op == 0x8B:  # LONG1, LONG4
-            width = 1 if op == 0x8A else 4
-            n = frombytes(data[pos : pos + width], "little")
-            pos += width + n
-            if pos > size:
-                raise _malformed("an int past the end of the data", pos)
             push((1 + n // unit, _ATOM, 0, None))
             heavy += n // unit
             if heavy > heavy_budget:
@@ -423,7 +413,9 @@ def _scan(data: bytes, budget: int, fresh: Any, containers: Any, cap: int) -> Sc
             raise _malformed(f"an unknown opcode 0x{op:02x}", pos - 1)
 
 
-_BYTES = {0x55: 1, 0x54: 4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8}
+# Length-prefixed literals and the width of their length: SHORT_BINSTRING, BINSTRING,
+# SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8, LONG1, LONG4.
+_SIZED = {0x55: 1, 0x54: 4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8, 0x8A: 1, 0x8B: 4}
 _REFUSED_OPS = {
     0x50: "PERSID opcode (a persistent id)",
     0x51: "BINPERSID opcode (a persistent id)",
