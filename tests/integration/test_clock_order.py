@@ -111,21 +111,22 @@ def _metric(url: str, sample: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def config(me: str, port: int, other: str, other_port: int) -> dict[str, object]:
+    """One of two peered daemons (one extra copy, no background heal rounds)."""
+    return {
+        "node": {"id": me, "failure_domain": f"rack-{me}"},
+        "listen": {"peer": f"127.0.0.1:{port}"},
+        "memory": {"budget": "64MiB"},
+        "replication": {"copies": 1, "heal_interval": 3600.0},
+        "peers": [{"id": other, "address": f"127.0.0.1:{other_port}", "failure_domain": "r"}],
+    }
+
+
 @pytest.mark.timeout(150)
 def test_a_node_ten_minutes_ahead_still_replicates_and_its_skew_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stack: ExitStack
 ) -> None:
     port_a, port_b, metrics_a = free_ports(3)
-    peer = {"copies": 1, "heal_interval": 3600.0}
-
-    def config(me: str, port: int, other: str, other_port: int) -> dict[str, object]:
-        return {
-            "node": {"id": me, "failure_domain": f"rack-{me}"},
-            "listen": {"peer": f"127.0.0.1:{port}"},
-            "memory": {"budget": "64MiB"},
-            "replication": peer,
-            "peers": [{"id": other, "address": f"127.0.0.1:{other_port}", "failure_domain": "r"}],
-        }
 
     a_config = config("a", port_a, "b", port_b)
     a_config["metrics"] = {"listen": f"127.0.0.1:{metrics_a}"}
@@ -186,16 +187,6 @@ def test_rm_on_a_node_ten_minutes_ahead_reaches_its_peer_and_a_resave_is_kept(
     that re-applies the journal and learns the mark again (its clock corrected by then:
     the helper's offset is set only while the daemon runs)."""
     port_a, port_b = free_ports(2)
-    peer = {"copies": 1, "heal_interval": 3600.0}
-
-    def config(me: str, port: int, other: str, other_port: int) -> dict[str, object]:
-        return {
-            "node": {"id": me, "failure_domain": f"rack-{me}"},
-            "listen": {"peer": f"127.0.0.1:{port}"},
-            "memory": {"budget": "64MiB"},
-            "replication": peer,
-            "peers": [{"id": other, "address": f"127.0.0.1:{other_port}", "failure_domain": "r"}],
-        }
 
     offset_a, offset_b = tmp_path / "offset-a", tmp_path / "offset-b"
     _skewable(monkeypatch, offset_a)
