@@ -13,13 +13,11 @@ rm on its coordinator still removes it everywhere, saying what the peers did (L5
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -31,6 +29,7 @@ from tierckptd.peers.security import node_client_interceptor
 from tests.support.cli import cli, cli_json
 from tests.support.cluster import local_cluster
 from tests.support.daemon_process import DaemonProcess
+from tests.support.fake_peer import FakePeer, code_of
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, raw_save
 
@@ -38,46 +37,6 @@ pytestmark = pytest.mark.integration
 
 CODE = grpc.StatusCode
 WAIT = 60.0
-
-
-@dataclass
-class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
-    """A configured peer: `marks` is what its ListManifests answers carry (`stated`:
-    only in an answer for one namespace, the call a node confirms a relayed mark with);
-    `asked` counts its ListManifests calls by namespace."""
-
-    marks: list[peer_pb2.CheckpointMark] = field(default_factory=list)
-    stated: list[peer_pb2.CheckpointMark] = field(default_factory=list)
-    asked: dict[str, int] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def ListManifests(self, request: Any, context: Any) -> Any:
-        with self.lock:
-            self.asked[request.namespace] = self.asked.get(request.namespace, 0) + 1
-            marks = list(self.marks) + (list(self.stated) if request.namespace else [])
-        return peer_pb2.ListManifestsResponse(marks=marks)
-
-    def Holdings(self, request: common_pb2.CheckpointRef, context: Any) -> Any:
-        return peer_pb2.HoldingsResponse()
-
-    def PublishCheckpoint(self, request: Any, context: Any) -> Any:
-        return peer_pb2.PublishCheckpointResponse()
-
-    def UpdateReplicas(self, request: Any, context: Any) -> Any:
-        return peer_pb2.UpdateReplicasResponse()
-
-    def ApplyMark(self, request: Any, context: Any) -> Any:
-        return peer_pb2.ApplyMarkResponse()
-
-    def PushFile(self, request_iterator: Any, context: Any) -> Any:
-        context.abort(CODE.FAILED_PRECONDITION, "this fake keeps no copies")
-
-    def FetchFile(self, request: Any, context: Any) -> Any:
-        context.abort(CODE.NOT_FOUND, "this fake keeps no copies")
-
-    def times_asked(self, namespace: str = "") -> int:
-        with self.lock:
-            return self.asked.get(namespace, 0)
 
 
 @dataclass
@@ -135,14 +94,6 @@ def _mark(ns: str, cid: str, kind: int, origin: str) -> peer_pb2.CheckpointMark:
     )
 
 
-def _code(call: Callable[[], Any]) -> grpc.StatusCode:
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()
-    return CODE.OK
-
-
 def _save(v: Victim, ns: str, cid: str) -> None:
     raw_save(v.client, ns, cid, {".metadata": b"meta-" + cid.encode(), "__0_0.distcp": b"x" * 999})
 
@@ -176,10 +127,10 @@ def test_a_peer_cannot_delete_or_pin_what_it_neither_holds_nor_coordinates(
     for cid in ("step-1", "step-2"):
         for kind in (peer_pb2.MARK_DELETED, peer_pb2.MARK_PINNED, peer_pb2.MARK_UNPINNED):
             mark = _mark(ns, cid, kind, "mallory")
-            code = _code(lambda m=mark: mallory.ApplyMark(m, timeout=30))
+            code = code_of(lambda m=mark: mallory.ApplyMark(m, timeout=30))
             assert code == CODE.PERMISSION_DENIED, (cid, kind, code)
     # A delete of an id not saved yet: nothing to mark, and it blocks no later save.
-    code = _code(
+    code = code_of(
         lambda: mallory.ApplyMark(_mark(ns, "step-3", peer_pb2.MARK_DELETED, "mallory"), timeout=30)
     )
     assert code == CODE.NOT_FOUND, code

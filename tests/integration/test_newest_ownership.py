@@ -21,8 +21,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -37,39 +36,13 @@ from tierckptd.peers.chunk_wire import PeerStub
 from tierckptd.peers.security import node_client_interceptor
 
 from tests.support.daemon_process import DaemonProcess
+from tests.support.fake_peer import FakePeer, code_of
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, raw_save, write_files
 
 pytestmark = pytest.mark.integration
 
 CODE = grpc.StatusCode
-
-
-@dataclass
-class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
-    """A configured peer that accepts everything; `holdings` are its answers by id."""
-
-    holdings: dict[str, list[common_pb2.FileEntry]] = field(default_factory=dict)
-
-    def Holdings(self, request: common_pb2.CheckpointRef, context: Any) -> Any:
-        files = self.holdings.get(request.checkpoint_id, [])
-        state = common_pb2.WRITING if files else common_pb2.CHECKPOINT_STATE_UNSPECIFIED
-        return peer_pb2.HoldingsResponse(state=state, files=files)
-
-    def PublishCheckpoint(self, request: common_pb2.CheckpointInfo, context: Any) -> Any:
-        return peer_pb2.PublishCheckpointResponse()
-
-    def PushFile(self, request_iterator: Iterator[Any], context: Any) -> Any:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this fake keeps no copies")
-
-    def UpdateReplicas(self, request: Any, context: Any) -> Any:
-        return peer_pb2.UpdateReplicasResponse()
-
-    def ListManifests(self, request: Any, context: Any) -> Any:
-        return peer_pb2.ListManifestsResponse()
-
-    def FetchFile(self, request: Any, context: Any) -> Any:
-        context.abort(grpc.StatusCode.NOT_FOUND, "this fake keeps no copies")
 
 
 @dataclass
@@ -128,14 +101,6 @@ def forged(ns: str, cid: str, *, committed: float, sequence: int) -> common_pb2.
             file_entry("__0_0.distcp", b"w=666" * 100, "mallory"),
         ],
     )
-
-
-def code_of(call: Any) -> grpc.StatusCode:
-    try:
-        call()
-    except grpc.RpcError as e:
-        return e.code()  # type: ignore[no-any-return]
-    return CODE.OK
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from tierckptd.peers.security import node_client_interceptor, peer_channel_facto
 
 from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess
+from tests.support.fake_peer import FakePeer, code_of
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, write_files
 
@@ -46,36 +47,6 @@ CODE = grpc.StatusCode
 
 
 # ---- the victim's two configured peers ---------------------------------------------------
-
-
-@dataclass
-class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
-    """A configured peer that accepts everything; `holdings` are its answers by id."""
-
-    holdings: dict[str, list[common_pb2.FileEntry]] = field(default_factory=dict)
-    published: list[common_pb2.CheckpointInfo] = field(default_factory=list)
-
-    def Holdings(self, request: common_pb2.CheckpointRef, context: Any) -> Any:
-        files = self.holdings.get(request.checkpoint_id, [])
-        state = common_pb2.WRITING if files else common_pb2.CHECKPOINT_STATE_UNSPECIFIED
-        return peer_pb2.HoldingsResponse(state=state, files=files)
-
-    def PublishCheckpoint(self, request: common_pb2.CheckpointInfo, context: Any) -> Any:
-        self.published.append(request)
-        return peer_pb2.PublishCheckpointResponse()
-
-    def PushFile(self, request_iterator: Iterator[Any], context: Any) -> Any:
-        # Takes no copies: the victim never lists a fake peer as a holder.
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this fake keeps no copies")
-
-    def UpdateReplicas(self, request: Any, context: Any) -> Any:
-        return peer_pb2.UpdateReplicasResponse()
-
-    def ListManifests(self, request: Any, context: Any) -> Any:
-        return peer_pb2.ListManifestsResponse()
-
-    def FetchFile(self, request: Any, context: Any) -> Any:
-        context.abort(grpc.StatusCode.NOT_FOUND, "this fake keeps no copies")
 
 
 @dataclass
@@ -165,16 +136,6 @@ def manifest(
         files=files if files is not None else [file_entry(".metadata", b"fake-meta", owner)],
         pinned=True,
     )
-
-
-def code_of(call: Callable[[], Any]) -> grpc.StatusCode:
-    try:
-        result = call()
-        if isinstance(result, Iterator):
-            list(result)
-    except grpc.RpcError as e:
-        return e.code()
-    return CODE.OK
 
 
 def publish(v: Victim, info: common_pb2.CheckpointInfo, node: str = "mallory") -> grpc.StatusCode:
