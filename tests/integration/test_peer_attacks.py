@@ -207,6 +207,9 @@ def test_traversal_names_write_and_delete_nothing_outside_the_memory_dir(
 # ---- H3: what a peer says cannot destroy or poison state ---------------------------------
 
 
+FAKES = ("fake-1", "fake-2", "fake-3")
+
+
 def test_far_future_manifests_do_not_evict_real_checkpoints(victim: Victim) -> None:
     ns = "jobR"
     save(victim, ns, "step-1")
@@ -217,16 +220,22 @@ def test_far_future_manifests_do_not_evict_real_checkpoints(victim: Victim) -> N
     # it arrived, never the newest of a namespace its coordinator does not write (audit 3,
     # H2), and only ever competes with its own coordinator's checkpoints for
     # memory_keep_last.
-    for i in (1, 2, 3):
-        assert publish(victim, manifest(ns, f"fake-{i}", committed=4e9, sequence=10**9)) == CODE.OK
+    for cid in FAKES:
+        assert publish(victim, manifest(ns, cid, committed=4e9, sequence=10**9)) == CODE.OK
     assert victim.client.get_checkpoint(ns).checkpoint_id == "step-2"
-    assert set(ids(victim, ns)) == {"step-1", "step-2", "fake-2", "fake-3"}
+    # The fakes compete only with each other (mallory coordinates them): fake-1 leaves the
+    # window, unless the healer found it LOST first (the fake peer holds no copy), and a
+    # LOST checkpoint waits until `memory_keep_last` complete ones are newer; either is
+    # right, the healer's timing picks.
+    listed = set(ids(victim, ns))
+    assert {"step-1", "step-2", "fake-2", "fake-3"} <= listed <= {"step-1", "step-2", *FAKES}
     assert victim.client.get_checkpoint(ns, "fake-3").committed_unix <= time.time() + 1
     assert all(p.is_dir() and any(p.iterdir()) for p in real.values())
     assert not victim.client.get_checkpoint(ns, "fake-3").pinned  # a peer cannot pin here
     save(victim, ns, "step-3")
     assert victim.client.get_checkpoint(ns).checkpoint_id == "step-3"
-    assert set(ids(victim, ns)) == {"step-2", "step-3", "fake-2", "fake-3"}
+    listed = set(ids(victim, ns))
+    assert {"step-2", "step-3", "fake-2", "fake-3"} <= listed <= {"step-2", "step-3", *FAKES}
 
 
 def test_a_publish_never_loses_a_save(victim: Victim) -> None:
