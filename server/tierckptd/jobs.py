@@ -42,6 +42,7 @@ __all__ = [
     "JobQueue",
     "Repair",
     "StepAside",
+    "TellLanded",
     "backoff",
 ]
 
@@ -78,7 +79,7 @@ class Repair:
 
 
 @dataclass(frozen=True)
-class Landed:
+class TellLanded:
     """Tell the peers this node's replica list of a file a copy of which landed here."""
 
     namespace: str

@@ -55,17 +55,17 @@ from tierckptd.ops.systemd import sd_notify
 from tierckptd.peers import security as auth
 from tierckptd.peers.client import PeerClient
 from tierckptd.peers.cluster import Cluster
-from tierckptd.peers.member_sources import Discoverer, discoverer_for
 from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
+from tierckptd.peers.peer_discovery import Discoverer, discoverer_for
 from tierckptd.peers.source import peer_sources
-from tierckptd.persistent.discovery import Discovery
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
+from tierckptd.persistent.listing import Discovery
 from tierckptd.persistent.retention import remove_checkpoint
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.startup import start_in_background as start_persistent
 from tierckptd.persistent.store import RetryPolicy
-from tierckptd.persistent.stores import Stores
 from tierckptd.restore import FileSource, Restorer
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
@@ -238,7 +238,7 @@ class Daemon:
             discovery: Discovery | None = None
             discovers = bool(cfg.membership.dns or cfg.membership.hostfile)
             # Short retries per operation: the drainer reschedules the whole job.
-            stores = Stores.from_config(
+            stores = Roots.from_config(
                 cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
             )
 

@@ -224,7 +224,7 @@ def record_from_info(
         # The coordinator's durable hint: this node drains its own files of it too.
         durable_requested=info.durable_requested,
         # Syntax here; whether this node may drain there is the drain's check
-        # (`tierckptd.persistent.stores`), against its own `[persistent] allowed_urls`.
+        # (`tierckptd.persistent.roots`), against its own `[persistent] allowed_urls`.
         persistent_url=check_persistent_url(info.persistent_url),
     )
     if info.HasField("owner_uid"):  # the namespace's owner where it was saved (isolation)

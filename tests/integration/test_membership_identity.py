@@ -231,7 +231,7 @@ class Answers:
 
 
 def _discoverer(tmp_path: Path, answers: Answers, lines: list[str]) -> Any:
-    from tierckptd.peers.member_sources import Discoverer
+    from tierckptd.peers.peer_discovery import Discoverer
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("\n".join(lines) + "\n")

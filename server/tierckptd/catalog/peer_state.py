@@ -490,7 +490,7 @@ class PeerState(PersistentMarks):
             return len(self._health)
 
     def set_health(
-        self, namespace: str, checkpoint_id: str, mark: str, lost: Sequence[str] = ()
+        self, namespace: str, checkpoint_id: str, label: str, lost: Sequence[str] = ()
     ) -> None:
         """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers;
         with "lost", the files no node holds: the checkpoint is then shown LOST (unless
@@ -499,10 +499,10 @@ class PeerState(PersistentMarks):
             rec = self._records.get((namespace, checkpoint_id))
             if rec is None:
                 return
-            if not mark:
+            if not label:
                 self._health.pop(rec.key, None)
                 return
-            health: Health | None = Health(mark, tuple(sorted(lost)))
+            health: Health | None = Health(label, tuple(sorted(lost)))
             # A finding is as old as the holdings its heal asked for: a copy installed
             # here meanwhile (`install_copy` clears its file the same way) is not lost.
             for name, f in rec.files.items():

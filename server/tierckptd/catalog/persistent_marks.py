@@ -59,7 +59,7 @@ class PersistentMarks(CatalogState):
 
     def set_persistent_url(self, namespace: str, url: str) -> None:
         """Where the namespace's next commits here drain ("": `[persistent] url`). The
-        caller checked `url` against the policy (`persistent.stores.Stores.check`); held
+        caller checked `url` against the policy (`persistent.roots.Roots.check`); held
         in memory only: a job sets it with every writer, and each committed checkpoint
         keeps its own URL in its manifest."""
         with self._lock:

@@ -400,7 +400,7 @@ class CatalogState:
             rec,
             node_id=self.node_id,
             replica_target=self.replica_target,
-            mark=health.mark,
+            label=health.label,
             lost=health.lost,
             durable=rec.key in self._durable,
             drain_failed=rec.key in self._drain_failed,

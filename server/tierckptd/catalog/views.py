@@ -1,7 +1,7 @@
 """What a client sees of a checkpoint: a pure function of its record and annotations.
 
 The derived states live here: a COMMITTED record is shown REPLICATED when every file has
-`replica_target` extra copies and the healer has no mark on it, DURABLE when its
+`replica_target` extra copies and the healer has no label on it, DURABLE when its
 `.metadata` is in the persistent tier, and LOST when the healer found a file with no copy
 left anywhere and the persistent tier does not hold it (DURABLE wins: it is restorable);
 `tiers` says where its bytes can be had.
@@ -25,17 +25,17 @@ UNDER = "under-replicated"
 
 
 class Health(NamedTuple):
-    """The healer's last finding on a checkpoint: its mark ("lost", "under-replicated")
+    """The healer's last finding on a checkpoint: its label ("lost", "under-replicated")
     and, when lost, the files no node holds."""
 
-    mark: str
+    label: str
     lost: tuple[str, ...] = ()
 
 
 def is_lost(health: Health | None, durable: bool) -> bool:
     """Whether a committed checkpoint is shown LOST: the healer found a file with no
     copy on any node, and the persistent tier does not hold the checkpoint."""
-    return health is not None and health.mark == LOST and bool(health.lost) and not durable
+    return health is not None and health.label == LOST and bool(health.lost) and not durable
 
 
 def found(health: Health | None, name: str) -> Health | None:
@@ -44,7 +44,7 @@ def found(health: Health | None, name: str) -> Health | None:
     if health is None or name not in health.lost:
         return health
     lost = tuple(n for n in health.lost if n != name)
-    return Health(health.mark, lost) if lost else Health(UNDER)
+    return Health(health.label, lost) if lost else Health(UNDER)
 
 
 def all_lost(namespace: str, node_id: str, lost: Sequence[CheckpointRecord]) -> CheckpointLost:
@@ -68,7 +68,7 @@ def view_of(
     *,
     node_id: str,
     replica_target: int = 0,
-    mark: str = "",
+    label: str = "",
     lost: Sequence[str] = (),
     durable: bool = False,
     drain_failed: bool = False,
@@ -77,7 +77,7 @@ def view_of(
 ) -> CheckpointView:
     """An immutable view of `rec` (copied: it may leave the catalog lock).
 
-    `mark` is the healer's finding ("under-replicated", "lost") and `lost` the files no
+    `label` is the healer's finding ("under-replicated", "lost") and `lost` the files no
     node holds (with "lost"), `durable` whether the persistent tier holds it,
     `drain_failed` whether the drain gave up on it, and `paths` the local path of each
     file this node holds (a held file missing from it, and every file not held, gets "").
@@ -95,13 +95,13 @@ def view_of(
     if (
         committed
         and replica_target > 0
-        and not mark
+        and not label
         and files
         and all(len(set(f.replica_nodes) - {f.owner_node}) >= replica_target for f in files)
     ):
         state = State.REPLICATED
     lost_files: tuple[str, ...] = ()
-    if committed and is_lost(Health(mark, tuple(lost)), durable):
+    if committed and is_lost(Health(label, tuple(lost)), durable):
         state, lost_files = State.LOST, tuple(sorted(lost))
     if durable:
         state = State.DURABLE
@@ -117,8 +117,8 @@ def view_of(
             tiers.append("peer")
         if durable:
             tiers.append("persistent")
-        if mark and not (durable and mark == LOST):  # durable: the persistent tier has it
-            tiers.append(mark)
+        if label and not (durable and label == LOST):  # durable: the persistent tier has it
+            tiers.append(label)
         if drain_failed:
             tiers.append("drain-failed")
         if foreign:

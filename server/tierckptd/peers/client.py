@@ -32,7 +32,7 @@ from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.breaker import MISSED_CODES, Breaker
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
-from tierckptd.peers.marks import MAX_MARKS, Mark, MarkKind, check_mark
+from tierckptd.peers.cluster_marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
 from tierckptd.peers.security import HelloChallenge
 from tierckptd.wire import (

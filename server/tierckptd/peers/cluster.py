@@ -39,18 +39,18 @@ from tierckptd.jobs import (
     URGENT,
     Heal,
     JobQueue,
-    Landed,
     Repair,
     Tell,
+    TellLanded,
     backoff,
 )
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerClient
+from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
-from tierckptd.peers.marks import Mark
 from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps, Delivery
 from tierckptd.peers.serve import Served, Serving
@@ -59,7 +59,7 @@ __all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 
-Job = Heal | Repair | Landed | Tell
+Job = Heal | Repair | TellLanded | Tell
 
 # Replicator threads: a slow push or a peer's deadline holds one of them, not every heal.
 REPLICATORS = 4
@@ -236,7 +236,7 @@ class Cluster:
     def copy_landed(self, namespace: str, checkpoint_id: str, name: str) -> None:
         """A copy from a peer was installed here (`PeerSource.landed`): queue telling the
         file's neighbourhood and the coordinator (`Healer.tell_landed`), off the restore."""
-        self.jobs.put(Landed(namespace, checkpoint_id, name))
+        self.jobs.put(TellLanded(namespace, checkpoint_id, name))
 
     def _queue_full_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id, full=True))
@@ -255,7 +255,7 @@ class Cluster:
                     with self._healing_lock:
                         self._healing.discard(key)
                 return self._heal_again(job, plan)
-            elif isinstance(job, Landed):
+            elif isinstance(job, TellLanded):
                 self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
             elif isinstance(job, Tell):
                 self.healer.tell(job.namespace, job.checkpoint_id, job.name, job.node, job.tries)

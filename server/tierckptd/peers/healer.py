@@ -2,10 +2,10 @@
 
 `plan_heal` is pure: from a checkpoint's view, what every reachable node holds, the
 members and k, it says which files this node must push where, which replica lists to
-record, and the checkpoint's health mark ("lost", "under-replicated" or ""). `Healer`
+record, and the checkpoint's health label ("lost", "under-replicated" or ""). `Healer`
 executes a plan: it asks the peers' holdings, pushes (stepping aside while a save
 writes), plans again with the pushes that succeeded, records the replica lists and
-broadcasts them, and keeps the health marks.
+broadcasts them, and keeps the health labels.
 
 A node heals only the files it is involved in (it holds one, or is in the file's
 neighbourhood: owner, replica holders, first placement candidates), asking only those
@@ -103,7 +103,7 @@ class HealPlan:
     short: tuple[str, ...] = ()
 
     @property
-    def mark(self) -> str:
+    def label(self) -> str:
         return LOST if self.lost else UNDER if self.under else ""
 
 
@@ -218,7 +218,7 @@ def let_go(view: CheckpointView, holdings: Mapping[str, Holdings], me: str) -> C
 
 
 class Healer:
-    """Executes `plan_heal` for one node and keeps its health marks."""
+    """Executes `plan_heal` for one node and keeps its health labels."""
 
     def __init__(
         self,
@@ -241,13 +241,13 @@ class Healer:
         self._stop = stop if stop is not None else threading.Event()
         self._pusher = Pusher(catalog, client, on_corrupt, stop=stop)
         self._lock = threading.Lock()
-        self._marks: dict[Key, str] = {}
-        self._lost: dict[Key, tuple[str, ...]] = {}  # the files of a "lost" mark
+        self._labels: dict[Key, str] = {}
+        self._lost: dict[Key, tuple[str, ...]] = {}  # the files of a "lost" label
 
-    def mark(self, namespace: str, checkpoint_id: str) -> str:
-        """The health mark the last heal of a checkpoint left ("" when healthy)."""
+    def label(self, namespace: str, checkpoint_id: str) -> str:
+        """The health label the last heal of a checkpoint left ("" when healthy)."""
         with self._lock:
-            return self._marks.get((namespace, checkpoint_id), "")
+            return self._labels.get((namespace, checkpoint_id), "")
 
     def heal(self, namespace: str, checkpoint_id: str, *, full: bool = False) -> HealPlan | None:
         """Heal one checkpoint (None: not a committed one here, or none of its files
@@ -262,8 +262,8 @@ class Healer:
         try:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
-            with self._lock:  # deleted (retention, rm): its mark must not outlive it
-                self._marks.pop((namespace, checkpoint_id), None)
+            with self._lock:  # deleted (retention, rm): its label must not outlive it
+                self._labels.pop((namespace, checkpoint_id), None)
                 self._lost.pop((namespace, checkpoint_id), None)
             return None
         if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE, State.LOST):
@@ -279,10 +279,10 @@ class Healer:
         coordinator = coordinator_of({f.name: f for f in view.files})
         manifest = view  # every file: what a push publishes to a node that lacks it
         asked: list[str] = self.client.peer_ids
-        if not (full or self.mark(namespace, checkpoint_id) == LOST):
+        if not (full or self.label(namespace, checkpoint_id) == LOST):
             files, near = involved(view, members, k, me)
             if not files:  # none of it involves this node (membership may have moved)
-                if self.mark(namespace, checkpoint_id):
+                if self.label(namespace, checkpoint_id):
                     self._record(namespace, checkpoint_id, HealPlan(), k)
                 return None
             view = dataclasses.replace(view, files=files)
@@ -463,20 +463,20 @@ class Healer:
             self._queue_tell(namespace, checkpoint_id, name, node, tries + 1)
 
     def _record(self, namespace: str, checkpoint_id: str, plan: HealPlan, k: int) -> None:
-        mark = plan.mark
+        label = plan.label
         key = (namespace, checkpoint_id)
         with self._lock:
-            previous = self._marks.get(key, ""), self._lost.get(key, ())
-            if mark:
-                self._marks[key] = mark
+            previous = self._labels.get(key, ""), self._lost.get(key, ())
+            if label:
+                self._labels[key] = label
             else:
-                self._marks.pop(key, None)
+                self._labels.pop(key, None)
             if plan.lost:
                 self._lost[key] = plan.lost
             else:
                 self._lost.pop(key, None)
-        self.catalog.set_health(namespace, checkpoint_id, mark, plan.lost)
-        if (mark, plan.lost) != previous:
+        self.catalog.set_health(namespace, checkpoint_id, label, plan.lost)
+        if (label, plan.lost) != previous:
             if plan.lost:
                 logger.error(
                     "%s/%s is LOST: every node that held %s answered without it and the "

@@ -1,5 +1,5 @@
 """Who the cluster is: this node, its peers (the static `[[peers]]` and those discovered,
-`peers/member_sources.py`), the copy count, one channel per peer (reopened when its
+`peers/peer_discovery.py`), the copy count, one channel per peer (reopened when its
 address changes).
 
 A member channel carries the cluster token; with mutual TLS it also checks, at every

@@ -58,7 +58,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.jobs import JobQueue, backoff
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.peers.client import PeerCallError, PeerClient
-from tierckptd.peers.marks import Mark, MarkJournal, MarkKind
+from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
 
 __all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
 

@@ -2,7 +2,7 @@
 
 One `Drainer` per daemon (when ``[persistent] url`` or ``allowed_urls`` is set). Every
 committed checkpoint whose sequence is a multiple of ``[persistent] every`` is *due*; it
-drains to the tier its manifest names (`persistent.stores`), and one whose URL this node
+drains to the tier its manifest names (`persistent.roots`), and one whose URL this node
 does not allow is refused like a hostile `.metadata` (below). Each node
 uploads the data files it is responsible for (verified reads of its memory tier,
 `max_concurrency` at a time, skipped when the marker already describes the same bytes, so
@@ -80,11 +80,6 @@ from tierckptd.jobs import Drain, JobQueue, StepAside
 from tierckptd.model import FileRecord, Key
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
-from tierckptd.persistent.discovery import (
-    MANIFEST_OBJECT,
-    adopt_all,
-    write_index_entry,
-)
 from tierckptd.persistent.drain_backoff import DrainBackoff
 from tierckptd.persistent.drain_plan import (
     Liveness,
@@ -96,13 +91,18 @@ from tierckptd.persistent.drain_plan import (
 )
 from tierckptd.persistent.emergency import emergency_drain
 from tierckptd.persistent.format import DataFile, data_files
+from tierckptd.persistent.listing import (
+    MANIFEST_OBJECT,
+    adopt_all,
+    write_index_entry,
+)
 from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.refusals import FILE_NAME as REFUSALS_FILE
 from tierckptd.persistent.refusals import RefusedMetadata
 from tierckptd.persistent.retention import PersistentRetention
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
-from tierckptd.persistent.stores import Stores
 
 __all__ = [
     "MANIFEST_OBJECT",
@@ -164,7 +164,7 @@ class Drainer:
     def __init__(
         self,
         catalog: Catalog,
-        stores: Stores | PersistentTier,
+        stores: Roots | PersistentTier,
         restore: Restore | None = None,
         *,
         keep_last: int = 0,
@@ -178,7 +178,7 @@ class Drainer:
         failed_retry: float = 300.0,
     ) -> None:
         self.catalog = catalog
-        self.stores = stores if isinstance(stores, Stores) else Stores(stores)
+        self.stores = stores if isinstance(stores, Roots) else Roots(stores)
         self.restore = restore
         self.node_id = catalog.node_id
         self.keep_last = keep_last

@@ -24,10 +24,10 @@ from tierckpt.names import step_of
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
-from tierckptd.persistent.discovery import remove_index_entry
+from tierckptd.persistent.listing import remove_index_entry
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, step_order
-from tierckptd.persistent.stores import Stores
 
 __all__ = ["PersistentRetention", "persistent_evictions", "remove_checkpoint"]
 
@@ -135,7 +135,7 @@ class PersistentRetention:
         return True
 
 
-def remove_checkpoint(stores: Stores, namespace: str, checkpoint_id: str, url: str) -> bool:
+def remove_checkpoint(stores: Roots, namespace: str, checkpoint_id: str, url: str) -> bool:
     """A cluster rm in the persistent tier the checkpoint drained to (`url`, "" for
     `[persistent] url`): `.metadata` first, so no reader or discovery ever sees a
     half-deleted checkpoint as durable, then its data, bookkeeping and index entry.

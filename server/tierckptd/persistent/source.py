@@ -30,9 +30,9 @@ from tierckpt.names import METADATA_FILE
 from tierckptd.config_secrets import redact
 from tierckptd.errors import SourceUnavailable
 from tierckptd.model import FileRecord
-from tierckptd.persistent.readback import original_chunks
 from tierckptd.persistent.retry import PersistentTierUnavailable, is_transient
 from tierckptd.persistent.store import PersistentTier
+from tierckptd.persistent.untrusted import original_chunks
 
 __all__ = ["METADATA_OBJECT", "PersistentSource", "describe_failure"]
 

@@ -29,9 +29,9 @@ from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
-from tierckptd.persistent.discovery import ADOPT_BUDGET, Discovery, adopt_all
+from tierckptd.persistent.listing import ADOPT_BUDGET, Discovery, adopt_all
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.store import PersistentTier
-from tierckptd.persistent.stores import Stores
 
 __all__ = ["ABORT_DEADLINE", "abort_stale", "owned_files", "start_in_background"]
 
@@ -42,7 +42,7 @@ ABORT_DEADLINE = 60.0  # listing and aborting the open uploads of one root
 FileKey = tuple[str, str, str]
 
 
-def owned_files(catalog: Catalog, stores: Stores) -> dict[PersistentTier, set[FileKey]]:
+def owned_files(catalog: Catalog, stores: Roots) -> dict[PersistentTier, set[FileKey]]:
     """The data files this node owns of the committed checkpoints it knows, by the tier
     each drains to: only this node uploads them (or, once it is gone, a replica holder)."""
     found: dict[PersistentTier, set[FileKey]] = {}
@@ -60,7 +60,7 @@ def owned_files(catalog: Catalog, stores: Stores) -> dict[PersistentTier, set[Fi
     return found
 
 
-def abort_stale(catalog: Catalog, stores: Stores, deadline: float = ABORT_DEADLINE) -> int:
+def abort_stale(catalog: Catalog, stores: Roots, deadline: float = ABORT_DEADLINE) -> int:
     """Abort the open multipart uploads of `owned_files` (a kill -9 mid-upload left them
     open for good; S3 bills their parts). Call it before their drains resume. A root
     that cannot be listed only warns: the bucket's AbortIncompleteMultipartUpload
@@ -82,7 +82,7 @@ def abort_stale(catalog: Catalog, stores: Stores, deadline: float = ABORT_DEADLI
 
 def start_in_background(
     catalog: Catalog,
-    stores: Stores,
+    stores: Roots,
     resume: Callable[[], object],
     discovery: Discovery | None,
     *,

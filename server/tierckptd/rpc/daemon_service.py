@@ -41,7 +41,7 @@ SERVICE = "tierckpt.v1.DaemonService"
 
 class Discovery(Protocol):
     """Checkpoints another cluster drained into the persistent tier, learnt when asked
-    for (`tierckptd.persistent.discovery.Discovery`, wired by main.py)."""
+    for (`tierckptd.persistent.listing.Discovery`, wired by main.py)."""
 
     def probe(self, namespace: str, checkpoint_id: str) -> bool: ...
 
@@ -49,7 +49,7 @@ class Discovery(Protocol):
 
 
 PersistentUrls = Callable[[str], str]
-"""`tierckptd.persistent.stores.Stores.check`: a namespace URL as the daemon records it
+"""`tierckptd.persistent.roots.Roots.check`: a namespace URL as the daemon records it
 ("" for `[persistent] url`); PermissionDenied when `[persistent] allowed_urls` excludes it."""
 
 

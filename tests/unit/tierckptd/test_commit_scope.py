@@ -173,7 +173,7 @@ def test_a_node_no_file_involves_makes_no_call_unless_a_peer_lists_it_lost(
     fake.calls.clear()
     cluster.healer.heal("run", "s5", full=True)
     assert fake.per("Holdings") == len(peers)
-    assert cluster.healer.mark("run", "s5") == "lost"  # every holder answered without it
+    assert cluster.healer.label("run", "s5") == "lost"  # every holder answered without it
 
 
 def test_gossip_adopts_a_coordinators_manifest_and_confirms_a_relayed_one(

@@ -186,13 +186,13 @@ def test_plan_heal(case: Case) -> None:
     assert dict(plan.replicas) == dict(case.expect.replicas)
     assert plan.lost == case.expect.lost
     assert plan.under == case.expect.under
-    assert plan.mark == case.expect.mark
+    assert plan.label == case.expect.label
 
 
 def test_a_durable_checkpoint_is_never_lost() -> None:
     view = _view(_file("f", "a", ["b"]), state=State.DURABLE)
     plan = plan_heal(view, {"a": _held(), "b": _held()}, MEMBERS, 1, "a")
-    assert plan.lost == () and plan.under == ("f",) and plan.mark == "under-replicated"
+    assert plan.lost == () and plan.under == ("f",) and plan.label == "under-replicated"
     lost = plan_heal(
         _view(*view.files, state=State.LOST), {"a": _held(), "b": _held()}, MEMBERS, 1, "a"
     )
@@ -204,7 +204,7 @@ def test_a_file_no_node_claims_is_not_lost() -> None:
     # no replicas), before this node learnt it is durable: nothing to heal, not lost.
     view = _view(_file("f", ""), _file("g", "a", ["b"]))
     plan = plan_heal(view, {"a": _held("g"), "b": _held("g")}, MEMBERS, 1, "a")
-    assert plan.lost == () and plan.under == () and plan.mark == ""
+    assert plan.lost == () and plan.under == () and plan.label == ""
 
 
 def test_plan_heal_is_pure() -> None:
@@ -214,10 +214,10 @@ def test_plan_heal_is_pure() -> None:
     assert f.replica_nodes == ["b"] and holdings == {"a": _held("f"), "c": _held()}
 
 
-def test_marks() -> None:
-    assert HealPlan(lost=("f",), under=("g",)).mark == "lost"
-    assert HealPlan(under=("g",)).mark == "under-replicated"
-    assert HealPlan().mark == ""
+def test_cluster_marks() -> None:
+    assert HealPlan(lost=("f",), under=("g",)).label == "lost"
+    assert HealPlan(under=("g",)).label == "under-replicated"
+    assert HealPlan().label == ""
 
 
 def test_responsible() -> None:
@@ -331,7 +331,7 @@ def test_a_commit_publishes_and_heal_pushes_each_file_to_k_buddies(
     view = catalog.get("run", "s1")
     assert all(sorted(f.replica_nodes) == ["b", "c"] for f in view.files)
     assert view.state is State.REPLICATED
-    assert cluster.healer.mark("run", "s1") == ""
+    assert cluster.healer.label("run", "s1") == ""
     # Every file's new replica list was told to every peer.
     assert {(n, name) for n, name, _ in fake.replicas} == {
         (n, f) for n in ("b", "c") for f in (".metadata", "__0_0.distcp")
@@ -350,7 +350,7 @@ def test_an_unreachable_peer_leaves_it_under_replicated_until_it_is_back(
     fake.down.add("b")
     cluster.heal("run", "s1")
     assert fake.pushed == []
-    assert cluster.healer.mark("run", "s1") == ""  # no claimed holder missing: k capped
+    assert cluster.healer.label("run", "s1") == ""  # no claimed holder missing: k capped
     fake.down.clear()
     cluster.heal("run", "s1")
     assert fake.pushed == [("b", "__0_0.distcp")]
@@ -361,7 +361,7 @@ def test_an_unreachable_peer_leaves_it_under_replicated_until_it_is_back(
     # The owner records the copies it can see: none now (shown, not marked: the only
     # other node is down, so no push could help).
     assert catalog.get("run", "s1").files[0].replica_nodes == []
-    assert cluster.healer.mark("run", "s1") == ""
+    assert cluster.healer.label("run", "s1") == ""
 
 
 def test_a_file_whose_owner_lost_it_is_marked_under_replicated(catalog: Catalog) -> None:
@@ -377,17 +377,17 @@ def test_a_file_whose_owner_lost_it_is_marked_under_replicated(catalog: Catalog)
     fake.knows["b"] = True
     fake.held["b"] = {".metadata": b"data"}
     cluster.heal("run", "s2")
-    assert cluster.healer.mark("run", "s2") == "lost"  # nobody reachable holds __1_0
+    assert cluster.healer.label("run", "s2") == "lost"  # nobody reachable holds __1_0
     assert "lost" in catalog.get("run", "s2").tiers
     fake.held["b"]["__1_0.distcp"] = b"data"
     fake.down.add("b")
     fake.held["c"] = {"__1_0.distcp": b"data", ".metadata": b"data"}
     cluster.heal("run", "s2")
-    assert cluster.healer.mark("run", "s2") == "under-replicated"  # owner b unreachable
+    assert cluster.healer.label("run", "s2") == "under-replicated"  # owner b unreachable
     assert "under-replicated" in catalog.get("run", "s2").tiers
     fake.down.clear()
     cluster.heal("run", "s2")
-    assert cluster.healer.mark("run", "s2") == ""
+    assert cluster.healer.label("run", "s2") == ""
 
 
 def test_a_push_refused_as_corrupt_drops_our_copy_only_if_it_is(

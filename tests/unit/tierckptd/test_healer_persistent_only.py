@@ -32,7 +32,7 @@ def test_a_persistent_only_checkpoint_is_neither_lost_nor_pushed(
     fake.knows["b"] = True
 
     assert cluster.healer.heal("run", "s1") is None
-    assert cluster.healer.mark("run", "s1") == ""
+    assert cluster.healer.label("run", "s1") == ""
     assert catalog.get("run", "s1").tiers == ("persistent",)
     assert fake.pushed == []
 

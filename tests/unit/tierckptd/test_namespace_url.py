@@ -14,8 +14,8 @@ from tierckpt.names import check_persistent_url
 from tierckptd.config import ConfigError, parse_config
 from tierckptd.memory.manifest import ManifestError, from_json, to_json
 from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
-from tierckptd.persistent.stores import Stores
 from tierckptd.wire import record_from_info, to_info
 
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
@@ -67,8 +67,8 @@ def _tier(root: Path) -> PersistentTier:
     return PersistentTier(f"file://{root}", retry=FAST)
 
 
-def _stores(tmp_path: Path, *allowed: str) -> Stores:
-    return Stores(_tier(tmp_path / "default"), allowed, _tier_from_url)
+def _stores(tmp_path: Path, *allowed: str) -> Roots:
+    return Roots(_tier(tmp_path / "default"), allowed, _tier_from_url)
 
 
 def _tier_from_url(url: str) -> PersistentTier:

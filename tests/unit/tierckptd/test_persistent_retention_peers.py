@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from tierckpt.errors import CheckpointNotFound
-from tierckptd.persistent.discovery import Discovery, remove_index_entry
 from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.listing import Discovery, remove_index_entry
 from tierckptd.persistent.store import PersistentTier
 from tierckptd.wire import record_from_info, to_info
 

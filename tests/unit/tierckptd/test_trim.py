@@ -297,4 +297,4 @@ def test_no_push_nor_mark_for_a_durable_checkpoint_its_owner_evicted(catalog: Ca
     fake.knows.update(b=True, c=True)
     cluster.heal("run", "s2")
     assert fake.pushed == [] and fake.published == []
-    assert cluster.healer.mark("run", "s2") == ""
+    assert cluster.healer.label("run", "s2") == ""

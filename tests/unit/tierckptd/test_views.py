@@ -44,7 +44,7 @@ def test_replicated_needs_k_copies_of_every_file_and_no_mark() -> None:
     assert view_of(rec, node_id="a", replica_target=1).state is State.REPLICATED
     assert view_of(rec, node_id="a", replica_target=2).state is State.COMMITTED
     assert view_of(rec, node_id="a", replica_target=0).state is State.COMMITTED
-    marked = view_of(rec, node_id="a", replica_target=1, mark="under-replicated")
+    marked = view_of(rec, node_id="a", replica_target=1, label="under-replicated")
     assert marked.state is State.COMMITTED
     assert marked.tiers == ("memory", "peer", "under-replicated")
 
@@ -67,5 +67,5 @@ def test_held_elsewhere_and_persistent_only() -> None:
 
 def test_writing_has_no_derived_state_nor_tiers() -> None:
     rec = _rec(_file("a", "a", ["b"]), state=State.WRITING)
-    view = view_of(rec, node_id="a", replica_target=1, durable=True, mark="lost")
+    view = view_of(rec, node_id="a", replica_target=1, durable=True, label="lost")
     assert view.state is State.WRITING and view.tiers == ()

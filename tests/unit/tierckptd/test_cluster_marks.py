@@ -28,7 +28,7 @@ from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers import operations
 from tierckptd.peers.client import mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster import Cluster
-from tierckptd.peers.marks import JOURNAL_NAME, Mark, MarkJournal, MarkKind, check_mark
+from tierckptd.peers.cluster_marks import JOURNAL_NAME, Mark, MarkJournal, MarkKind, check_mark
 from tierckptd.restore import Restorer, no_sources
 
 from .conftest import Save

@@ -13,14 +13,14 @@ from tierckpt.errors import CheckpointNotFound, InvalidName, TierUnavailable
 from tierckptd.catalog import Catalog
 from tierckptd.config import PersistentConfig, parse_config
 from tierckptd.memory.tier import MemoryTier
-from tierckptd.persistent.discovery import (
+from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.listing import (
     INDEX_DIR,
     Discovery,
     adopt_all,
     durable_ids,
     repair_index,
 )
-from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
 from tierckptd.restore import Restorer

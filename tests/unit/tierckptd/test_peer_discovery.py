@@ -18,7 +18,7 @@ from tierckptd.config import ConfigError, PeerConfig, parse_config
 from tierckptd.config_checks import ENV_FAILURE_DOMAIN, ENV_NODE_ID, peer_port
 from tierckptd.peers.chunk_wire import PeerStub
 from tierckptd.peers.cluster import Cluster
-from tierckptd.peers.member_sources import (
+from tierckptd.peers.peer_discovery import (
     MAX_HOSTFILE_BYTES,
     MAX_LINE,
     MAX_MEMBERS,
@@ -333,7 +333,7 @@ def test_a_silent_member_stays_until_its_address_leaves(tmp_path: Path) -> None:
 def test_a_joining_node_pulls_once_a_peer_admits_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="tierckptd.peers.member_sources")
+    caplog.set_level(logging.INFO, logger="tierckptd.peers.peer_discovery")
     w = World(tmp_path)
     w.dns = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     w.identity = {"10.0.0.1:7070": ("a", "ra"), "10.0.0.2:7070": ("b", "rb")}

@@ -28,12 +28,12 @@ from tierckptd.config import PersistentConfig
 from tierckptd.config_secrets import redact
 from tierckptd.persistent.store import PersistentTier
 
-__all__ = ["MAX_ROOTS", "Stores"]
+__all__ = ["MAX_ROOTS", "Roots"]
 
 MAX_ROOTS = 1024  # distinct per-namespace roots one daemon opens (each holds an fs client)
 
 
-class Stores:
+class Roots:
     """The persistent tiers of one daemon, by the URL recorded in a checkpoint.
 
     Args:
@@ -57,7 +57,7 @@ class Stores:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: PersistentConfig, **tier_options: object) -> Stores:
+    def from_config(cls, config: PersistentConfig, **tier_options: object) -> Roots:
         """The stores of ``[persistent]``; `tier_options` as `PersistentTier` takes them."""
 
         def make(url: str) -> PersistentTier:

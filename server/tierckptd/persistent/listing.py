@@ -58,10 +58,10 @@ from tierckptd.config_secrets import redact
 from tierckptd.memory.manifest import ManifestError
 from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
-from tierckptd.persistent.readback import check_stored_record
+from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
-from tierckptd.persistent.stores import Stores
+from tierckptd.persistent.untrusted import check_stored_record
 
 __all__ = [
     "ADOPT_BUDGET",
@@ -236,7 +236,7 @@ def adopt_checkpoint(
 ) -> int:
     """Adopt one durable checkpoint from its bookkeeping manifest (no file held here);
     1 if the catalog learnt it, 0 if it knew it (now marked durable) or cannot. `url` is
-    what the record keeps as its persistent URL (`Stores.url_of(tier)`): where it was
+    what the record keeps as its persistent URL (`Roots.url_of(tier)`): where it was
     found, not what the stored manifest claims.
 
     Raises:
@@ -453,7 +453,7 @@ class Discovery:
 
     def __init__(
         self,
-        stores: Stores | PersistentTier,
+        stores: Roots | PersistentTier,
         catalog: Catalog,
         *,
         relist_interval: float = 30.0,
@@ -465,7 +465,7 @@ class Discovery:
         probe_deadline: float = PROBE_DEADLINE,
         workers: int = RELIST_WORKERS,
     ) -> None:
-        self.stores = stores if isinstance(stores, Stores) else Stores(stores)
+        self.stores = stores if isinstance(stores, Roots) else Roots(stores)
         self.catalog = catalog
         self.relist_interval = relist_interval
         self.negative_ttl = negative_ttl
