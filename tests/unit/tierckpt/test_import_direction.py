@@ -2,7 +2,7 @@
 `importlib.import_module(...)` and `__import__(...)` count too):
 
 - the client package never imports the daemon package (the dependency goes one way);
-- inside the daemon, the package rules of README.md's layout section: `memory/` is the
+- inside the daemon, the package rules of docs/design.md's layout section: `memory/` is the
   bottom, `catalog/` sits on it, `peers/` and `persistent/` sit on both and never import
   each other, only `main.py` (the composition root), `restore.py` and `rpc/` know several
   tiers, nothing imports `main`, and protobuf (`tierckpt.v1`) stops at `rpc/`, `wire.py`,
@@ -353,12 +353,14 @@ def test_only_main_restore_and_rpc_know_several_tiers(modules: list[Module]) -> 
     assert not found, "\n".join(found)
 
 
-def test_readme_layout_names_every_daemon_package_and_top_level_module() -> None:
-    """The README's layout section is the map a newcomer reads: it must not drift."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
+def test_design_layout_names_every_daemon_package_and_top_level_module() -> None:
+    """The layout section of docs/design.md (the README links it) is the map a newcomer
+    reads: it must not drift."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert "docs/design.md" in (ROOT / "README.md").read_text()
+    section = design.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
     names = [f"{p.name}/" for p in sorted(DAEMON.iterdir()) if (p / "__init__.py").exists()]
     names += [p.name for p in sorted(DAEMON.glob("*.py")) if not p.name.startswith("__")]
     assert len(names) >= 12
     missing = [n for n in names if n not in section]
-    assert not missing, f"README.md's layout section does not mention {missing}"
+    assert not missing, f"docs/design.md's layout section does not mention {missing}"
