@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import select
 import subprocess
 import sys
 import tempfile
@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import GiB, MiB, Table, best_of, free_ports, make_daemon, tmpfs_root  # noqa: E402
+from _harness import GiB, MiB, Table, best_of, make_daemon, tmpfs_root  # noqa: E402
 from tierckpt import TieredStorageWriter  # noqa: E402
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
 
@@ -34,22 +34,33 @@ NS = "bench-s3"
 BUCKET = "bench"
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    (port,) = free_ports(1)
+# The tests' moto server (tests/support/moto_s3.py), run in a process of its own: the
+# bench's S3 clients (the raw put baseline, goodput's read-back) must not share its GIL.
+_SERVE_MOTO = """
+import logging, threading
+from tests.support.moto_s3 import MotoServer
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+print(MotoServer().port, flush=True)
+threading.Event().wait()
+"""
+
+
+def start_moto() -> tuple[subprocess.Popen[str], str]:
+    """A moto S3 server on loopback in a child process, and its endpoint URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-c", _SERVE_MOTO],
+        cwd=Path(__file__).resolve().parent.parent,  # the repository: `tests` imports
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, endpoint
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError("moto server did not start")
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    port = proc.stdout.readline().strip() if ready else ""
+    if not port.isdigit():
+        proc.kill()
+        raise TimeoutError("moto server did not start")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def wait_durable(address: str, checkpoint_id: str, timeout: float = 300.0) -> float:

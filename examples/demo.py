@@ -10,17 +10,27 @@
    same id: a fresh 2-rank job restores the newest checkpoint bit-exactly, node-b's
    files coming from its buddy; a 1-process job restores it at another world size;
 5. `tierckpt pull` exports it and stock FileSystemReader loads the copy;
-6. every checkpoint also drains to an embedded S3 (a moto server on loopback): stock
-   `dcp.load(checkpoint_id="s3://...")` reads it without tierckpt;
+6. every checkpoint also drains to an embedded S3 (the tests' moto server,
+   tests/support/moto_s3.py, on loopback): stock `dcp.load(checkpoint_id="s3://...")`
+   reads it without tierckpt;
 7. the whole cluster is lost (every daemon killed, every memory tier wiped): fresh daemons
    list the checkpoints from S3 and a 2-rank job restores the newest bit-exactly.
 
-Everything runs on embedded defaults: `python examples/demo.py` (or `make demo`).
+Each restoring rank prints which tier served each file. The reader knows which files its
+node already held; for the others, the rank reads its daemon's
+`tierckpt_restore_duration_seconds_count{source}` (one count per file EnsureLocal served:
+memory, peer, persistent) before and after the load. EnsureLocal's answer does not name the
+source, so when one node's fetches came from two tiers the rank prints the files and the
+counts per tier rather than guess which file came from where.
+
+Everything runs on embedded defaults: `python examples/demo.py` (or `make demo`, whose
+.venv has the dev extra the moto server comes from).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -29,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from tierckpt import TieredStorageReader, TieredStorageWriter
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -51,6 +63,14 @@ STEPS = 5
 WORLD = 2
 NODES = ("node-a", "node-b")  # rank r runs on node r
 BUCKET = "demo-checkpoints"
+REPO = Path(__file__).resolve().parent.parent  # for tests/support (the moto server)
+
+# The `source` label of the daemon's restore metric, as the demo says it.
+TIERS = {
+    "memory": "this node's memory",
+    "peer": "the peer tier (another node's memory)",
+    "persistent": "the persistent tier (S3)",
+}
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -114,7 +134,52 @@ def train_job(rank: int, store: str, addresses: tuple[str, ...], out: str) -> No
     dist.destroy_process_group()
 
 
-def restore_job(rank: int, store: str, addresses: tuple[str, ...], expected_path: str) -> None:
+def metric_counts(metrics_url: str, sample_name: str, label: str) -> dict[str, int]:
+    """One counter of a daemon's /metrics, by the value of one label."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.labels[label]: int(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == sample_name
+    }
+
+
+def restores_by_tier(metrics_url: str) -> dict[str, int]:
+    """Files a daemon's EnsureLocal has served so far, by the tier each came from."""
+    return metric_counts(metrics_url, "tierckpt_restore_duration_seconds_count", "source")
+
+
+def served_by(
+    sources: dict[str, str], before: dict[str, int], after: dict[str, int]
+) -> list[tuple[str, list[str]]]:
+    """(where, files) for one rank's load: the files its node held, and the fetched ones
+    by tier when the daemon's counters leave one answer (else the counts per tier)."""
+    held = sorted(n for n, s in sources.items() if s == "memory")
+    fetched = sorted(n for n, s in sources.items() if s != "memory")
+    served = {t: after.get(t, 0) - before.get(t, 0) for t in TIERS}
+    served = {t: n for t, n in served.items() if n > 0}
+    out = [(TIERS["memory"], held)] if held else []
+    if not fetched:
+        return out
+    if len(served) == 1 and sum(served.values()) == len(fetched):
+        (tier,) = served
+        return [*out, (f"fetched from {TIERS[tier]}", fetched)]
+    counts = " and ".join(f"{n} from {TIERS[t]}" for t, n in served.items()) or "no count"
+    return [
+        *out,
+        (f"fetched by tierckptd, {counts}; which file came from which is not reported", fetched),
+    ]
+
+
+def restore_job(
+    rank: int,
+    store: str,
+    addresses: tuple[str, ...],
+    metrics_urls: tuple[str, ...],
+    expected_path: str,
+) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -130,12 +195,13 @@ def restore_job(rank: int, store: str, addresses: tuple[str, ...], expected_path
         f"dataloader.rank_{rank}": {"step": -1, "rank": -1},
     }
     reader = TieredStorageReader(NAMESPACE, daemon=addresses[rank])
+    before = restores_by_tier(metrics_urls[rank])
     started = time.perf_counter()
     dcp.load(state, checkpoint_id=None, storage_reader=reader)
     elapsed = time.perf_counter() - started
-    how = {"memory": "in this node's memory", "fetched": "fetched by tierckptd (peer or S3)"}
-    served = ", ".join(
-        f"{name} {how.get(src, src)}" for name, src in sorted(reader.sources.items())
+    after = restores_by_tier(metrics_urls[rank])
+    served = "; ".join(
+        f"{where}: {', '.join(files)}" for where, files in served_by(reader.sources, before, after)
     )
     print(f"  rank {rank} on {NODES[rank]}: {served}", flush=True)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -181,10 +247,17 @@ class Daemon:
     """One node's tierckptd: its own socket, memory tier in tmpfs, and a peer port."""
 
     def __init__(
-        self, root: Path, node: str, peer_port: int, peers: dict[str, int], s3_endpoint: str
+        self,
+        root: Path,
+        node: str,
+        ports: tuple[int, int],
+        peers: dict[str, int],
+        s3_endpoint: str,
     ) -> None:
         self.root = root
         self.node = node
+        peer_port, metrics_port = ports
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.memory_dir = tempfile.mkdtemp(prefix=f"tierckpt-demo-{node}-", dir=shm)
         self.address = f"unix://{root / f'{node}.sock'}"
@@ -197,6 +270,7 @@ class Daemon:
         self.config.write_text(
             f'[node]\nid = "{node}"\nfailure_domain = "{node}"\n'
             f'[listen]\nlocal = "{self.address}"\npeer = "127.0.0.1:{peer_port}"\n'
+            f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n'
             f'[memory]\ndir = "{self.memory_dir}"\nbudget = "2GiB"\n'
             "[retention]\nmemory_keep_last = 3\n"
             "[replication]\ncopies = 1\nheal_interval = 15.0\n"
@@ -246,31 +320,23 @@ class Daemon:
         shutil.rmtree(self.memory_dir, ignore_errors=True)
 
 
-def start_embedded_s3(port: int) -> tuple[subprocess.Popen[bytes], str]:
-    """A moto S3 server on loopback (the persistent tier of the demo) with a bucket."""
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo", AWS_DEFAULT_REGION="us-east-1"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit("the embedded S3 (moto) did not start") from None
-            time.sleep(0.1)
+def start_embedded_s3() -> Any:
+    """The tests' moto server (tests/support/moto_s3.py) on loopback, in this process, as
+    the demo's persistent tier, with a bucket; every S3 client of this process and of the
+    daemons and ranks it starts is pointed at it."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     import s3fs
 
-    s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(BUCKET)
-    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint  # stock DCP's s3:// reader finds it too
-    return proc, endpoint
+    from tests.support.moto_s3 import AWS_UNSET, MotoServer, aws_environment
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = MotoServer()
+    for name in AWS_UNSET:
+        os.environ.pop(name, None)
+    os.environ.update(aws_environment(server.endpoint_url))  # stock DCP's s3:// reader too
+    s3fs.S3FileSystem(endpoint_url=server.endpoint_url).mkdir(BUCKET)
+    return server
 
 
 def wait_state(address: str, checkpoint_id: str, state: str, timeout: float = 120.0) -> float:
@@ -318,13 +384,15 @@ def cli(address: str, *args: str) -> str:
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="tcdemo"))
-    *peer_ports, s3_port = free_ports(len(NODES) + 1)
-    ports = dict(zip(NODES, peer_ports, strict=True))
-    s3, endpoint = start_embedded_s3(s3_port)
+    free = free_ports(2 * len(NODES))
+    ports = {n: (free[2 * i], free[2 * i + 1]) for i, n in enumerate(NODES)}
+    s3 = start_embedded_s3()
     nodes = [
-        Daemon(root, n, ports[n], {p: ports[p] for p in NODES if p != n}, endpoint) for n in NODES
+        Daemon(root, n, ports[n], {p: ports[p][0] for p in NODES if p != n}, s3.endpoint_url)
+        for n in NODES
     ]
     addresses = tuple(d.address for d in nodes)
+    metrics_urls = tuple(d.metrics_url for d in nodes)
     node_a, node_b = nodes
     newest = f"step-{STEPS:06d}"
     try:
@@ -358,13 +426,18 @@ def main() -> None:
         )
         mp.start_processes(
             restore_job,
-            args=(str(root / "store-b"), addresses, expected),
+            args=(str(root / "store-b"), addresses, metrics_urls, expected),
             nprocs=WORLD,
             start_method="spawn",
         )
         restore_single_process(node_a.address, expected)
         took = wait_state(node_b.address, newest, "REPLICATED")
         print(f"  healing: every file has its extra copy again {took:.1f} s later")
+        pushed = metric_counts(node_b.metrics_url, "tierckpt_peer_requests_total", "method")
+        print(
+            f"  the replacement node-b took {pushed.get('PushFile', 0)} files pushed by node-a's "
+            "healer (peer tier) since it started"
+        )
         print("5. exporting with `tierckpt pull` and loading the copy with stock FileSystemReader")
         dest = root / "pulled"
         print("  " + cli(node_a.address, "pull", NAMESPACE, newest, str(dest)).strip())
@@ -401,7 +474,7 @@ def main() -> None:
         print(cli(node_a.address, "ls", NAMESPACE))
         mp.start_processes(
             restore_job,
-            args=(str(root / "store-c"), addresses, expected),
+            args=(str(root / "store-c"), addresses, metrics_urls, expected),
             nprocs=WORLD,
             start_method="spawn",
         )
@@ -409,8 +482,7 @@ def main() -> None:
     finally:
         for d in nodes:
             d.stop()
-        s3.terminate()
-        s3.wait(10)
+        s3.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
