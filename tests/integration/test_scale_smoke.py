@@ -2,7 +2,7 @@
 holds where it is not a timing: 4 real daemons peering, one simulated rank per node, every
 save reaching REPLICATED, the peer RPCs each node served read from its own /metrics, and a
 node lost with its memory restoring its rank's file bit-exact from a buddy. The N = 8…32
-run and its fitted growth are in the README ("Scale")."""
+run and its fitted growth are in docs/scale.md."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ every 5th checkpoint drains to (persistent_keep_last = 2), a real 2-rank gloo jo
 warm-up and threads within the lazily started RPC workers, and each node's memory tier
 equal, at every sample, to what retention should keep (checked against the daemon's own
 accounting, its files on disk and what S3 holds). RSS slopes over 30 saves are warm-up
-noise: the full 1,000-save run reports them (README "Soak").
+noise: the full 1,000-save run reports them (docs/reliability.md, "Soak").
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def test_the_honest_binding_wins_two_to_one() -> None:
 
 def test_a_member_never_wins_by_vouching_for_itself_against_another() -> None:
     # The only peer stating any writer is taken (a job one node coordinates: its
-    # replacement partner must find the newest); the README names that limit.
+    # replacement partner must find the newest); docs/security.md names that limit.
     assert quorum(_s(m="m")) == {"m"}
     assert quorum(_s(a="a", m="m")) == set()  # no majority: no writer
     assert quorum(_s(a="a", b="a", m="m")) == {"a"}
