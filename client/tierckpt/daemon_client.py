@@ -35,6 +35,7 @@ __all__ = [
     "NodeStatus",
     "OpenedFile",
     "PeerMarks",
+    "status_from_wire",
 ]
 
 T = TypeVar("T")
@@ -83,6 +84,17 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         durable_requested=info.durable_requested,
         persistent_url=info.persistent_url,
         lost_files=tuple(info.lost_files),
+    )
+
+
+def status_from_wire(s: daemon_pb2.NodeStatus) -> NodeStatus:
+    """A GetStatus answer as the record the daemon built (`tierckptd.wire.node_status`
+    puts it on the wire field by field name, as this reads it back)."""
+    return NodeStatus(
+        **{name: getattr(s, name) for name in NodeStatus.scalar_fields()},
+        namespaces=tuple(s.namespaces),
+        freshness=from_wire(s.freshness),
+        peer_clocks={c.peer: c.ahead_seconds for c in s.peer_clocks},
     )
 
 
@@ -282,10 +294,6 @@ class DaemonClient:
         return resp.ok, int(resp.verified_bytes), list(resp.corrupt_files)
 
     def status(self) -> NodeStatus:
-        s = self._call(self._service().GetStatus, daemon_pb2.GetStatusRequest())
-        return NodeStatus(
-            **{name: getattr(s, name) for name in NodeStatus.scalar_fields()},
-            namespaces=tuple(s.namespaces),
-            freshness=from_wire(s.freshness),
-            peer_clocks={c.peer: c.ahead_seconds for c in s.peer_clocks},
+        return status_from_wire(
+            self._call(self._service().GetStatus, daemon_pb2.GetStatusRequest())
         )
