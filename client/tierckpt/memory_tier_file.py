@@ -111,7 +111,8 @@ def crc32_disabled() -> Iterator[None]:
     and torch.load does not check the CRC, so stock DCP readers still read the files.
     torch's switch is thread-local (a ContextVar), and DCP opens, writes (torch.save) and
     closes each file in one writer thread, so a file sets it on open and restores it on
-    close, in that thread. ``TIERCKPT_FSSPEC_CRC32=1`` keeps the CRC.
+    close, in that thread. ``TIERCKPT_FSSPEC_CRC32=1`` keeps the CRC (on both routes:
+    this is their one switch).
     """
     if os.environ.get(CRC32_ENV, "") not in ("", "0"):
         yield

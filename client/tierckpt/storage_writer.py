@@ -61,7 +61,8 @@ class _RankNode:
 
 class _MemoryTierFileSystem(FileSystemBase):
     """DCP file-system hooks over the daemon: paths are ``<checkpoint id>/<file name>``,
-    each file a `MemoryTierFile` of the save `target()` names (the writer's, per save)."""
+    each file a `MemoryTierFile` of this rank's part of the save (`target(checkpoint id)`,
+    the writer's, rebuilt per save)."""
 
     def __init__(self, client: DaemonClient, target: Callable[[str], SaveTarget]) -> None:
         self.client = client
