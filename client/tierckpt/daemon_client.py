@@ -1,14 +1,14 @@
 """Typed client of the local daemon's DaemonService.
 
-The only client module that touches generated wire types: callers get domain
-dataclasses and tierckpt exceptions (mapped from the gRPC status by errors.py).
+The only client module that touches generated wire types: callers get the records of
+`tierckpt.records` (re-exported here) and tierckpt exceptions (mapped from the gRPC
+status by errors.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -17,7 +17,6 @@ from tierckpt.checksum import BlockChecksums
 from tierckpt.endpoint import open_channel, resolve_daemon_address
 from tierckpt.errors import (
     TIER_UNAVAILABLE_PREFIX,
-    CheckpointIncomplete,
     DaemonTimeout,
     DaemonUnavailable,
     PermissionDenied,
@@ -26,121 +25,21 @@ from tierckpt.errors import (
     error_from_status,
 )
 from tierckpt.freshness import from_wire
-from tierckpt.memory_files import VerifiedFile
+from tierckpt.records import CheckpointInfo, FileEntry, NodeStatus, OpenedFile, PeerMarks
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
-__all__ = ["CheckpointInfo", "DaemonClient", "FileEntry", "NodeStatus", "OpenedFile"]
+__all__ = [
+    "CheckpointInfo",
+    "DaemonClient",
+    "FileEntry",
+    "NodeStatus",
+    "OpenedFile",
+    "PeerMarks",
+    "status_from_wire",
+]
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    name: str
-    size: int
-    checksums: BlockChecksums | None  # None while the file is still being written
-    rank: int
-    owner_node: str
-    replica_nodes: tuple[str, ...]
-    local_path: str
-
-    def open_verified(self, what: str) -> VerifiedFile:
-        """The local copy for verified reads; refuses a file that was never committed."""
-        if self.checksums is None or not self.local_path:
-            raise CheckpointIncomplete(f"{what} is not committed on this node; it cannot be read")
-        return VerifiedFile(self.local_path, self.size, self.checksums, what=what)
-
-
-@dataclass(frozen=True)
-class PeerMarks:
-    """What the peers did with a cluster rm/pin/unpin this daemon made: how many applied
-    it (or had nothing of the checkpoint), which have not answered yet (the daemon keeps
-    retrying them, and they learn it when they next pull its manifests), which refused."""
-
-    applied: int = 0
-    pending: tuple[str, ...] = ()
-    refused: tuple[str, ...] = ()
-
-    def summary(self) -> str:
-        """Like "2 applied, pending: n3", for a human."""
-        text = f"{self.applied} applied"
-        if self.pending:
-            text += f", pending: {', '.join(self.pending)}"
-        if self.refused:
-            text += f", refused by: {', '.join(self.refused)}"
-        return text
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    namespace: str
-    checkpoint_id: str
-    state: str
-    size_bytes: int
-    file_count: int
-    created_unix: float
-    committed_unix: float
-    sequence: int
-    tiers: tuple[str, ...]
-    pinned: bool
-    files: tuple[FileEntry, ...] = field(default=())
-    durable_requested: bool = False  # committed with the "make this one durable" hint
-    persistent_url: str = ""  # where it drains; "" is the daemon's `[persistent] url`
-    lost_files: tuple[str, ...] = ()  # state LOST: the files no tier holds any more
-
-    def file(self, name: str) -> FileEntry:
-        for entry in self.files:
-            if entry.name == name:
-                return entry
-        raise KeyError(f"{self.namespace}/{self.checkpoint_id} has no file {name!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        """The `tierckpt ls --json` row: stable keys for scripts."""
-        return {
-            "namespace": self.namespace,
-            "id": self.checkpoint_id,
-            "state": self.state,
-            "bytes": self.size_bytes,
-            "files": self.file_count,
-            "created": self.created_unix,
-            "committed": self.committed_unix or None,
-            "sequence": self.sequence,
-            "tiers": list(self.tiers),
-            "pinned": self.pinned,
-            "lost_files": list(self.lost_files),
-        }
-
-
-@dataclass(frozen=True)
-class OpenedFile:
-    path: str
-    preallocated_bytes: int
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    node_id: str
-    failure_domain: str
-    memory_dir: str
-    budget_bytes: int
-    used_bytes: int
-    reserved_bytes: int
-    pool_bytes: int
-    checkpoints: int
-    namespaces: tuple[str, ...]
-    version: str
-    # Warm pool: next-save prewarm planned / ready bytes, prewarmed bytes saves used,
-    # files saves opened warm (hits) or cold (misses) since the daemon started.
-    prewarm_pending_bytes: int = 0
-    prewarm_ready_bytes: int = 0
-    prewarm_used_bytes: int = 0
-    pool_hits: int = 0
-    pool_misses: int = 0
-    # {peer: seconds its clock was ahead of the daemon's} (shown, never trusted for order)
-    peer_clocks: dict[str, float] = field(default_factory=dict)
-    # {namespace: {tier: newest commit time}} (`tierckpt.freshness`): the RPO view
-    freshness: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
@@ -185,6 +84,17 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         durable_requested=info.durable_requested,
         persistent_url=info.persistent_url,
         lost_files=tuple(info.lost_files),
+    )
+
+
+def status_from_wire(s: daemon_pb2.NodeStatus) -> NodeStatus:
+    """A GetStatus answer as the record the daemon built (`tierckptd.wire.node_status`
+    puts it on the wire field by field name, as this reads it back)."""
+    return NodeStatus(
+        **{name: getattr(s, name) for name in NodeStatus.scalar_fields()},
+        namespaces=tuple(s.namespaces),
+        freshness=from_wire(s.freshness),
+        peer_clocks={c.peer: c.ahead_seconds for c in s.peer_clocks},
     )
 
 
@@ -384,23 +294,6 @@ class DaemonClient:
         return resp.ok, int(resp.verified_bytes), list(resp.corrupt_files)
 
     def status(self) -> NodeStatus:
-        s = self._call(self._service().GetStatus, daemon_pb2.GetStatusRequest())
-        return NodeStatus(
-            node_id=s.node_id,
-            failure_domain=s.failure_domain,
-            memory_dir=s.memory_dir,
-            budget_bytes=s.budget_bytes,
-            used_bytes=s.used_bytes,
-            reserved_bytes=s.reserved_bytes,
-            pool_bytes=s.pool_bytes,
-            checkpoints=s.checkpoints,
-            namespaces=tuple(s.namespaces),
-            version=s.version,
-            prewarm_pending_bytes=s.prewarm_pending_bytes,
-            prewarm_ready_bytes=s.prewarm_ready_bytes,
-            prewarm_used_bytes=s.prewarm_used_bytes,
-            pool_hits=s.pool_hits,
-            pool_misses=s.pool_misses,
-            freshness=from_wire(s.freshness),
-            peer_clocks={c.peer: c.ahead_seconds for c in s.peer_clocks},
+        return status_from_wire(
+            self._call(self._service().GetStatus, daemon_pb2.GetStatusRequest())
         )

@@ -12,7 +12,8 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
 
 - ``makedirs`` checks names only; ``_open(..., "wb")`` of a file begins the save
   (BeginCheckpoint: a committed id raises CheckpointExists, a FileExistsError), reserves
-  budget as the stream grows and commits the file on close (fsspec_files.WriteStream).
+  budget as the stream grows and commits the file on close (`MemoryTierFile`, the save
+  path TieredStorageWriter uses too).
 - ``.metadata.tmp`` is written as the checkpoint's ``.metadata``; ``mv(.metadata.tmp,
   .metadata)`` is the commit (CommitCheckpoint of every file the metadata names).
   Writing ``.metadata`` directly commits on close (writers that skip the rename).
@@ -47,7 +48,7 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-from tierckpt.daemon_client import CheckpointInfo, DaemonClient
+from tierckpt.daemon_client import DaemonClient
 from tierckpt.dcp_metadata import load_metadata
 from tierckpt.endpoint import resolve_daemon_address
 from tierckpt.errors import (
@@ -56,7 +57,9 @@ from tierckpt.errors import (
     InvalidName,
     TierckptError,
 )
-from tierckpt.fsspec_files import ReadStream, SaveTarget, WriteStream
+from tierckpt.fsspec_files import ReadStream
+from tierckpt.memory_files import VerifiedFile
+from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget
 from tierckpt.names import (
     LATEST,
     METADATA_FILE,
@@ -64,6 +67,7 @@ from tierckpt.names import (
     check_file_name,
     check_namespace,
 )
+from tierckpt.records import CheckpointInfo
 
 __all__ = ["LATEST", "PROTOCOL", "TierPath", "TierckptFileSystem", "parse_path"]
 
@@ -207,33 +211,40 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             return self._open_write(p, autocommit)
         raise ValueError(f"tierckpt:// files are written once ('wb') and read ('rb'), not {mode!r}")
 
-    def _open_write(self, p: TierPath, autocommit: bool) -> WriteStream:
+    def _open_write(self, p: TierPath, autocommit: bool) -> MemoryTierFile:
         self._writable(p, "cannot write")
         name, on_committed = p.file_name, None
         if name == METADATA_TMP:
             name, on_committed = METADATA_FILE, self._metadata_written
         elif name == METADATA_FILE:
             on_committed = self._metadata_written_final
-        target = SaveTarget(p.namespace, p.checkpoint_id, name, _rank_for(name))
-        return WriteStream(self.client, target, autocommit=autocommit, on_committed=on_committed)
+        target = SaveTarget(p.namespace, p.checkpoint_id, _rank_for(name))
+        # No set-up hook on this route: each file begins (or joins) the save.
+        self.client.begin_checkpoint(target.namespace, target.checkpoint_id, target.rank)
+        return MemoryTierFile(
+            self.client,
+            target,
+            name,
+            grow=True,
+            autocommit=autocommit,
+            on_committed=on_committed,
+        )
 
-    def _metadata_written(self, stream: WriteStream) -> None:
+    def _metadata_written(self, file: MemoryTierFile) -> None:
         """Remember the files this `.metadata` names (checked with the allow-list decoder:
         what is committed is what a safe reader accepts); the rename commits them."""
-        t = stream.target
-        assert stream.checksums is not None
-        from tierckpt.memory_files import VerifiedFile
-
-        with VerifiedFile(stream.path, stream.size, stream.checksums, what=t.what) as f:
-            metadata = load_metadata(f.read(0, f.size), what=t.what)
+        t = file.target
+        assert file.checksums is not None
+        with VerifiedFile(file.path, file.size, file.checksums, what=file.what) as f:
+            metadata = load_metadata(f.read(0, f.size), what=file.what)
         storage = metadata.storage_data or {}
         required = frozenset({info.relative_path for info in storage.values()} | {METADATA_FILE})
         with _STATE_LOCK:
-            _PENDING[(stream.client.address, t.namespace, t.checkpoint_id)] = required
+            _PENDING[(file.client.address, t.namespace, t.checkpoint_id)] = required
 
-    def _metadata_written_final(self, stream: WriteStream) -> None:
-        self._metadata_written(stream)
-        self._commit(stream.target.namespace, stream.target.checkpoint_id)
+    def _metadata_written_final(self, file: MemoryTierFile) -> None:
+        self._metadata_written(file)
+        self._commit(file.target.namespace, file.target.checkpoint_id)
 
     def _commit(self, namespace: str, checkpoint_id: str) -> None:
         client = self.client

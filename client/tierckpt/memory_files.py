@@ -100,6 +100,13 @@ class ChecksummingWriter(io.RawIOBase):
         os.ftruncate(self._fd, self._position)
         return self._position, self._hasher.finish()
 
+    def abandon(self) -> None:
+        """Drop unwritten bytes and close without writing: the owner is about to close the
+        descriptor, whose number a later open may reuse (a flush from the garbage
+        collector would land in that other file)."""
+        self._pending = bytearray()
+        super().close()
+
     def close(self) -> None:  # the owner closes the descriptor
         self._flush_pending()
         super().close()

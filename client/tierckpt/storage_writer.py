@@ -2,9 +2,10 @@
 
 We keep FileSystemWriter's planning, bucketing, threads and serialization, so the files
 are exactly the FileSystemWriter layout ("one format everywhere"), and swap only where
-bytes go: `_MemoryTierFileSystem` asks the daemon for each file, writes it in place in
-shared memory, and commits it with its size and block checksums. `finish()` writes
-`.metadata` the same way and commits the checkpoint.
+bytes go: `_MemoryTierFileSystem` opens each file as a `MemoryTierFile` (the save path
+of `tierckpt://` too: asked of the daemon, written in place in shared memory with block
+checksums, committed on close). The rank's budget is reserved from the plan before the
+first file opens; `finish()` writes `.metadata` the same way and commits the checkpoint.
 
 Copies per byte on `dcp.save`: one (tensor -> tmpfs page). `async_save` adds the
 staging copy into the process's staging buffers (tierckpt.staging: reused by
@@ -19,7 +20,7 @@ import io
 import logging
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -32,8 +33,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tierckpt.daemon_client import DaemonClient
-from tierckpt.errors import CheckpointIncomplete, MemoryBudgetExceeded, TierckptError
-from tierckpt.memory_files import ChecksummingWriter
+from tierckpt.errors import CheckpointIncomplete, MemoryBudgetExceeded
+from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget, abort_quietly, reserve
 from tierckpt.names import (
     METADATA_FILE,
     check_namespace,
@@ -50,17 +51,6 @@ logger = logging.getLogger(__name__)
 _PER_ITEM_OVERHEAD = 4096
 
 
-@dataclasses.dataclass
-class _SaveTarget:
-    """Who is saving what; shared by the writer and its file system, rebuilt per save."""
-
-    namespace: str
-    checkpoint_id: str | None = None
-    rank: int = 0
-    node_id: str = ""  # this rank's daemon
-    holder_nodes: tuple[str, ...] = ()  # every rank's daemon (the coordinator's commit)
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankNode:
     """What a rank's local plan carries to the coordinator: the node its daemon runs on,
@@ -70,9 +60,11 @@ class _RankNode:
 
 
 class _MemoryTierFileSystem(FileSystemBase):
-    """DCP file-system hooks over the daemon: paths are ``<checkpoint id>/<file name>``."""
+    """DCP file-system hooks over the daemon: paths are ``<checkpoint id>/<file name>``,
+    each file a `MemoryTierFile` of this rank's part of the save (`target(checkpoint id)`,
+    the writer's, rebuilt per save)."""
 
-    def __init__(self, client: DaemonClient, target: _SaveTarget) -> None:
+    def __init__(self, client: DaemonClient, target: Callable[[str], SaveTarget]) -> None:
         self.client = client
         self.target = target
 
@@ -83,17 +75,9 @@ class _MemoryTierFileSystem(FileSystemBase):
                 f"TieredStorageWriter only writes ({mode=}); read with TieredStorageReader"
             )
         checkpoint_id, file_name = str(path).split("/", 1)
-        t = self.target
-        opened = self.client.open_file(t.namespace, checkpoint_id, file_name, t.rank)
-        fd = os.open(opened.path, os.O_WRONLY)  # no O_TRUNC: overwrite a warm recycled segment
-        try:
-            stream = ChecksummingWriter(fd)
-            with _torch_save_without_crc():  # in this writer thread, where torch.save runs
-                yield stream
-            size, checksums = stream.finish()
-        finally:
-            os.close(fd)
-        self.client.commit_file(t.namespace, checkpoint_id, file_name, t.rank, size, checksums)
+        # The plan's bytes were reserved in write_data: the file does not grow the budget.
+        with MemoryTierFile(self.client, self.target(checkpoint_id), file_name, grow=False) as f:
+            yield f
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{path}/{suffix}"
@@ -146,22 +130,6 @@ class _MemoizedBytesPlanner:
         return total
 
 
-@contextlib.contextmanager
-def _torch_save_without_crc() -> Iterator[None]:
-    """torch.save's CRC32 halves its throughput; our xxh3 blocks already cover every byte
-    and torch.load does not check the CRC, so stock readers still read the files.
-
-    torch's serialization config is thread-local (a ContextVar): this must run in the
-    thread that calls torch.save, i.e. around each file's stream in the writer threads.
-    """
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
-
-
 class TieredStorageWriter(FileSystemWriter):
     """A DCP `StorageWriter` that saves into the local tierckptd's memory tier.
 
@@ -201,30 +169,43 @@ class TieredStorageWriter(FileSystemWriter):
         )
         self.namespace = namespace
         self.durable = durable
-        self._target = _SaveTarget(namespace)
+        # The save in progress, rebuilt per save: its id, this rank, this rank's daemon,
+        # and (on the coordinator) every rank's daemon, for the commit.
+        self._checkpoint_id: str | None = None
+        self._rank = 0
+        self._node_id = ""
+        self._holder_nodes: tuple[str, ...] = ()
         self.client = DaemonClient(daemon)
-        self.fs = _MemoryTierFileSystem(self.client, self._target)  # type: ignore[assignment]
+        self.fs = _MemoryTierFileSystem(self.client, self._target_of)  # type: ignore[assignment]
 
     # --- identity ----------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self._target.checkpoint_id = check_new_checkpoint_id(str(checkpoint_id))
-            self.path = self._target.checkpoint_id
-        self._target.holder_nodes = ()
+            self._checkpoint_id = check_new_checkpoint_id(str(checkpoint_id))
+            self.path = self._checkpoint_id
+        self._holder_nodes = ()
         self.save_id = dcp_filesystem._generate_uuid()
 
     @property
     def checkpoint_id(self) -> str | None:  # type: ignore[override]
         """The id of the save in progress; None until DCP passes ``checkpoint_id``."""
-        return self._target.checkpoint_id
+        return self._checkpoint_id
 
     def _require_id(self) -> str:
-        if self._target.checkpoint_id is None:
+        if self._checkpoint_id is None:
             raise ValueError(
                 "TieredStorageWriter needs a checkpoint id: pass checkpoint_id='step-000100' "
                 "to dcp.save / dcp.async_save"
             )
-        return self._target.checkpoint_id
+        return self._checkpoint_id
+
+    def _target(self) -> SaveTarget:
+        """This rank's part of the save in progress."""
+        return SaveTarget(self.namespace, self._require_id(), self._rank)
+
+    def _target_of(self, checkpoint_id: str) -> SaveTarget:
+        """This rank's part of the save of `checkpoint_id` (the file system's paths name it)."""
+        return SaveTarget(self.namespace, checkpoint_id, self._rank)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -241,21 +222,19 @@ class TieredStorageWriter(FileSystemWriter):
         rank = self.rank
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._target.rank = rank
+        self._rank = rank
         # Fails fast (before planning) on a reused id or an unreachable daemon.
-        self._target.node_id = self.client.begin_checkpoint(
-            self.namespace, self._require_id(), rank
-        )
+        self._node_id = self.client.begin_checkpoint(self.namespace, self._require_id(), rank)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # FileSystemWriter's version checks a directory; the daemon already did.
-        return dataclasses.replace(plan, storage_data=_RankNode(self._target.node_id))
+        return dataclasses.replace(plan, storage_data=_RankNode(self._node_id))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Keep the ranks' nodes for the commit, then name the files as FileSystemWriter
         does (its prefixes replace what the local plans carried)."""
         nodes = {p.storage_data.node_id for p in plans if isinstance(p.storage_data, _RankNode)}
-        self._target.holder_nodes = tuple(sorted(n for n in nodes if n))
+        self._holder_nodes = tuple(sorted(n for n in nodes if n))
         plans = [
             dataclasses.replace(p, storage_data=None)
             if isinstance(p.storage_data, _RankNode)
@@ -268,12 +247,8 @@ class TieredStorageWriter(FileSystemWriter):
         memo = _MemoizedBytesPlanner(planner)
         needed = memo.reservation(plan.items) + self.thread_count * _PER_ITEM_OVERHEAD
         # Before any byte is written: RESOURCE_EXHAUSTED here leaves memory untouched.
-        try:
-            self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, needed)
-        except MemoryBudgetExceeded:
-            self._abort_quietly()  # release the other ranks' reservations now, not at the GC
-            raise
-        rank = self._target.rank
+        self._reserve(needed)
+        rank = self._rank
 
         def all_written(done: Future[list[WriteResult]]) -> list[WriteResult]:
             # torch's FileSystemWriter runs thread_count - 1 extra writer threads and drops
@@ -299,7 +274,7 @@ class TieredStorageWriter(FileSystemWriter):
         metadata.storage_meta = self.storage_meta()
         data = pickle.dumps(metadata)
         # The daemon refuses a file larger than the rank's reservation: reserve its size.
-        self.client.reserve_space(self.namespace, self._require_id(), self._target.rank, len(data))
+        self._reserve(len(data))
         with self.fs.create_stream(
             self.fs.concat_path(self._require_id(), METADATA_FILE), "wb"
         ) as stream:
@@ -310,7 +285,7 @@ class TieredStorageWriter(FileSystemWriter):
             self._require_id(),
             required,
             durable=self.durable,
-            holder_nodes=self._target.holder_nodes,
+            holder_nodes=self._holder_nodes,
         )
         logger.info(
             "committed %s/%s: %d files, %d bytes",
@@ -320,11 +295,14 @@ class TieredStorageWriter(FileSystemWriter):
             info.size_bytes,
         )
 
-    def _abort_quietly(self) -> None:
+    def _reserve(self, nbytes: int) -> None:
+        """Reserve the rank's next `nbytes`; when they do not fit, abort the save so every
+        rank's reservation goes now, not at the daemon's clean-up."""
         try:
-            self.client.abort_checkpoint(self.namespace, self._require_id())
-        except TierckptError as e:  # another rank aborted first, or the daemon is gone
-            logger.debug("abort of %s/%s: %s", self.namespace, self._target.checkpoint_id, e)
+            reserve(self.client, self._target(), nbytes)
+        except MemoryBudgetExceeded:
+            abort_quietly(self.client, self._target())
+            raise
 
     # --- async staging ----------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:

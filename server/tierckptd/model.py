@@ -1,4 +1,5 @@
-"""Domain model shared by every tier: checkpoints, their files, and node status.
+"""Domain model shared by every tier: checkpoints, their files, and node status (the
+client's `tierckpt.records.NodeStatus`, the one type both sides use).
 
 Plain dataclasses so that the catalog, the tiers, manifests and retention never see
 protobuf types; `tierckptd.wire` translates them to and from the wire (for `rpc/` and the
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tierckpt.checksum import BlockChecksums
 from tierckpt.names import METADATA_FILE
+from tierckpt.records import NodeStatus  # one record for client and daemon
 
 # Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
 # the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
@@ -35,7 +37,7 @@ __all__ = [
     "CheckpointView",
     "FileRecord",
     "Key",
-    "NodeStatusView",
+    "NodeStatus",
     "State",
     "Trust",
     "coordinator_of",
@@ -177,29 +179,6 @@ class CheckpointView:
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
     owner_uid: int | None = None  # CheckpointRecord.owner_uid
     owner_claim_node: str = ""
-
-
-@dataclass(frozen=True)
-class NodeStatusView:
-    node_id: str
-    failure_domain: str
-    memory_dir: str
-    budget_bytes: int
-    used_bytes: int
-    reserved_bytes: int
-    pool_bytes: int
-    checkpoints: int
-    namespaces: tuple[str, ...]
-    version: str
-    # Warm pool use: bytes the next-save prewarm has planned and not made yet, prewarmed
-    # segments waiting for a save, prewarmed bytes saves got; files opened warm / cold.
-    prewarm_pending_bytes: int = 0
-    prewarm_ready_bytes: int = 0
-    prewarm_used_bytes: int = 0
-    pool_hits: int = 0
-    pool_misses: int = 0
-    # Seconds each peer's clock was ahead of this node's at its latest new manifest.
-    peer_clock_skew: tuple[tuple[str, float], ...] = ()
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

@@ -16,16 +16,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
 from tierckpt.errors import InvalidArgument, InvalidName
+from tierckpt.freshness import TIERS
 from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
     check_namespace,
     check_persistent_url,
 )
-from tierckpt.v1 import common_pb2
+from tierckpt.records import NodeStatus
+from tierckpt.v1 import common_pb2, daemon_pb2
 
 from tierckptd.model import (
     CLOCK_SKEW,
@@ -54,6 +57,7 @@ __all__ = [
     "check_ref",
     "file_entry",
     "file_from_entry",
+    "node_status",
     "record_from_info",
     "ref",
     "to_info",
@@ -132,6 +136,26 @@ def file_entry(f: FileRecord, local_path: str = "") -> common_pb2.FileEntry:
         owner_node=f.owner_node,
         replica_nodes=f.replica_nodes,
         local_path=local_path,
+    )
+
+
+def node_status(s: NodeStatus) -> daemon_pb2.NodeStatus:
+    """GetStatus's answer: `s` as given (the caller narrowed its namespaces and freshness
+    to what the asker may see). Fields go by name, as the client reads them back."""
+    scalars: dict[str, Any] = {name: getattr(s, name) for name in NodeStatus.scalar_fields()}
+    return daemon_pb2.NodeStatus(
+        **scalars,
+        namespaces=s.namespaces,
+        peer_clocks=[
+            daemon_pb2.PeerClock(peer=peer, ahead_seconds=ahead)
+            for peer, ahead in sorted(s.peer_clocks.items())
+        ],
+        freshness=[
+            daemon_pb2.NamespaceFreshness(
+                namespace=ns, **{f"{tier}_unix": tiers.get(tier, 0.0) for tier in TIERS}
+            )
+            for ns, tiers in sorted(s.freshness.items())
+        ],
     )
 
 

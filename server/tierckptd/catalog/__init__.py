@@ -62,7 +62,7 @@ from tierckptd.model import (
     CheckpointRecord,
     CheckpointView,
     FileRecord,
-    NodeStatusView,
+    NodeStatus,
     State,
     Trust,
     coordinator_of,
@@ -450,10 +450,10 @@ class Catalog(UnfinishedSaves):
         )
         return result
 
-    def status(self) -> NodeStatusView:
+    def status(self) -> NodeStatus:
         with self._lock:
             committed = [r for r in self._records.values() if r.state is State.COMMITTED]
-            return NodeStatusView(
+            return NodeStatus(
                 node_id=self.node_id,
                 failure_domain=self.failure_domain,
                 memory_dir=str(self.tier.root),
@@ -469,7 +469,7 @@ class Catalog(UnfinishedSaves):
                 prewarm_used_bytes=self.pool_use.prewarmed_bytes,
                 pool_hits=self.pool_use.hits,
                 pool_misses=self.pool_use.misses,
-                peer_clock_skew=tuple(sorted(self._skew.items())),
+                peer_clocks=dict(sorted(self._skew.items())),
             )
 
     # ---- background work ----------------------------------------------------------------

@@ -15,6 +15,7 @@ unexpected error answers INTERNAL with a fixed message: no repr, traceback or pa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from tierckptd.peers.cluster import Cluster, LocalRestore
 from tierckptd.restore import Restorer, no_sources
 from tierckptd.rpc.errors import MAX_DETAILS, StatusTranslator, bounded, rpc_method
 from tierckptd.rpc.local_access import LocalAccess
-from tierckptd.wire import file_entry, to_info
+from tierckptd.wire import file_entry, node_status, to_info
 
 __all__ = ["MAX_DETAILS", "DaemonService", "add_daemon_service", "bounded", "to_info"]
 
@@ -311,36 +312,8 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         s = self.catalog.status()
         shown = self._visible(context, "GetStatus", uid, set(s.namespaces))
         fresh = freshness(v for v in self.catalog.list_checkpoints() if v.namespace in shown)
-        return daemon_pb2.NodeStatus(
-            node_id=s.node_id,
-            failure_domain=s.failure_domain,
-            memory_dir=s.memory_dir,
-            budget_bytes=s.budget_bytes,
-            used_bytes=s.used_bytes,
-            reserved_bytes=s.reserved_bytes,
-            pool_bytes=s.pool_bytes,
-            checkpoints=s.checkpoints,
-            namespaces=[ns for ns in s.namespaces if ns in shown],
-            version=s.version,
-            prewarm_pending_bytes=s.prewarm_pending_bytes,
-            prewarm_ready_bytes=s.prewarm_ready_bytes,
-            prewarm_used_bytes=s.prewarm_used_bytes,
-            pool_hits=s.pool_hits,
-            pool_misses=s.pool_misses,
-            peer_clocks=[
-                daemon_pb2.PeerClock(peer=peer, ahead_seconds=ahead)
-                for peer, ahead in s.peer_clock_skew
-            ],
-            freshness=[
-                daemon_pb2.NamespaceFreshness(
-                    namespace=ns,
-                    memory_unix=tiers.get("memory", 0.0),
-                    replicated_unix=tiers.get("replicated", 0.0),
-                    durable_unix=tiers.get("durable", 0.0),
-                )
-                for ns, tiers in sorted(fresh.items())
-            ],
-        )
+        namespaces = tuple(ns for ns in s.namespaces if ns in shown)
+        return node_status(dataclasses.replace(s, namespaces=namespaces, freshness=fresh))
 
 
 def add_daemon_service(

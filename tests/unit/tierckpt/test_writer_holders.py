@@ -53,7 +53,7 @@ class _Files:
 def _rank_plan(node: str) -> SavePlan:
     writer = TieredStorageWriter("ns", daemon="unix:///tmp/x.sock")
     writer.reset("step-1")
-    writer._target.node_id = node
+    writer._node_id = node
     # A rank's local plan crosses to the coordinator pickled (gather_object).
     return pickle.loads(pickle.dumps(writer.prepare_local_plan(SavePlan([]))))
 
@@ -63,10 +63,10 @@ def test_the_coordinator_gathers_the_ranks_nodes_and_keeps_the_file_prefixes() -
     coordinator = TieredStorageWriter("ns", daemon="unix:///tmp/x.sock")
     coordinator.reset("step-1")
     out = coordinator.prepare_global_plan(plans)
-    assert coordinator._target.holder_nodes == ("n1", "n3")
+    assert coordinator._holder_nodes == ("n1", "n3")
     assert [p.storage_data for p in out] == [_StoragePrefix(f"__{i}_") for i in range(4)]
     coordinator.reset("step-2")  # a reused writer starts each save without hints
-    assert coordinator._target.holder_nodes == ()
+    assert coordinator._holder_nodes == ()
 
 
 def test_finish_passes_the_holders_to_the_commit(monkeypatch: Any) -> None:

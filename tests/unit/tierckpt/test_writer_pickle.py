@@ -25,11 +25,11 @@ from tierckpt.errors import (
     TierckptError,
     TierUnavailable,
 )
+from tierckpt.memory_tier_file import SaveTarget, crc32_disabled
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.storage_writer import (
     TieredStorageWriter,
     _MemoryTierFileSystem,
-    _torch_save_without_crc,
 )
 
 ADDRESS = "unix:///tmp/x.sock"
@@ -42,9 +42,10 @@ def test_writer_pickles_without_a_daemon() -> None:
     assert copy.namespace == "ns"
     assert copy.client.address == ADDRESS
     assert copy.thread_count == 2
-    # the file system shares the writer's client and target after the round trip
+    # the file system shares the writer's client and save target after the round trip
     assert copy.fs.client is copy.client
-    assert copy.fs.target is copy._target
+    copy.reset("step-1")
+    assert copy.fs.target("step-1") == SaveTarget("ns", "step-1", 0)
 
 
 def test_writer_pickle_keeps_the_checkpoint_id_and_drops_the_staging_cache() -> None:
@@ -114,10 +115,10 @@ def test_reader_pickles_without_a_daemon() -> None:
     assert copy.io_threads == 5
 
 
-def test_torch_save_without_crc_restores_the_setting_on_error() -> None:
+def test_crc32_disabled_restores_the_setting_on_error() -> None:
     config = serialization.config.save
     before = config.compute_crc32
-    with pytest.raises(RuntimeError), _torch_save_without_crc():
+    with pytest.raises(RuntimeError), crc32_disabled():
         assert config.compute_crc32 is False
         raise RuntimeError("save failed")
     assert config.compute_crc32 == before
