@@ -80,7 +80,7 @@ class PersistentBackend(Backend):
         return records
 
     def source(self, catalog: Catalog) -> FileSource:
-        return PersistentSource(self.tier, catalog)
+        return PersistentSource(self.tier)
 
     def _object(self, namespace: str, checkpoint_id: str, name: str) -> str:
         return f"{self.tier.checkpoint_path(namespace, checkpoint_id)}/{name}"
