@@ -60,10 +60,21 @@ class PermissionDenied(TierckptError, PermissionError):
 
 
 class CheckpointExists(TierckptError, FileExistsError):
+    """Raised when a save would change what is already there: a `BeginCheckpoint` of an
+    id already committed on the node, or a file opened or committed twice in one save.
+    Committed checkpoints are immutable: save under a new `checkpoint_id` (or remove the
+    old one first with `tierckpt rm`)."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class CheckpointNotFound(TierckptError, FileNotFoundError):
+    """Raised when the namespace, checkpoint or file asked for is not known to the
+    daemon or to any tier it asked (never saved, removed, or evicted from memory with no
+    copy elsewhere). List what there is (`tierckpt ls`, `list_checkpoints`) or load with
+    ``checkpoint_id=None`` for the newest complete one. `CheckpointLost` is the subtype
+    for a committed checkpoint whose file has no copy left."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
@@ -82,18 +93,41 @@ CHECKPOINT_LOST_PREFIX = "checkpoint lost: "
 
 
 class MemoryBudgetExceeded(TierckptError, MemoryError):
+    """Raised when the memory tier cannot admit what a save or restore needs: its budget
+    (``[memory] budget``) is held by checkpoints it may not evict yet (pinned, not yet
+    durable, being read), or a count limit such as ``max_namespaces`` is reached. The
+    message names the limit. Retry after a drain makes older checkpoints durable, unpin
+    or remove some (`tierckpt rm`), or raise the budget."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class CheckpointIncomplete(TierckptError, RuntimeError):
+    """Raised when a call comes out of order for the checkpoint's state: a commit while
+    files are missing or still open, a write to a checkpoint that is not WRITING (never
+    begun, committed, or aborted after ``[memory] abandon_after`` idle seconds), an abort
+    of a committed one. The message says which; a save that hit it is best restarted
+    under a new `checkpoint_id`."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ChecksumMismatch(TierckptError, OSError):
+    """Raised when bytes do not match their recorded block checksums (or a stored copy is
+    damaged: a zstd frame that does not decode, an object shorter than recorded) and no
+    valid copy could be found on any tier. Nothing damaged is installed or returned.
+    Load an older checkpoint, or restore this one after a good copy is back (a peer that
+    holds one rejoining)."""
+
     code = grpc.StatusCode.DATA_LOSS
 
 
 class DaemonUnavailable(TierckptError, ConnectionError):
+    """Raised by the client when tierckptd cannot be reached at its address (not
+    started, crashed, or a wrong ``TIERCKPT_DAEMON`` / ``daemon=``). Start it or point
+    the client at the running one; the call may be retried as it is. Not to be confused
+    with `TierUnavailable`: there the daemon answered and a tier behind it is down."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
@@ -132,6 +166,12 @@ NOT_A_JOB_NODE_PREFIX = "not a node of the checkpoint: "
 
 
 class DaemonTimeout(TierckptError, TimeoutError):
+    """Raised by the client when tierckptd did not answer within the client's timeout
+    (``timeout_s``): the daemon is overloaded or stuck. What the call asked may or may
+    not have happened, so a retry may meet its effect (`CheckpointExists` for a file
+    already opened); queries can simply be retried, with a longer timeout if the work is
+    large."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
