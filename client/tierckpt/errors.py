@@ -3,9 +3,17 @@
 Every error derives from a builtin so callers can catch it generically
 (`FileNotFoundError`, `MemoryError`, ...), and pickles with its message, because DCP
 gathers per-rank exceptions across processes.
+
+A subtype that shares its status code with another (`TierUnavailable` and
+`DaemonUnavailable` are both UNAVAILABLE) has a `reason`, which the daemon sends in the
+trailing metadata `REASON_METADATA`; its message also starts with the subtype's prefix,
+which is all a daemon that predates the reason sends, and what a client falls back on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
 
 import grpc
 
@@ -27,14 +35,20 @@ __all__ = [
     "TierckptError",
     "UnsafeMetadata",
     "error_from_status",
+    "reason_in",
     "status_of",
 ]
 
+# Trailing metadata carrying a subtype's `reason` (set by the daemon's status mapping).
+REASON_METADATA = "x-tierckpt-reason"
+
 
 class TierckptError(Exception):
-    """Base class of every tierckpt error; `code` is the gRPC status it travels as."""
+    """Base class of every tierckpt error; `code` is the gRPC status it travels as, and
+    `reason` ("" unless the code is shared) tells it apart from others of that code."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: ClassVar[str] = ""
 
 
 class InvalidArgument(TierckptError, ValueError):
@@ -87,6 +101,7 @@ class CheckpointLost(CheckpointNotFound):
     that only ask whether it can be had."""
 
     code = grpc.StatusCode.DATA_LOSS
+    reason = "checkpoint-lost"
 
 
 CHECKPOINT_LOST_PREFIX = "checkpoint lost: "
@@ -137,6 +152,7 @@ class TierUnavailable(TierckptError, ConnectionError):
     Travels as UNAVAILABLE with a message starting with `TIER_UNAVAILABLE_PREFIX`."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "tier-unavailable"
 
 
 TIER_UNAVAILABLE_PREFIX = "tier unavailable: "
@@ -148,6 +164,7 @@ class NoPersistentTier(TierckptError, RuntimeError):
     message starting with `NO_PERSISTENT_TIER_PREFIX`."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "no-persistent-tier"
 
 
 NO_PERSISTENT_TIER_PREFIX = "no persistent tier: "
@@ -160,6 +177,7 @@ class NotAJobNode(TierckptError, RuntimeError):
     `NOT_A_JOB_NODE_PREFIX`."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "not-a-job-node"
 
 
 NOT_A_JOB_NODE_PREFIX = "not a node of the checkpoint: "
@@ -196,16 +214,34 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return error.code if isinstance(error, TierckptError) else grpc.StatusCode.INTERNAL
 
 
-def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
-    """The client-side exception for a failed RPC; unknown codes become TierckptError."""
-    if code == grpc.StatusCode.UNAVAILABLE and message.startswith(TIER_UNAVAILABLE_PREFIX):
-        return TierUnavailable(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(
-        NO_PERSISTENT_TIER_PREFIX
-    ):
-        return NoPersistentTier(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(NOT_A_JOB_NODE_PREFIX):
-        return NotAJobNode(message)
-    if code == grpc.StatusCode.DATA_LOSS and message.startswith(CHECKPOINT_LOST_PREFIX):
-        return CheckpointLost(message)
+# The subtypes that share a code, and the prefix of their messages (older daemons' only mark).
+_PREFIXES: dict[type[TierckptError], str] = {
+    TierUnavailable: TIER_UNAVAILABLE_PREFIX,
+    NoPersistentTier: NO_PERSISTENT_TIER_PREFIX,
+    NotAJobNode: NOT_A_JOB_NODE_PREFIX,
+    CheckpointLost: CHECKPOINT_LOST_PREFIX,
+}
+_BY_REASON: dict[str, type[TierckptError]] = {cls.reason: cls for cls in _PREFIXES}
+
+
+def reason_in(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The `REASON_METADATA` value in a call's trailing metadata ("" when there is none)."""
+    for key, value in metadata or ():
+        if key == REASON_METADATA:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return ""
+
+
+def error_from_status(code: grpc.StatusCode, message: str, reason: str = "") -> TierckptError:
+    """The client-side exception for a failed RPC; unknown codes become TierckptError.
+
+    `reason` is the answer's `REASON_METADATA` (`reason_in`); without one that this
+    client knows for `code` (an older daemon), the message's prefix decides.
+    """
+    known = _BY_REASON.get(reason)
+    if known is not None and known.code == code:
+        return known(message)
+    for cls, prefix in _PREFIXES.items():
+        if code == cls.code and message.startswith(prefix):
+            return cls(message)
     return _BY_CODE.get(code, TierckptError)(message)
