@@ -10,7 +10,8 @@ the loggers whose DEBUG records carry its credentials. The retry loop, the resto
 source and the store ask `backend_for(url)`; nothing else in the tier knows a backend.
 
 Adding one (say ``gs://`` through gcsfs) is an entry in `BACKENDS` and a ``Backend``
-subclass in ``tests/conformance/test_persistent_source.py``.
+subclass in ``tests/conformance/test_persistent_source.py``, which checks that every
+entry has one. A URL of a scheme not in the table gets `GENERIC`: the builtins only.
 """
 
 from __future__ import annotations
@@ -254,16 +255,12 @@ S3 = Backend(
 
 FILE = Backend(schemes=("file", "local"), local=True)
 
-# ---- fsspec's in-process store (tests, dry runs) ---------------------------------------
-
-MEMORY = Backend(schemes=("memory",))
-
-# ---- any other fsspec URL: the builtins fsspec raises, nothing more --------------------
+# ---- any other fsspec URL (memory://, gcs://, ...): the builtins fsspec raises ---------
 
 GENERIC = Backend(schemes=())
 
 BACKENDS: Mapping[str, Backend] = MappingProxyType(
-    {scheme: b for b in (S3, FILE, MEMORY) for scheme in b.schemes}
+    {scheme: b for b in (S3, FILE) for scheme in b.schemes}
 )
 
 # Every backend's credential-leaking loggers, and fsspec's (every backend goes through it).
