@@ -6,8 +6,10 @@ botocore's and aiohttp's transport errors derive from no builtin, and an S3 erro
 s3fs does not translate carries only its code. One entry says, for one backend, which of
 those a retry may cure, which mean "no such object" and which "these credentials are
 refused", plus its client settings, whether its root is a directory on this node, and
-the loggers whose DEBUG records carry its credentials. The retry loop, the restore
-source and the store ask `backend_for(url)`; nothing else in the tier knows a backend.
+the loggers whose DEBUG records carry its credentials. The retry loop, the store, the
+restore source and the listing ask the tier's entry (`PersistentTier.backend`) instead
+of knowing a backend themselves; only the store's abort of open multipart uploads asks
+the filesystem whether it has any.
 
 Adding one (say ``gs://`` through gcsfs) is an entry in `BACKENDS` and a ``Backend``
 subclass in ``tests/conformance/test_persistent_source.py``, which checks that every
