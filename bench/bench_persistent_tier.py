@@ -78,7 +78,7 @@ def zstd_on_training_state(table: Table) -> str:
     """Compress a real DCP checkpoint of model + AdamW state item by item, as the drain does."""
     from tierckpt.checksum import checksum_bytes
     from tierckpt.memory_files import VerifiedFile
-    from tierckptd.persistent.format import compress_file, data_files
+    from tierckptd.persistent.format import compress_items, data_files
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -96,10 +96,12 @@ def zstd_on_training_state(table: Table) -> str:
         for name, df in data_files(meta).items():
             data = Path(d, name).read_bytes()
             path = str(Path(d, name))
-            with VerifiedFile(path, len(data), checksum_bytes(data), what=name) as vf:
-                out, _ = compress_file(vf, list(df.items), level=3)
-                with out:
-                    packed += out.seek(0, os.SEEK_END)
+            with (
+                VerifiedFile(path, len(data), checksum_bytes(data), what=name) as vf,
+                tempfile.TemporaryFile(dir=d) as out,
+            ):
+                compress_items(vf, list(df.items), out, level=3)
+                packed += out.tell()
             raw += len(data)
         seconds = time.perf_counter() - started
     return (

@@ -16,13 +16,13 @@ import grpc
 from tierckpt.checksum import BlockChecksums
 from tierckpt.endpoint import open_channel, resolve_daemon_address
 from tierckpt.errors import (
-    TIER_UNAVAILABLE_PREFIX,
     DaemonTimeout,
     DaemonUnavailable,
     PermissionDenied,
     TierckptError,
     TierUnavailable,
     error_from_status,
+    reason_in,
 )
 from tierckpt.freshness import from_wire
 from tierckpt.records import CheckpointInfo, FileEntry, NodeStatus, OpenedFile, PeerMarks
@@ -138,9 +138,11 @@ class DaemonClient:
     def _translate(self, e: grpc.RpcError) -> TierckptError:
         code: grpc.StatusCode = e.code()
         details: str = e.details() or ""
-        if code == grpc.StatusCode.UNAVAILABLE and details.startswith(TIER_UNAVAILABLE_PREFIX):
+        trailing = getattr(e, "trailing_metadata", None)
+        error = error_from_status(code, details, reason_in(trailing() if trailing else None))
+        if isinstance(error, TierUnavailable):
             # The daemon answered: a tier behind it (a peer, S3) is down, not the daemon.
-            return TierUnavailable(details)
+            return error
         if code == grpc.StatusCode.UNAVAILABLE:
             return DaemonUnavailable(
                 f"tierckptd is not reachable at {self.address} ({details}): start it "
@@ -153,7 +155,7 @@ class DaemonClient:
             )
         if code == grpc.StatusCode.UNAUTHENTICATED:  # local_isolation: no valid session
             return PermissionDenied(details)
-        return error_from_status(code, details)
+        return error
 
     # --- save path -------------------------------------------------------------------
     def begin_checkpoint(self, namespace: str, checkpoint_id: str, rank: int) -> str:

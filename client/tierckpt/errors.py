@@ -3,9 +3,17 @@
 Every error derives from a builtin so callers can catch it generically
 (`FileNotFoundError`, `MemoryError`, ...), and pickles with its message, because DCP
 gathers per-rank exceptions across processes.
+
+A subtype that shares its status code with another (`TierUnavailable` and
+`DaemonUnavailable` are both UNAVAILABLE) has a `reason`, which the daemon sends in the
+trailing metadata `REASON_METADATA`; its message also starts with the subtype's prefix,
+which is all a daemon that predates the reason sends, and what a client falls back on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
 
 import grpc
 
@@ -27,14 +35,20 @@ __all__ = [
     "TierckptError",
     "UnsafeMetadata",
     "error_from_status",
+    "reason_in",
     "status_of",
 ]
 
+# Trailing metadata carrying a subtype's `reason` (set by the daemon's status mapping).
+REASON_METADATA = "x-tierckpt-reason"
+
 
 class TierckptError(Exception):
-    """Base class of every tierckpt error; `code` is the gRPC status it travels as."""
+    """Base class of every tierckpt error; `code` is the gRPC status it travels as, and
+    `reason` ("" unless the code is shared) tells it apart from others of that code."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: ClassVar[str] = ""
 
 
 class InvalidArgument(TierckptError, ValueError):
@@ -60,10 +74,21 @@ class PermissionDenied(TierckptError, PermissionError):
 
 
 class CheckpointExists(TierckptError, FileExistsError):
+    """Raised when a save would change what is already there: a `BeginCheckpoint` of an
+    id already committed on the node, or a file opened or committed twice in one save.
+    Committed checkpoints are immutable: save under a new `checkpoint_id` (or remove the
+    old one first with `tierckpt rm`)."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class CheckpointNotFound(TierckptError, FileNotFoundError):
+    """Raised when the namespace, checkpoint or file asked for is not known to the
+    daemon or to any tier it asked (never saved, removed, or evicted from memory with no
+    copy elsewhere). List what there is (`tierckpt ls`, `list_checkpoints`) or load with
+    ``checkpoint_id=None`` for the newest complete one. `CheckpointLost` is the subtype
+    for a committed checkpoint whose file has no copy left."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
@@ -76,24 +101,48 @@ class CheckpointLost(CheckpointNotFound):
     that only ask whether it can be had."""
 
     code = grpc.StatusCode.DATA_LOSS
+    reason = "checkpoint-lost"
 
 
 CHECKPOINT_LOST_PREFIX = "checkpoint lost: "
 
 
 class MemoryBudgetExceeded(TierckptError, MemoryError):
+    """Raised when the memory tier cannot admit what a save or restore needs: its budget
+    (``[memory] budget``) is held by checkpoints it may not evict yet (pinned, not yet
+    durable, being read), or a count limit such as ``max_namespaces`` is reached. The
+    message names the limit. Retry after a drain makes older checkpoints durable, unpin
+    or remove some (`tierckpt rm`), or raise the budget."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class CheckpointIncomplete(TierckptError, RuntimeError):
+    """Raised when a call comes out of order for the checkpoint's state: a commit while
+    files are missing or still open, a write to a checkpoint that is not WRITING (never
+    begun, committed, or aborted after ``[memory] abandon_after`` idle seconds), an abort
+    of a committed one. The message says which; a save that hit it is best restarted
+    under a new `checkpoint_id`."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ChecksumMismatch(TierckptError, OSError):
+    """Raised when bytes do not match their recorded block checksums (or a stored copy is
+    damaged: a zstd frame that does not decode, an object shorter than recorded) and no
+    valid copy could be found on any tier. Nothing damaged is installed or returned.
+    Load an older checkpoint, or restore this one after a good copy is back (a peer that
+    holds one rejoining)."""
+
     code = grpc.StatusCode.DATA_LOSS
 
 
 class DaemonUnavailable(TierckptError, ConnectionError):
+    """Raised by the client when tierckptd cannot be reached at its address (not
+    started, crashed, or a wrong ``TIERCKPT_DAEMON`` / ``daemon=``). Start it or point
+    the client at the running one; the call may be retried as it is. Not to be confused
+    with `TierUnavailable`: there the daemon answered and a tier behind it is down."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
@@ -103,6 +152,7 @@ class TierUnavailable(TierckptError, ConnectionError):
     Travels as UNAVAILABLE with a message starting with `TIER_UNAVAILABLE_PREFIX`."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "tier-unavailable"
 
 
 TIER_UNAVAILABLE_PREFIX = "tier unavailable: "
@@ -114,6 +164,7 @@ class NoPersistentTier(TierckptError, RuntimeError):
     message starting with `NO_PERSISTENT_TIER_PREFIX`."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "no-persistent-tier"
 
 
 NO_PERSISTENT_TIER_PREFIX = "no persistent tier: "
@@ -126,12 +177,19 @@ class NotAJobNode(TierckptError, RuntimeError):
     `NOT_A_JOB_NODE_PREFIX`."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "not-a-job-node"
 
 
 NOT_A_JOB_NODE_PREFIX = "not a node of the checkpoint: "
 
 
 class DaemonTimeout(TierckptError, TimeoutError):
+    """Raised by the client when tierckptd did not answer within the client's timeout
+    (``timeout_s``): the daemon is overloaded or stuck. What the call asked may or may
+    not have happened, so a retry may meet its effect (`CheckpointExists` for a file
+    already opened); queries can simply be retried, with a longer timeout if the work is
+    large."""
+
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
@@ -156,16 +214,34 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return error.code if isinstance(error, TierckptError) else grpc.StatusCode.INTERNAL
 
 
-def error_from_status(code: grpc.StatusCode, message: str) -> TierckptError:
-    """The client-side exception for a failed RPC; unknown codes become TierckptError."""
-    if code == grpc.StatusCode.UNAVAILABLE and message.startswith(TIER_UNAVAILABLE_PREFIX):
-        return TierUnavailable(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(
-        NO_PERSISTENT_TIER_PREFIX
-    ):
-        return NoPersistentTier(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and message.startswith(NOT_A_JOB_NODE_PREFIX):
-        return NotAJobNode(message)
-    if code == grpc.StatusCode.DATA_LOSS and message.startswith(CHECKPOINT_LOST_PREFIX):
-        return CheckpointLost(message)
+# The subtypes that share a code, and the prefix of their messages (older daemons' only mark).
+_PREFIXES: dict[type[TierckptError], str] = {
+    TierUnavailable: TIER_UNAVAILABLE_PREFIX,
+    NoPersistentTier: NO_PERSISTENT_TIER_PREFIX,
+    NotAJobNode: NOT_A_JOB_NODE_PREFIX,
+    CheckpointLost: CHECKPOINT_LOST_PREFIX,
+}
+_BY_REASON: dict[str, type[TierckptError]] = {cls.reason: cls for cls in _PREFIXES}
+
+
+def reason_in(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The `REASON_METADATA` value in a call's trailing metadata ("" when there is none)."""
+    for key, value in metadata or ():
+        if key == REASON_METADATA:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return ""
+
+
+def error_from_status(code: grpc.StatusCode, message: str, reason: str = "") -> TierckptError:
+    """The client-side exception for a failed RPC; unknown codes become TierckptError.
+
+    `reason` is the answer's `REASON_METADATA` (`reason_in`); without one that this
+    client knows for `code` (an older daemon), the message's prefix decides.
+    """
+    known = _BY_REASON.get(reason)
+    if known is not None and known.code == code:
+        return known(message)
+    for cls, prefix in _PREFIXES.items():
+        if code == cls.code and message.startswith(prefix):
+            return cls(message)
     return _BY_CODE.get(code, TierckptError)(message)

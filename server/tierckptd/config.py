@@ -97,12 +97,20 @@ def parse_size(value: object, *, what: str = "size") -> int:
 
 @dataclass(frozen=True)
 class NodeConfig:
+    """``[node]``: who this daemon is to its peers. `id` names it in the cluster (and in
+    every log line); `failure_domain` (a rack, a zone) keeps a file's copies off nodes
+    that fail together. Empty values default to the hostname and the node id."""
+
     id: str = ""  # "" = the hostname (resolved by load)
     failure_domain: str = ""  # "" = the node id (resolved by load)
 
 
 @dataclass(frozen=True)
 class ListenConfig:
+    """``[listen]``: where the daemon serves. `local` is the control socket of this
+    node's ranks and CLI; `peer` the PeerService address, loopback by default because a
+    peer port on the network must be secured (``[security]``) explicitly."""
+
     local: str = "unix:///run/tierckpt/tierckptd.sock"
     # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
     peer: str = "127.0.0.1:7070"
@@ -110,6 +118,11 @@ class ListenConfig:
 
 @dataclass(frozen=True)
 class MemoryConfig:
+    """``[memory]``: the memory tier, files in `dir` (a tmpfs) under a byte `budget`:
+    segment recycling and prewarming (so a save finds pages already faulted in), when an
+    idle save is abandoned, the background scrubber, and the bounds that keep one peer or
+    many namespaces from filling the node."""
+
     dir: str = "/dev/shm/tierckpt"
     budget: int = field(default=64 * 1024**3, metadata=SIZE)
     recycle: bool = True
@@ -125,7 +138,7 @@ class MemoryConfig:
     scrub_rate: int = field(default=64 * 1024**2, metadata=SIZE)
     scrub_interval: float = 300.0
     # The share of the budget the manifests of one coordinating peer may take here (a
-    # peer's manifest beyond it is RESOURCE_EXHAUSTED): no peer fills the budget (M3).
+    # peer's manifest beyond it is RESOURCE_EXHAUSTED): no peer fills the budget.
     peer_manifest_share: float = 0.01
     # Namespaces this node keeps at most (its saves, peers' manifests, the persistent
     # tier's adoptions): a save or manifest of one more is RESOURCE_EXHAUSTED. Each one
@@ -135,6 +148,9 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class PeerConfig:
+    """One ``[[peers]]`` entry: a static member of the cluster, its node id, peer
+    address and failure domain (ids left empty are learnt from the peer's Hello)."""
+
     id: str = ""
     address: str = ""
     failure_domain: str = ""
@@ -142,12 +158,20 @@ class PeerConfig:
 
 @dataclass(frozen=True)
 class ReplicationConfig:
+    """``[replication]``: how many extra copies of each file buddies hold (used when
+    there are peers), and how often the healer re-replicates files that lost one."""
+
     copies: int = 1
     heal_interval: float = 5.0
 
 
 @dataclass(frozen=True)
 class PersistentConfig:
+    """``[persistent]``: the durable tier under `url` (any fsspec URL; none when empty):
+    which checkpoints are drained (`every` Nth), how (`compression`, `level`), how long
+    SIGTERM's drain may take, how long a view of the tier may age and an unreachable
+    owner is waited for, and which other URLs a job may choose for its namespace."""
+
     url: str = ""
     storage_options: dict[str, Any] = field(default_factory=dict)
     every: int = 1
@@ -168,10 +192,14 @@ class PersistentConfig:
 
 @dataclass(frozen=True)
 class RetentionConfig:
-    # Bounds every copy this node holds: its ranks' files and the copies it keeps for
-    # buddies (one record per checkpoint). A separate window for buddies' copies
-    # (`replica_keep_last`, never read) was removed: the healer re-pushes any copy missing
-    # from a committed checkpoint, so a smaller one would fight it.
+    """``[retention]``: how many checkpoints each namespace keeps, per tier (0: all).
+
+    `memory_keep_last` bounds every copy this node holds, its ranks' files and the copies
+    kept for buddies alike: the healer re-pushes any copy missing from a committed
+    checkpoint, so a smaller window for buddies' copies would fight it. The persistent
+    tier keeps the newest `persistent_keep_last` plus every step that is a multiple of
+    `persistent_keep_every`."""
+
     memory_keep_last: int = 2
     persistent_keep_last: int = 0
     persistent_keep_every: int = 0
@@ -179,6 +207,11 @@ class RetentionConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
+    """``[security]``: who may talk to the daemon. Peers authenticate with a shared
+    token and/or mutual TLS (refused on a network address without either unless
+    `allow_insecure_peers`); `local_isolation` = "uid" gives each namespace to the uid
+    that began it, with `operators`, per-tenant URLs and a per-uid namespace bound."""
+
     token_file: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -201,6 +234,9 @@ class SecurityConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """``[metrics]``: the Prometheus endpoint (off when `listen` is empty) and how many
+    per-namespace series it carries, by name or by a short hash of the name."""
+
     listen: str = ""
     # Per-namespace series (freshness per tier) for at most this many namespaces, the
     # most recently committed first (the rest are summed up in tierckpt_namespaces);
@@ -213,6 +249,10 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class MembershipConfig:
+    """``[membership]``: peers learnt from the platform beside the static ``[[peers]]``:
+    a DNS name (a Kubernetes headless Service) or a host file, re-read every `refresh`
+    seconds, so joins and leaves take effect without a SIGHUP."""
+
     # Peers from the platform, beside the static [[peers]] (issue 13): `dns` names a
     # Kubernetes headless Service (its A/AAAA records, `port` = the peer port, default
     # the port of [listen] peer), `hostfile` a file of "address" or "id address [domain]"
@@ -225,6 +265,8 @@ class MembershipConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
+    """``[log]``: the root log level and the line format ("text" or "json")."""
+
     level: str = "INFO"
     # "text" or "json" (one object per line with namespace/checkpoint/rank/node fields).
     format: str = "text"

@@ -1,5 +1,5 @@
 """Secrets in the configuration never reach a log line: redaction, SIGHUP diffs, and the
-warning for a config file that holds credentials other users can read (audit M4).
+warning for a config file that holds credentials other users can read.
 
 Storage options and URLs may carry S3 keys or STS tokens; everything the daemon logs
 about its config goes through `redact`, which hides values by key name (secret, token,

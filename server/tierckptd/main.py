@@ -60,6 +60,7 @@ from tierckptd.peers.peer_discovery import Discoverer, discoverer_for
 from tierckptd.peers.source import peer_sources
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
+from tierckptd.persistent.errors import QUIET_LOGGERS
 from tierckptd.persistent.listing import Discovery
 from tierckptd.persistent.retention import remove_checkpoint
 from tierckptd.persistent.roots import Roots
@@ -78,8 +79,6 @@ logger = logging.getLogger(__name__)
 
 STOP_GRACE = 5.0
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# Their DEBUG records carry credentials (signed headers, session tokens): never below INFO.
-QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3")
 PROBE_TIMEOUT = 3.0
 
 

@@ -21,6 +21,7 @@ import pytest
 import s3fs
 from tierckptd.catalog import Catalog
 from tierckptd.model import FileRecord
+from tierckptd.persistent.errors import BACKENDS, backend_for
 from tierckptd.persistent.markers import FileUpload, fingerprint
 from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier, RetryPolicy
@@ -80,7 +81,7 @@ class PersistentBackend(Backend):
         return records
 
     def source(self, catalog: Catalog) -> FileSource:
-        return PersistentSource(self.tier, catalog)
+        return PersistentSource(self.tier)
 
     def _object(self, namespace: str, checkpoint_id: str, name: str) -> str:
         return f"{self.tier.checkpoint_path(namespace, checkpoint_id)}/{name}"
@@ -201,3 +202,11 @@ class TestS3PersistentSource(FileSourceContract):
         # behind an endpoint with outages of its own.
         yield S3Backend(second_moto_server, bucket, "two", compression)
         second_moto_server.restart()
+
+
+def test_every_backend_in_the_table_has_a_suite_here() -> None:
+    """A persistent backend is an entry in `persistent.errors.BACKENDS` plus a subclass
+    of the contract here; an entry without one is untested knowledge."""
+    suites = {TestFilePersistentSource: "file", TestS3PersistentSource: "s3"}
+    tabled = {id(b) for b in BACKENDS.values()}
+    assert tabled == {id(backend_for(f"{scheme}://x/y")) for scheme in suites.values()}

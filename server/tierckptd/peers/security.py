@@ -72,6 +72,7 @@ __all__ = [
     "UNAUTHENTICATED_MESSAGE",
     "HelloChallenge",
     "MetadataClientInterceptor",
+    "MethodInterceptor",
     "PeerChannels",
     "PeerServerSecurity",
     "TokenClientInterceptor",
@@ -268,7 +269,31 @@ def _abort_handler(
     return grpc.stream_unary_rpc_method_handler(unary)
 
 
-class TokenServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class MethodInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """The head every interceptor of the peer listener shares: it asks the server for the
+    call's handler and hands `intercept` only calls to a method the server knows, with
+    the full method name ("/package.Service/Method"); unknown methods pass untouched (gRPC
+    answers UNIMPLEMENTED), so an interceptor never sees a name a caller made up."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method or ""
+        return self.intercept(handler, method, handler_call_details)
+
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, method: str, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        """The handler to serve `method` with: `handler` itself, or one wrapping it."""
+        raise NotImplementedError
+
+
+class TokenServerInterceptor(MethodInterceptor):
     """Lets a call through only with the shared token; health is always open.
 
     A rejected call never reaches its servicer: the request is not even deserialized.
@@ -288,16 +313,12 @@ class TokenServerInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
                 ok |= hmac.compare_digest(given, self._token)
         return ok
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        method = handler_call_details.method or ""
-        if handler is None or method.startswith(HEALTH_PREFIX):
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, method: str, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if method.startswith(HEALTH_PREFIX):
             return handler
-        metadata = handler_call_details.invocation_metadata
+        metadata = details.invocation_metadata
         if self._authorized(metadata):
             return handler
         if method.endswith(HELLO_METHOD_SUFFIX) and _hello_proven(self._token, metadata):

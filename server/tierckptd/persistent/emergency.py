@@ -6,6 +6,12 @@ of the newest checkpoint it holds in each namespace, owner or not, and commits i
 it is the committer or holds `.metadata` (`drain_plan`, `everything`). The committer
 waits for the other nodes' uploads until the deadline; any other node is done once its
 own copies are up. Every remote call ends by the deadline (`PersistentTier.set_deadline`).
+
+Its own concept beside the background drain (`drain.Drainer`), which works its queue
+of committed checkpoints for as long as the daemon runs, each node uploading the files
+it owns: this is the one pass at exit, choosing its own work (the newest held, owner or
+not) and bounded by one deadline. It drives the
+same `Drainer.attempt_locked`, so an upload and a commit are the drain's own.
 """
 
 from __future__ import annotations

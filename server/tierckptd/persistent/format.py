@@ -22,7 +22,6 @@ back plain rows (and, for the rewrite, the bytes the child pickled), raising
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import IO, Protocol
@@ -41,7 +40,6 @@ __all__ = [
     "FileIndex",
     "Item",
     "RangeSource",
-    "compress_file",
     "compress_items",
     "data_files",
     "rewrite_metadata",
@@ -153,28 +151,6 @@ def compress_items(
         position += len(compressed)
         index[offset] = (start, position - start)
     return index
-
-
-def compress_file(
-    source: RangeSource,
-    items: Iterable[Item],
-    *,
-    level: int = 3,
-    spool_dir: str | None = None,
-) -> tuple[IO[bytes], FileIndex]:
-    """`compress_items` into an anonymous temporary file, returned rewound.
-
-    The caller closes the file. Prefer `compress_items` straight into the upload stream
-    (what `PersistentTier.upload_file` does): it needs no temporary space.
-    """
-    spool = tempfile.TemporaryFile(dir=spool_dir)  # noqa: SIM115 - the caller owns it
-    try:
-        index = compress_items(source, items, spool, level=level)
-        spool.seek(0)
-    except BaseException:
-        spool.close()
-        raise
-    return spool, index
 
 
 def rewrite_metadata(

@@ -58,9 +58,9 @@ from tierckptd.config_secrets import redact
 from tierckptd.memory.manifest import ManifestError
 from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
+from tierckptd.persistent.errors import tier_label
 from tierckptd.persistent.roots import Roots
-from tierckptd.persistent.source import describe_failure, tier_label
-from tierckptd.persistent.store import PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.store import Op, PersistentTier, PersistentTierUnavailable
 from tierckptd.persistent.untrusted import check_stored_record
 
 __all__ = [
@@ -106,13 +106,17 @@ def _index_dir(tier: PersistentTier, namespace: str) -> str:
 def write_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
     """Record a durable checkpoint in the namespace's index (after its `.metadata`)."""
     path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
-    tier.retrying(lambda: tier.put_object(path, b""), f"index {namespace}/{checkpoint_id}")
+    tier.retrying(
+        lambda: tier.put_object(path, b""), f"index {namespace}/{checkpoint_id}", Op.UPLOAD
+    )
 
 
 def remove_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
     """Drop a checkpoint from the index (before it is deleted)."""
     path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
-    tier.retrying(lambda: tier.remove_object(path), f"unindex {namespace}/{checkpoint_id}")
+    tier.retrying(
+        lambda: tier.remove_object(path), f"unindex {namespace}/{checkpoint_id}", Op.DELETE
+    )
 
 
 def _valid_ids(names: list[str], where: str) -> set[str]:
@@ -133,7 +137,7 @@ def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
         except FileNotFoundError:
             return []
 
-    return tier.retrying(scan, f"list {prefix}")
+    return tier.retrying(scan, f"list {prefix}", Op.LIST)
 
 
 def _indexed_ids(tier: PersistentTier, namespace: str) -> set[str]:
@@ -492,7 +496,7 @@ class Discovery:
         return self.stores.tier(url), url
 
     def _unavailable(self, tier: PersistentTier, what: str, e: BaseException) -> TierUnavailable:
-        cause = describe_failure(e)
+        cause = tier.backend.describe(e)
         return TierUnavailable(
             f"{TIER_UNAVAILABLE_PREFIX}{tier_label(tier.url)}: {what} could not be looked up "
             f"in the persistent tier ({cause}); retry once it is reachable"

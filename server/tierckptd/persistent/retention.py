@@ -24,9 +24,9 @@ from tierckpt.names import step_of
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
+from tierckptd.persistent.errors import tier_label
 from tierckptd.persistent.listing import remove_index_entry
 from tierckptd.persistent.roots import Roots
-from tierckptd.persistent.source import describe_failure, tier_label
 from tierckptd.persistent.store import PersistentTier, step_order
 
 __all__ = ["PersistentRetention", "persistent_evictions", "remove_checkpoint"]
@@ -161,7 +161,7 @@ def remove_checkpoint(stores: Roots, namespace: str, checkpoint_id: str, url: st
     except OSError as e:  # PersistentTierUnavailable, a 403, ...
         raise TierUnavailable(
             f"{TIER_UNAVAILABLE_PREFIX}{tier_label(tier.url)}: cannot delete "
-            f"{namespace}/{checkpoint_id}: {describe_failure(e)}"
+            f"{namespace}/{checkpoint_id}: {tier.backend.describe(e)}"
         ) from None
     logger.info(
         "rm %s/%s: %s the persistent tier %s",

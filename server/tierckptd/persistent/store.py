@@ -16,8 +16,9 @@ after the object is complete, so a marker never describes bytes that are not the
 marker and an object of that size, rewrites `.metadata` for the compressed files, and
 PUTs it (atomic per object). Without `.metadata` a checkpoint is not durable.
 
-Every remote operation runs under a declared `RetryPolicy` and, at shutdown, a deadline
-(`tierckptd.persistent.remote`).
+Every remote operation runs under a declared `RetryPolicy` and, at shutdown or a caller's
+wish, a deadline (`persistent.retry.Calls`); what a failure means, and the client
+settings of each backend, is the backend's entry in `persistent.errors`.
 
 What is read back from the store is not trusted: names that are not valid namespaces or
 checkpoint ids are skipped when listing, and an upload marker whose fields are out of
@@ -32,9 +33,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import fsspec
 from tierckpt.errors import CheckpointIncomplete, InvalidName
 from tierckpt.names import (
     METADATA_FILE,
@@ -46,6 +49,7 @@ from tierckpt.names import (
 )
 
 from tierckptd.ops.faults import fault
+from tierckptd.persistent.errors import Backend, PersistentTierUnavailable, backend_for
 from tierckptd.persistent.format import (
     DEFAULT_CHUNK_SIZE,
     FileIndex,
@@ -63,14 +67,7 @@ from tierckptd.persistent.markers import (
     as_range_source,
     check_relative_path,
 )
-from tierckptd.persistent.remote import RemoteStore
-from tierckptd.persistent.retry import (
-    PersistentTierUnavailable,
-    RetryPolicy,
-    discard_partial_write,
-    is_transient,
-    retry_call,
-)
+from tierckptd.persistent.retry import Calls, Op, RetryPolicy
 
 if TYPE_CHECKING:
     from tierckptd.config import PersistentConfig
@@ -79,12 +76,11 @@ __all__ = [
     "BOOKKEEPING_DIR",
     "COMPRESSIONS",
     "FileUpload",
+    "Op",
     "PersistentTier",
     "PersistentTierUnavailable",
     "RetryPolicy",
     "UploadedFile",
-    "is_transient",
-    "retry_call",
 ]
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -92,10 +88,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 BOOKKEEPING_DIR = ".tierckpt"
 DEFAULT_BLOCK_SIZE = 64 << 20  # multipart part size: few requests, 640 GB per object
 _MAX_PARTS = 9_000  # below S3's 10,000 with room to spare
-# An upload marker larger than this is not read (a tampered bucket, audit 3 M7): ours
+# An upload marker larger than this is not read (a tampered bucket): ours
 # hold ~40 bytes per item, so 64 MiB is over a million items in one data file.
 MAX_MARKER = 64 << 20
-MAX_UPLOADS_LISTED = 100_000  # open multipart uploads looked at per root at start (L2)
+MAX_UPLOADS_LISTED = 100_000  # open multipart uploads looked at per root at start
 
 T = TypeVar("T")
 
@@ -106,7 +102,7 @@ class _Counter:
     index: FileIndex | None = field(default=None)
 
 
-class PersistentTier(RemoteStore):
+class PersistentTier:
     """One persistent-tier root (an fsspec URL) and the operations a drain needs.
 
     Thread-safe: uploads from many threads share one bounded set of upload slots
@@ -115,7 +111,8 @@ class PersistentTier(RemoteStore):
     Args:
         url: any fsspec URL (``s3://bucket/prefix``, ``file:///dir``, ...).
         storage_options: passed to ``fsspec.core.url_to_fs`` (``endpoint_url``,
-            ``key``/``secret``, ``config_kwargs``, ...).
+            ``key``/``secret``, ``config_kwargs``, ...), with the backend's client
+            defaults filled in where they are not set (`Backend.client_options`).
         compression: "zstd" (per-item frames, see `persistent_format`) or "none".
         level: zstd level.
         max_concurrency: data files uploaded at once.
@@ -141,7 +138,16 @@ class PersistentTier(RemoteStore):
             raise ValueError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 ({max_concurrency=})")
-        super().__init__(url, storage_options, retry=retry, sleep=sleep, clock=clock)
+        self.url = url
+        self.backend: Backend = backend_for(url)
+        self.calls = Calls(retry or RetryPolicy(), self.backend, sleep=sleep, clock=clock)
+        options = self.backend.client_options(dict(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        cap = self.backend.library_retries
+        if cap is not None and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = min(fs.retries, cap)
+        self.fs: Any = fs
+        self.root: str = root.rstrip("/")
         self.compression = compression
         self.level = level
         self.max_concurrency = max_concurrency
@@ -158,6 +164,47 @@ class PersistentTier(RemoteStore):
             level=config.level,
             **kwargs,
         )
+
+    # ---- calls: retried, deadline-bounded (`Calls`) --------------------------------
+
+    def retrying(self, fn: Callable[[], T], what: str, op: Op) -> T:
+        """`fn` under the retry policy and the deadlines; `what` names it in errors and
+        logs, `op` in the error metric."""
+        return self.calls.run(fn, what, op)
+
+    def set_deadline(self, seconds: float | None) -> None:
+        """Shutdown: every operation, in flight or not, gives up `seconds` from now."""
+        self.calls.set_deadline(seconds)
+
+    def within(self, seconds: float) -> AbstractContextManager[None]:
+        """Every operation this thread starts inside gives up `seconds` from now."""
+        return self.calls.within(seconds)
+
+    # ---- objects: one fsspec call each, retried by the caller ---------------------
+
+    def find(self, path: str, *, detail: bool = False) -> Any:
+        """Every object under `path`, flat; an unreadable local directory raises (an
+        outage), where fsspec's walk would skip it as if empty."""
+        if self.backend.local:
+            return self.fs.find(path, detail=detail, on_error="raise")
+        return self.fs.find(path, detail=detail)
+
+    def _mkdirs(self, path: str) -> None:
+        if self.backend.local:  # object stores have no directories to create
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+
+    def put_object(self, path: str, data: bytes) -> None:
+        self._mkdirs(path)
+        self.fs.pipe_file(path, data)
+        self.fs.invalidate_cache(path)
+
+    def remove_object(self, path: str, *, recursive: bool = False) -> None:
+        self.fs.invalidate_cache(path)
+        try:
+            self.fs.rm(path, recursive=recursive)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
 
     # ---- paths -------------------------------------------------------------------
 
@@ -218,9 +265,9 @@ class PersistentTier(RemoteStore):
         with self._slots:
             started = time.monotonic()
             # The old marker goes first: it must never describe a half-rewritten object.
-            self.retrying(lambda: self.remove_object(marker), f"{what} (clear marker)")
+            self.retrying(lambda: self.remove_object(marker), f"{what} (clear marker)", Op.UPLOAD)
             counter = self.retrying(
-                lambda: self._write_object(path, src, items if compress else None), what
+                lambda: self._write_object(path, src, items if compress else None), what, Op.UPLOAD
             )
         uploaded = UploadedFile(
             name=name,
@@ -231,7 +278,9 @@ class PersistentTier(RemoteStore):
             fingerprint=fingerprint,
         )
         fault("drain.marker")
-        self.retrying(lambda: self.put_object(marker, uploaded.to_json()), f"{what} (marker)")
+        self.retrying(
+            lambda: self.put_object(marker, uploaded.to_json()), f"{what} (marker)", Op.UPLOAD
+        )
         logger.info(
             "uploaded %s: %d bytes as %d (%s) in %.2fs",
             path,
@@ -258,7 +307,7 @@ class PersistentTier(RemoteStore):
                     counter.written += len(data)
             f.close()
         except BaseException:
-            discard_partial_write(f, path)
+            _discard_partial_write(f, path)
             raise
         self.fs.invalidate_cache(path)
         stored = int(self.fs.size(path))
@@ -304,7 +353,7 @@ class PersistentTier(RemoteStore):
                 size = int(info.get("size") or 0)
                 if 0 < size <= MAX_MARKER:
                     paths.append(p)
-                else:  # a tampered bucket: never read whole (audit 3 M7)
+                else:  # a tampered bucket: never read whole
                     logger.warning(
                         "%s: ignored, %d bytes is not an upload marker (the file counts as "
                         "not uploaded)",
@@ -333,7 +382,7 @@ class PersistentTier(RemoteStore):
                 markers[m.name] = m
             return markers
 
-        return self.retrying(read, f"list uploads of {namespace}/{checkpoint_id}")
+        return self.retrying(read, f"list uploads of {namespace}/{checkpoint_id}", Op.LIST)
 
     def upload_metadata_last(self, namespace: str, checkpoint_id: str, metadata: bytes) -> bytes:
         """Commit the checkpoint: PUT `.metadata` once every data file it names is there.
@@ -362,7 +411,7 @@ class PersistentTier(RemoteStore):
                 return {}
             return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
 
-        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}")
+        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}", Op.LIST)
         problems = [
             name for name in needed if name not in markers or sizes.get(name) != markers[name].size
         ]
@@ -380,7 +429,9 @@ class PersistentTier(RemoteStore):
         body = rewrite_metadata(metadata, mappings, what=what)
         path = f"{ckpt}/{METADATA_FILE}"
         self.retrying(
-            lambda: self.put_object(path, body), f"commit {namespace}/{checkpoint_id}/.metadata"
+            lambda: self.put_object(path, body),
+            f"commit {namespace}/{checkpoint_id}/.metadata",
+            Op.UPLOAD,
         )
         logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
         return body
@@ -392,7 +443,9 @@ class PersistentTier(RemoteStore):
         check_file_name(name)
         path = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{name}"
         self.retrying(
-            lambda: self.put_object(path, data), f"write {namespace}/{checkpoint_id} {name}"
+            lambda: self.put_object(path, data),
+            f"write {namespace}/{checkpoint_id} {name}",
+            Op.UPLOAD,
         )
 
     def read_bookkeeping(
@@ -412,7 +465,7 @@ class PersistentTier(RemoteStore):
             except FileNotFoundError:
                 return None
 
-        data = self.retrying(read, f"read {namespace}/{checkpoint_id} {name}")
+        data = self.retrying(read, f"read {namespace}/{checkpoint_id} {name}", Op.READ)
         if data is not None and len(data) > max_bytes:
             raise ValueError(
                 f"{namespace}/{checkpoint_id} {name} in the persistent tier is larger than "
@@ -434,7 +487,7 @@ class PersistentTier(RemoteStore):
                 return False
             return True
 
-        return self.retrying(probe, f"probe {namespace}/{checkpoint_id}")
+        return self.retrying(probe, f"probe {namespace}/{checkpoint_id}", Op.READ)
 
     def list_namespaces(self) -> list[str]:
         """Namespaces with anything under the root (durable or not), sorted."""
@@ -447,7 +500,7 @@ class PersistentTier(RemoteStore):
                 return []
             return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
 
-        names = self.retrying(scan, f"list {self.url}")
+        names = self.retrying(scan, f"list {self.url}", Op.LIST)
         return sorted(n for n in set(names) if n != BOOKKEEPING_DIR and _valid_namespace(n))
 
     def list_durable(self, namespace: str) -> list[str]:
@@ -459,7 +512,7 @@ class PersistentTier(RemoteStore):
             self.fs.invalidate_cache()
             return [str(p) for p in self.fs.glob(pattern)]
 
-        ids = {p.rsplit("/", 2)[-2] for p in self.retrying(scan, f"list {namespace}")}
+        ids = {p.rsplit("/", 2)[-2] for p in self.retrying(scan, f"list {namespace}", Op.LIST)}
         bad = sorted(i for i in ids if not is_checkpoint_id(i))
         if bad:
             logger.warning(
@@ -470,7 +523,7 @@ class PersistentTier(RemoteStore):
             )
         ids.difference_update(bad)
         # A `.metadata` without tierckpt's bookkeeping is not a checkpoint this deployment
-        # drained (junk in a shared bucket, audit 3 M7): retention neither counts it among
+        # drained (junk in a shared bucket): retention neither counts it among
         # the newest (it would evict real ones) nor deletes it.
         foreign = ids - self.bookkept_ids(namespace) if ids else set()
         if foreign:
@@ -496,7 +549,9 @@ class PersistentTier(RemoteStore):
             return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
 
         return {
-            n for n in self.retrying(scan, f"list {namespace} bookkeeping") if is_checkpoint_id(n)
+            n
+            for n in self.retrying(scan, f"list {namespace} bookkeeping", Op.LIST)
+            if is_checkpoint_id(n)
         }
 
     def read_range(
@@ -521,9 +576,9 @@ class PersistentTier(RemoteStore):
                 )
             return data
 
-        return self.retrying(read, f"read {namespace}/{checkpoint_id}/{name}")
+        return self.retrying(read, f"read {namespace}/{checkpoint_id}/{name}", Op.READ)
 
-    # ---- open multipart uploads (audit 3 L2) --------------------------------------
+    # ---- open multipart uploads --------------------------------------------------
 
     def abort_uploads(self, files: Iterable[tuple[str, str, str]]) -> int:
         """Abort the open multipart uploads of these data files ((namespace, id, name)):
@@ -562,7 +617,9 @@ class PersistentTier(RemoteStore):
             return found
 
         aborted = 0
-        for key, upload_id in self.retrying(listing, f"list open uploads under {self.url}"):
+        for key, upload_id in self.retrying(
+            listing, f"list open uploads under {self.url}", Op.LIST
+        ):
             if key not in wanted:
                 continue  # another node's, or not a file this node uploads
             try:
@@ -571,6 +628,7 @@ class PersistentTier(RemoteStore):
                         call, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
                     ),
                     f"delete the open upload of {key}",
+                    Op.DELETE,
                 )
             except (PersistentTierUnavailable, OSError) as e:
                 logger.warning("could not abort the open upload of %s: %s", key, e)
@@ -589,11 +647,32 @@ class PersistentTier(RemoteStore):
         """
         ckpt = self.checkpoint_path(namespace, checkpoint_id)
         what = f"delete {namespace}/{checkpoint_id}"
-        self.retrying(lambda: self.remove_object(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)")
-        self.retrying(lambda: self.remove_object(ckpt, recursive=True), f"{what} (data)")
+        self.retrying(
+            lambda: self.remove_object(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)", Op.DELETE
+        )
+        self.retrying(lambda: self.remove_object(ckpt, recursive=True), f"{what} (data)", Op.DELETE)
         book = self._bookkeeping_path(namespace, checkpoint_id)
-        self.retrying(lambda: self.remove_object(book, recursive=True), f"{what} (bookkeeping)")
+        self.retrying(
+            lambda: self.remove_object(book, recursive=True), f"{what} (bookkeeping)", Op.DELETE
+        )
         logger.info("deleted %s/%s from %s", namespace, checkpoint_id, self.url)
+
+
+def _discard_partial_write(f: Any, path: str) -> None:
+    """Abandon a failed write without committing it (aborts an S3 multipart upload)."""
+    buffered = callable(getattr(f, "discard", None)) and hasattr(f, "buffer")
+    try:
+        if buffered:
+            f.discard()
+        else:
+            f.close()  # local files: a partial object is harmless without its marker
+    except Exception:
+        logger.warning("could not abandon the partial upload of %s", path, exc_info=True)
+    finally:
+        if buffered:
+            # Never let close() or __del__ complete this upload later: a stale partial
+            # object could overwrite the one a successful retry wrote meanwhile.
+            f.closed = True
 
 
 def _valid_namespace(name: str) -> bool:

@@ -1,6 +1,7 @@
-"""What the drain reads back from the persistent tier is not trusted (a tampered bucket,
-audit M8/L6): a manifest's numbers are range-checked before it is adopted, and a stored
-zstd item is decompressed in bounded reads, never past the item's original length.
+"""What is read back from the persistent tier is not trusted (a tampered bucket): a
+manifest's numbers are range-checked before it is adopted (`check_stored_record`), and a
+stored zstd item is decompressed in bounded reads, never past the item's original length
+(`original_chunks`, for a restore).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ __all__ = [
 ]
 
 READ_CHUNK = 8 << 20
-# Bookkeeping read back from the store is not trusted (a tampered bucket, audit M8/L6).
+# Bookkeeping read back from the store is not trusted (a tampered bucket).
 MAX_INT = 2**63 - 1
 MAX_CLOCK_SKEW = 86400.0  # a timestamp later than now + this is refused
 MAX_FILES = 1 << 20
@@ -130,7 +131,7 @@ def original_chunks(
     """(offset, bytes) of the original file, in order, from the stored object.
 
     An item decompresses to at most the bytes up to the next item (its original
-    length): a tampered frame cannot make a restore allocate more (audit L6)."""
+    length): a tampered frame cannot make a restore allocate more."""
     if index is None:
         for start in range(0, size, READ_CHUNK):
             n = min(READ_CHUNK, size - start)
@@ -157,7 +158,7 @@ def original_chunks(
 
 def _zeros(start: int, end: int) -> Iterator[tuple[int, bytes]]:
     """(offset, zeros) covering ``[start, end)`` in READ_CHUNK pieces: a gap as large as
-    the file never becomes one allocation (audit 3 M7)."""
+    the file never becomes one allocation."""
     zeros = bytes(min(READ_CHUNK, end - start))
     for offset in range(start, end, READ_CHUNK):
         n = min(READ_CHUNK, end - offset)

@@ -5,7 +5,9 @@ servicer's `errors` (a `StatusTranslator`):
 
 - a `TierckptError` aborts with its status from the one table in `tierckpt.errors` and
   its message, bounded (grpc carries details in trailing metadata, whose hard limit a
-  long echo would exceed: the client would see "Stream removed" instead);
+  long echo would exceed: the client would see "Stream removed" instead); a subtype that
+  shares its code (`TierUnavailable`, `CheckpointLost`, ...) also sends its `reason` in
+  the trailing metadata `REASON_METADATA`, so the client need not read the message;
 - an UNAVAILABLE answer (a tier behind this daemon is down: `TierUnavailable`) carries
   `grpc-retry-pushback-ms: -1`, so the client channel's retry policy, meant for a daemon
   that is restarting, does not repeat a restore that already waited out its tier;
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, Protocol, TypeVar, cast
 
 import grpc
-from tierckpt.errors import TierckptError, status_of
+from tierckpt.errors import REASON_METADATA, TierckptError, status_of
 
 __all__ = [
     "MAX_DETAILS",
@@ -96,8 +98,13 @@ class StatusTranslator:
         if isinstance(error, TierckptError):
             code, message = status_of(error), bounded(str(error))
             self.refused(method, code, message)
+            trailing: tuple[tuple[str, str], ...] = ()
+            if error.reason:
+                trailing += ((REASON_METADATA, error.reason),)
             if code == grpc.StatusCode.UNAVAILABLE:
-                context.set_trailing_metadata(NO_RETRY)
+                trailing += NO_RETRY
+            if trailing:
+                context.set_trailing_metadata(trailing)
             context.abort(code, message)
         else:
             kind = (method, type(error).__name__)

@@ -5,25 +5,22 @@ so a caller cannot grow the label set."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
 
 from tierckptd.ops import metrics
+from tierckptd.peers.security import MethodInterceptor
 
 __all__ = ["PeerRpcCounter"]
 
 _PREFIX = "/tierckpt.v1.PeerService/"
 
 
-class PeerRpcCounter(grpc.ServerInterceptor):  # type: ignore[misc]
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method = details.method or ""
-        if handler is not None and method.startswith(_PREFIX):
+class PeerRpcCounter(MethodInterceptor):
+    """Counts each PeerService call the server knows in ``tierckpt_peer_requests``."""
+
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, method: str, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if method.startswith(_PREFIX):
             metrics.PEER_REQUESTS.labels(method=method[len(_PREFIX) :]).inc()
         return handler

@@ -4,8 +4,8 @@ that cancels calls that stop making progress.
 The peer server has a fixed pool of threads and the health service shares it (the
 DaemonSet's liveness probe calls it there). A PeerService call holds a thread for as long
 as its peer keeps it open, so a peer that opens streams and never sends a message, or
-never reads what it asked for, could hold every thread and make the node look dead
-(audit H4). `Admission` refuses calls beyond `per_peer` for one caller and `total`
+never reads what it asked for, could hold every thread and make the node look dead.
+`Admission` refuses calls beyond `per_peer` for one caller and `total`
 overall (RESOURCE_EXHAUSTED, at once), so some threads are always free for health;
 `Watchdog` cancels a call with no message in or out for `stall` seconds, or older than
 `limit`, so admitted slots come back.
@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from tierckptd.peers.security import HEALTH_PREFIX
+from tierckptd.peers.security import HEALTH_PREFIX, MethodInterceptor
 
 __all__ = ["Admission", "HealthGuard", "Ticket", "Watchdog"]
 
@@ -135,7 +135,7 @@ class Watchdog:
                     logger.debug("cancel of %s: %s", t.what, e)
 
 
-class HealthGuard(grpc.ServerInterceptor):  # type: ignore[misc]
+class HealthGuard(MethodInterceptor):
     """grpc.health.v1 on the peer port, hardened: anyone may call it (probes carry no
     token), so its requests are decoded here, not by gRPC (a request gRPC fails to
     deserialize leaks ~15-19 KB in grpcio 1.85), and a Check whose request does not
@@ -145,14 +145,10 @@ class HealthGuard(grpc.ServerInterceptor):  # type: ignore[misc]
         self.stall = stall
         self.watchdog = Watchdog(level=logging.DEBUG)  # anyone may call: no log flood
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        method = details.method or ""
-        if handler is None or not method.startswith(HEALTH_PREFIX) or handler.request_streaming:
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, method: str, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        if not method.startswith(HEALTH_PREFIX) or handler.request_streaming:
             return handler
         parse = handler.request_deserializer or (lambda raw: raw)
         if handler.unary_unary is not None:

@@ -155,3 +155,29 @@ def test_status_of_foreign_and_base_errors_is_internal() -> None:
     assert status_of(ValueError("x")) == grpc.StatusCode.INTERNAL
     assert status_of(KeyError("x")) == grpc.StatusCode.INTERNAL
     assert status_of(TierckptError("x")) == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("cls", list(PREFIXED), ids=lambda c: c.__name__)
+def test_the_reason_decides_without_the_prefix(cls: type[TierckptError]) -> None:
+    """A daemon that sends the reason may word its message freely."""
+    assert cls.reason
+    back = error_from_status(cls.code, "reworded", cls.reason)
+    assert type(back) is cls and str(back) == "reworded"
+    # the reason of another code is not trusted: the code and the prefix decide
+    other = next(c for c in PREFIXED if c.code != cls.code)
+    assert type(error_from_status(cls.code, "x", other.reason)) is not other
+
+
+def test_an_unknown_reason_falls_back_to_the_prefix() -> None:
+    message = errors.TIER_UNAVAILABLE_PREFIX + "s3 down"
+    back = error_from_status(grpc.StatusCode.UNAVAILABLE, message, "from-a-newer-daemon")
+    assert type(back) is errors.TierUnavailable
+    back = error_from_status(grpc.StatusCode.UNAVAILABLE, "s3 down", "from-a-newer-daemon")
+    assert type(back) is errors.DaemonUnavailable
+
+
+def test_reason_in_reads_the_trailing_metadata() -> None:
+    assert errors.reason_in(None) == ""
+    assert errors.reason_in([("grpc-retry-pushback-ms", "-1")]) == ""
+    pairs = [("a", "b"), (errors.REASON_METADATA, b"checkpoint-lost")]
+    assert errors.reason_in(pairs) == "checkpoint-lost"

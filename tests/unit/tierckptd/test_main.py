@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckptd.main import QUIET_LOGGERS, _QuietBelowInfo, main, set_log_level
+from tierckptd.main import _QuietBelowInfo, main, set_log_level
 from tierckptd.ops.malloc_tuning import tune_malloc
+from tierckptd.persistent.errors import QUIET_LOGGERS
 from tierckptd.rpc import servers
 
 

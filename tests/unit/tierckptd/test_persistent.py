@@ -19,14 +19,14 @@ import torch.distributed.checkpoint as dcp
 import zstandard
 from tierckpt.errors import CheckpointIncomplete, ChecksumMismatch, InvalidName
 from tierckptd.config import PersistentConfig
+from tierckptd.persistent.errors import S3, Failure
 from tierckptd.persistent.format import ZSTD_DESCRIPTOR, BytesSource, data_files
+from tierckptd.persistent.retry import Op, retry_call
 from tierckptd.persistent.store import (
     FileUpload,
     PersistentTier,
     PersistentTierUnavailable,
     RetryPolicy,
-    is_transient,
-    retry_call,
 )
 
 from tests.support import moto_s3
@@ -295,7 +295,10 @@ def test_retry_policy() -> None:
         return "ok"
 
     policy = RetryPolicy(max_attempts=5, deadline=None, base=1.0, cap=3.0)
-    assert retry_call(flaky, "op", policy, sleep=sleep, clock=lambda: clock[0]) == "ok"
+    assert (
+        retry_call(flaky, "op", policy, op=Op.READ, backend=S3, sleep=sleep, clock=lambda: clock[0])
+        == "ok"
+    )
     assert len(sleeps) == 2 and 0.5 <= sleeps[0] <= 1.0 and 1.0 <= sleeps[1] <= 2.0
     assert [policy.backoff(n, lambda: 1.0) for n in (1, 2, 3, 4, 10)] == [1, 2, 3, 3, 3]
 
@@ -304,37 +307,49 @@ def test_retry_policy() -> None:
 
     sleeps.clear()
     with pytest.raises(PersistentTierUnavailable) as caught:
-        retry_call(down, "op", policy, sleep=sleep, clock=lambda: clock[0])
+        retry_call(down, "op", policy, op=Op.READ, backend=S3, sleep=sleep, clock=lambda: clock[0])
     assert len(sleeps) == 4 and isinstance(caught.value.__cause__, OSError)
 
     sleeps.clear()
     by_deadline = RetryPolicy(max_attempts=0, deadline=5.0, base=1.0, cap=1.0)
     with pytest.raises(PersistentTierUnavailable):
-        retry_call(down, "op", by_deadline, sleep=sleep, clock=lambda: clock[0])
+        retry_call(
+            down, "op", by_deadline, op=Op.READ, backend=S3, sleep=sleep, clock=lambda: clock[0]
+        )
     assert 4 <= len(sleeps) <= 9 and sum(sleeps) <= 5.0
 
     with pytest.raises(ValueError, match="never gives up"):
         RetryPolicy(max_attempts=0, deadline=None)
 
 
-def test_is_transient_table() -> None:
+def test_the_s3_table_says_what_a_failure_means() -> None:
     class EndpointConnectionError(Exception):  # botocore's, by name
         pass
 
-    assert is_transient(ConnectionRefusedError())
-    assert is_transient(TimeoutError())
-    assert is_transient(OSError(16, "SlowDown"))
-    assert is_transient(EndpointConnectionError())
-    assert not is_transient(PermissionError("AccessDenied"))
-    assert not is_transient(FileNotFoundError("NoSuchBucket"))
-    assert not is_transient(ChecksumMismatch("bad block"))
-    assert not is_transient(ValueError())
-    assert not is_transient(PersistentTierUnavailable("down"))
+    class ClientError(Exception):  # botocore's, untranslated: only its code says what
+        def __init__(self, code: str) -> None:
+            super().__init__(code)
+            self.response = {"Error": {"Code": code}}
+
+    assert S3.is_transient(ConnectionRefusedError())
+    assert S3.is_transient(TimeoutError())
+    assert S3.is_transient(OSError(16, "SlowDown"))
+    assert S3.is_transient(EndpointConnectionError())
+    assert S3.is_transient(ClientError("SlowDown"))
+    assert S3.classify(PermissionError("AccessDenied")) is Failure.DENIED
+    assert S3.classify(ClientError("ExpiredToken")) is Failure.DENIED
+    assert S3.classify(FileNotFoundError("NoSuchBucket")) is Failure.MISSING
+    assert S3.classify(ClientError("NoSuchKey")) is Failure.MISSING
+    assert S3.classify(ClientError("SomethingNew")) is Failure.UNAVAILABLE
+    assert S3.classify(PersistentTierUnavailable("down")) is Failure.UNAVAILABLE
+    assert S3.classify(ChecksumMismatch("bad block")) is None  # damage, not an outage
+    assert S3.classify(ValueError()) is None
+    assert S3.classify(FileExistsError()) is None
     copy = pickle.loads(pickle.dumps(PersistentTierUnavailable("ns/step-1: down")))
     assert type(copy) is PersistentTierUnavailable and str(copy) == "ns/step-1: down"
 
 
-# ---- an untrusted bucket (audit M8, L6) and the shutdown deadline (M9) --------------------
+# ---- an untrusted bucket and the shutdown deadline ----------------------------------------
 
 
 def test_listing_skips_keys_that_are_not_names(s3: moto_s3.S3Bucket, tmp_path: Path) -> None:
@@ -403,11 +418,28 @@ def test_retry_call_honours_a_deadline_set_meanwhile() -> None:
 
     policy = RetryPolicy(max_attempts=0, deadline=300.0, base=1.0, cap=1.0)
     with pytest.raises(PersistentTierUnavailable):
-        retry_call(down, "op", policy, sleep=sleep, clock=lambda: clock[0], until=lambda: until[0])
+        retry_call(
+            down,
+            "op",
+            policy,
+            op=Op.READ,
+            backend=S3,
+            sleep=sleep,
+            clock=lambda: clock[0],
+            until=lambda: until[0],
+        )
     assert clock[0] <= 3.0
     clock[0] = 5.0
     with pytest.raises(PersistentTierUnavailable, match="not attempted"):
-        retry_call(lambda: "ok", "op", policy, clock=lambda: clock[0], until=lambda: until[0])
+        retry_call(
+            lambda: "ok",
+            "op",
+            policy,
+            op=Op.READ,
+            backend=S3,
+            clock=lambda: clock[0],
+            until=lambda: until[0],
+        )
 
 
 def test_a_deadline_abandons_a_call_that_hangs() -> None:

@@ -17,7 +17,6 @@ from tierckpt.errors import ChecksumMismatch, UnsafeMetadata
 from tierckptd.persistent.format import (
     ZSTD_DESCRIPTOR,
     BytesSource,
-    compress_file,
     compress_items,
     data_files,
     rewrite_metadata,
@@ -38,9 +37,8 @@ def drain_locally(saved_dir: Path, out_dir: Path, verified: bool = True) -> None
     mappings = {}
     for name, data_file in data_files(saved.metadata).items():
         src = saved.verified(name) if verified else BytesSource(saved.data(name))
-        stream, mappings[name] = compress_file(src, data_file.items, level=3)
-        with stream:
-            (out_dir / name).write_bytes(stream.read())
+        with (out_dir / name).open("wb") as out:
+            mappings[name] = compress_items(src, data_file.items, out, level=3)
     (out_dir / ".metadata").write_bytes(rewrite_metadata(saved.metadata, mappings))
 
 

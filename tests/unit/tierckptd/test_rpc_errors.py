@@ -13,7 +13,9 @@ import grpc
 import pytest
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import (
+    REASON_METADATA,
     TIER_UNAVAILABLE_PREFIX,
+    CheckpointLost,
     CheckpointNotFound,
     DaemonUnavailable,
     TierckptError,
@@ -97,6 +99,27 @@ def test_a_tier_down_is_answered_once_and_is_not_the_daemon_down(
     assert not isinstance(info.value, DaemonUnavailable)
     assert str(info.value) == message
     assert servicer.calls == 1
+
+
+@pytest.mark.parametrize("cls", [TierUnavailable, CheckpointLost], ids=lambda c: c.__name__)
+def test_a_subtype_travels_by_its_reason_not_its_wording(
+    served: tuple[_Servicer, str], cls: type[TierckptError]
+) -> None:
+    """The reason rides in the trailing metadata: a message without the subtype's prefix
+    still comes back as the subtype, and the base error of its code sends none."""
+    servicer, address = served
+    servicer.raise_ = cls("worded without the prefix")
+    with pytest.raises(cls, match="worded without the prefix"):
+        _get(address)
+    servicer.raise_ = CheckpointNotFound("plain")
+    with grpc.insecure_channel(address) as channel:
+        get = channel.unary_unary(
+            f"/{SERVICE}/GetCheckpoint",
+            request_serializer=common_pb2.CheckpointRef.SerializeToString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            get(common_pb2.CheckpointRef(namespace="ns", checkpoint_id="s"), timeout=10)
+    assert REASON_METADATA not in dict(info.value.trailing_metadata() or ())
 
 
 def test_a_bug_is_internal_with_a_fixed_message_and_one_traceback(
