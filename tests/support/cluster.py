@@ -9,13 +9,20 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
+from tierckpt.daemon_client import DaemonClient
+
+from tests.support import jobs
+from tests.support.backends import Nodes
 from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
+from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
+from tests.support.raw_rpc import raw_save
 
-__all__ = ["LocalCluster", "local_cluster"]
+__all__ = ["LocalCluster", "local_cluster", "save_job"]
 
 
 class LocalCluster:
@@ -70,6 +77,15 @@ class LocalCluster:
     def addresses(self) -> tuple[str, ...]:
         return tuple(d.address for d in self.nodes)
 
+    def raw_save(self, node: int, checkpoint_id: str, files: dict[str, bytes]) -> str:
+        """One rank's whole save through node `node` (it owns every file and coordinates);
+        the committed id."""
+        client = DaemonClient(self.nodes[node].address, timeout_s=60)
+        try:
+            return raw_save(client, self.namespace, checkpoint_id, files)
+        finally:
+            client.close()
+
     def lose(self, *indices: int) -> None:
         """kill -9 nodes and wipe their memory tier (the node died with its RAM)."""
         for i in indices:
@@ -121,3 +137,19 @@ def local_cluster(n: int, **kwargs: Any) -> Iterator[LocalCluster]:
     """A started `LocalCluster`, every node stopped and wiped on exit."""
     with ExitStack() as stack:
         yield LocalCluster(stack, n, **kwargs)
+
+
+def save_job(
+    c: LocalCluster,
+    world: int,
+    ranks_per_node: int,
+    ids: list[str],
+    root: Path,
+    seed: int,
+    *,
+    timeout: float = 180.0,
+) -> None:
+    """`world` gloo ranks (`ranks_per_node` on each node, rank r on node r // it) save
+    checkpoints `ids` of `c.namespace`; the states they saved are kept under `root`."""
+    backend = Nodes(c.namespace, c.addresses, ranks_per_node)
+    run_job(jobs.save_only, world, backend, ids, str(root), seed, timeout=timeout)

@@ -1,7 +1,9 @@
 """The audit's raw save and a wire FileEntry, shared by the attack tests.
 
 `write_files` is what a rank does without DCP: Begin, Reserve, Open, write, CommitFile
-(the save stays WRITING); `raw_save` then commits it. `file_entry` is a peer's
+(the save stays WRITING); `raw_save` then commits it. These are the daemon-level save every
+test uses; a DCP save goes through `backends.Tiered.save`, a gloo job's through
+`cluster.save_job`. `file_entry` is a peer's
 description of a file with real block checksums, for forged or legitimate publishes.
 """
 
@@ -35,10 +37,10 @@ def write_files(
 
 def raw_save(
     client: DaemonClient, ns: str, cid: str, files: dict[str, bytes], rank: int = 0
-) -> None:
-    """The audit's raw save: Begin/Reserve/Open/write/CommitFile/Commit."""
+) -> str:
+    """The audit's raw save: Begin/Reserve/Open/write/CommitFile/Commit; the committed id."""
     write_files(client, ns, cid, files, rank)
-    client.commit_checkpoint(ns, cid, list(files))
+    return client.commit_checkpoint(ns, cid, list(files)).checkpoint_id
 
 
 def file_entry(
