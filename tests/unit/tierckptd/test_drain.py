@@ -24,7 +24,6 @@ from prometheus_client import REGISTRY
 from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, UnsafeMetadata
 from tierckptd.catalog import Catalog
-from tierckptd.config import PersistentConfig
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.source import PersistentSource
@@ -38,11 +37,11 @@ from tests.support.dcp_files import (
     make_state,
     save_checkpoint,
 )
+from tests.support.persistent_store import FAST, file_store
 
 from .conftest import MakeCatalog, Save
 
 NS = "run9"
-FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
 
 def _restore(catalog: Catalog, store: PersistentTier, checkpoint_id: str, name: str) -> int:
@@ -61,8 +60,7 @@ def _commit(save: Save, catalog: Catalog, checkpoint_id: str, saved: SavedCheckp
 
 @pytest.fixture
 def store(tmp_path: Path) -> PersistentTier:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression="zstd", level=3)
-    return PersistentTier.from_config(config, retry=FAST)
+    return file_store(tmp_path / "store")
 
 
 @pytest.fixture
@@ -127,8 +125,7 @@ def test_the_persistent_source_gives_back_the_original_bytes_verified(
 def test_a_corrupted_object_is_refused_on_restore(
     node: Catalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
-    store = PersistentTier.from_config(config, retry=FAST)
+    store = file_store(tmp_path / "store", compression)
     saved = save_checkpoint(tmp_path / "hot")
     _commit(save, node, "step-000004", saved)
     drainer = Drainer(node, store)
@@ -204,8 +201,7 @@ def _refused_count() -> float:
 def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
     make_catalog: MakeCatalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
-    store = PersistentTier.from_config(config, retry=FAST)
+    store = file_store(tmp_path / "store", compression)
     node = make_catalog(budget=64 << 20, memory_keep_last=1)
     node.drain_every = 1
     marker = tmp_path / "MARKER"
