@@ -19,8 +19,15 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Every test's duration lands in $(REPORTS)/durations.txt (slowest first, from the JUnit XML
+# beside it), written whether or not the run passed; pytest's exit status is make's.
+REPORTS := .ci/reports
+
 test: setup
-	$(BIN)/python -m pytest
+	mkdir -p $(REPORTS) && rm -f $(REPORTS)/junit.xml
+	$(BIN)/python -m pytest --junitxml=$(REPORTS)/junit.xml; status=$$?; \
+	$(BIN)/python .ci/durations.py $(REPORTS)/junit.xml $(REPORTS)/durations.txt; \
+	exit $$status
 
 lint: setup
 	$(BIN)/ruff check .
