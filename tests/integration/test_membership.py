@@ -24,7 +24,7 @@ from tierckpt.daemon_client import DaemonClient
 from tests.support.daemon_process import DaemonProcess, toml_document
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
-from tests.support.raw_rpc import write_files
+from tests.support.raw_rpc import save_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -76,10 +76,7 @@ class Fleet:
 
     def save(self, checkpoint_id: str, files: dict[int, dict[str, bytes]]) -> None:
         """Node i's rank i writes files[i]; m0 coordinates."""
-        for node, named in files.items():
-            write_files(self.clients[node], NS, checkpoint_id, named, node)
-        required = [name for named in files.values() for name in named]
-        self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
+        save_ranks(self.clients, NS, checkpoint_id, files)
 
     def state(self, i: int, checkpoint_id: str) -> str:
         rows = {r.checkpoint_id: r.state for r in self.clients[i].list_checkpoints(NS)}

@@ -10,12 +10,13 @@ description of a file with real block checksums, for forged or legitimate publis
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from tierckpt.checksum import checksum_bytes
-from tierckpt.daemon_client import DaemonClient
+from tierckpt.daemon_client import CheckpointInfo, DaemonClient
 from tierckpt.v1 import common_pb2
 
-__all__ = ["file_entry", "raw_save", "write_files"]
+__all__ = ["file_entry", "raw_save", "save_ranks", "write_files"]
 
 
 def write_files(
@@ -41,6 +42,18 @@ def raw_save(
     """The audit's raw save: Begin/Reserve/Open/write/CommitFile/Commit; the committed id."""
     write_files(client, ns, cid, files, rank)
     return client.commit_checkpoint(ns, cid, list(files)).checkpoint_id
+
+
+def save_ranks(
+    clients: Mapping[int, DaemonClient], ns: str, cid: str, files: Mapping[int, dict[str, bytes]]
+) -> CheckpointInfo:
+    """A save spread over nodes: rank r writes `files[r]` through `clients[r]` (its node's
+    daemon), then rank 0's daemon coordinates the commit of every file."""
+    for rank, named in files.items():
+        write_files(clients[rank], ns, cid, named, rank)
+    return clients[0].commit_checkpoint(
+        ns, cid, [name for named in files.values() for name in named]
+    )
 
 
 def file_entry(
