@@ -11,7 +11,6 @@ node's replica lists settle at its next heal round."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
@@ -25,6 +24,7 @@ from tests.support.daemon_process import DaemonProcess, toml_document
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import save_ranks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -83,12 +83,10 @@ class Fleet:
         return rows.get(checkpoint_id, "-")
 
     def wait(self, what: str, check: Any, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(self.nodes[i].log_tail(30) for i in self.clients)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
+        wait_until(what, check, timeout, details=self.log_tails)
+
+    def log_tails(self) -> str:
+        return "\n".join(self.nodes[i].log_tail(30) for i in self.clients)
 
     def wait_replicated(self, checkpoint_id: str, on: list[int]) -> None:
         seen: dict[int, str] = {}

@@ -39,6 +39,7 @@ from tests.support.daemon_process import DaemonProcess
 from tests.support.fake_peer import FakePeer, code_of
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, raw_save, write_files
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -482,10 +483,13 @@ def test_stalled_streams_leave_health_and_peers_served(victim: Victim) -> None:
     # The audit's e7: 16 PushFile streams that never send a message held all 16 threads.
     calls = [stub.PushFile.future(stalled(), timeout=60) for _ in range(16)]
     try:
-        time.sleep(1.0)
-        # Over mallory's limit (12 calls at a time): refused at once, not queued.
-        refused = [c for c in calls if c.done() and c.code() == CODE.RESOURCE_EXHAUSTED]
-        assert len(refused) == 16 - 12
+        # Over mallory's limit (12 calls at a time): refused at once, not queued (a queued
+        # call would end only when released, or at its 60 s timeout).
+        def refused() -> list[Any]:
+            return [c for c in calls if c.done() and c.code() == CODE.RESOURCE_EXHAUSTED]
+
+        wait_until("4 of the 16 stalled pushes refused", lambda: len(refused()) >= 16 - 12, 10)
+        assert len(refused()) == 16 - 12
         started = time.monotonic()
         reply = health.Check(health_pb2.HealthCheckRequest(), timeout=3)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -21,6 +21,7 @@ from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import raw_save
+from tests.support.waiting import wait_until
 
 __all__ = ["LocalCluster", "local_cluster", "save_job"]
 
@@ -118,12 +119,9 @@ class LocalCluster:
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
         """Until `check()` holds; on a timeout, fail with every node's log tail."""
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(d.log_tail(30) for d in self.nodes)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
+        wait_until(
+            what, check, timeout, details=lambda: "\n".join(d.log_tail(30) for d in self.nodes)
+        )
 
     def metrics(self) -> str:
         """Node 0's Prometheus exposition."""

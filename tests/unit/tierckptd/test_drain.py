@@ -38,6 +38,7 @@ from tests.support.dcp_files import (
     save_checkpoint,
 )
 from tests.support.persistent_store import FAST, file_store
+from tests.support.waiting import wait_until
 
 from .conftest import MakeCatalog, Save
 
@@ -162,10 +163,9 @@ def test_the_worker_retries_until_durable(
     drainer.enqueue(NS, "step-000007")
     drainer.start()
     try:
-        deadline = time.monotonic() + 30
-        while not node.is_durable(NS, "step-000007"):
-            assert time.monotonic() < deadline, "the worker never drained the checkpoint"
-            time.sleep(0.02)
+        wait_until(
+            "the worker draining step-000007", lambda: node.is_durable(NS, "step-000007"), 30
+        )
     finally:
         drainer.stop()
     assert drainer.pending() == []
@@ -260,10 +260,7 @@ def test_the_worker_never_retries_a_refused_one_until_the_operator_asks(
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    wait_until("the drain worker", condition, timeout, interval=0.01)
 
 
 class CountingTier(PersistentTier):
