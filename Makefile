@@ -21,11 +21,13 @@ demo: setup
 
 # Every test's duration lands in $(REPORTS)/durations.txt (slowest first, from the JUnit XML
 # beside it), written whether or not the run passed; pytest's exit status is make's.
+# PYTEST_ARGS goes to pytest as is (a subset of the tests, -x, ...).
 REPORTS := .ci/reports
+PYTEST_ARGS ?=
 
 test: setup
 	mkdir -p $(REPORTS) && rm -f $(REPORTS)/junit.xml
-	$(BIN)/python -m pytest --junitxml=$(REPORTS)/junit.xml; status=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_ARGS) --junitxml=$(REPORTS)/junit.xml; status=$$?; \
 	$(BIN)/python .ci/durations.py $(REPORTS)/junit.xml $(REPORTS)/durations.txt; \
 	exit $$status
 
