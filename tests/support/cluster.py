@@ -4,7 +4,6 @@ peering with all the others (one node: no peer listener at all)."""
 from __future__ import annotations
 
 import shutil
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -103,19 +102,33 @@ class LocalCluster:
         return {r["id"]: r for r in ls_json(self.nodes[i].address, self.namespace)}
 
     def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
-        """Until every node's `ls` shows the checkpoint in `state`."""
-        deadline = time.monotonic() + timeout
-        seen: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            for i, daemon in enumerate(self.nodes):
-                seen[daemon.name] = self.rows(i).get(checkpoint_id, {}).get("state")
-            if all(s == state for s in seen.values()):
-                return
-            time.sleep(0.3)
-        logs = "\n".join(d.log_tail(40) for d in self.nodes)
-        raise AssertionError(
-            f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}\n{logs}"
-        )
+        """Until every node lists the checkpoint in `state` (the `state` of its `ls` row).
+
+        Polled through one in-process client per node: a `tierckpt ls` subprocess per node
+        and poll cost a CPU-bound interpreter start each, taken from the daemons under test.
+        """
+        clients = [DaemonClient(d.address, timeout_s=30) for d in self.nodes]
+        seen: dict[str, str | None] = {}
+
+        def reached() -> bool:
+            for daemon, client in zip(self.nodes, clients, strict=True):
+                rows = client.list_checkpoints(self.namespace)
+                seen[daemon.name] = next(
+                    (r.state for r in rows if r.checkpoint_id == checkpoint_id), None
+                )
+            return all(s == state for s in seen.values())
+
+        try:
+            wait_until(
+                f"{checkpoint_id} {state} on every node",
+                reached,
+                timeout,
+                interval=0.3,
+                details=lambda: f"{seen}\n" + "\n".join(d.log_tail(40) for d in self.nodes),
+            )
+        finally:
+            for client in clients:
+                client.close()
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
         """Until `check()` holds; on a timeout, fail with every node's log tail."""
