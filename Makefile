@@ -19,8 +19,22 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Every test's duration lands in $(REPORTS)/durations.txt (slowest first, from the JUnit XML
+# beside it), written whether or not the run passed; pytest's exit status is make's.
+# Two pytest-xdist workers, one test file each at a time (a file's module fixtures stay in
+# one process): on the 2-core CI machine most tests wait on daemons, gloo ranks and moto,
+# so two at once take about half the time; TEST_WORKERS=0 runs serially.
+# PYTEST_ARGS goes to pytest as is (a subset of the tests, -x, ...).
+REPORTS := .ci/reports
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+
 test: setup
-	$(BIN)/python -m pytest
+	mkdir -p $(REPORTS) && rm -f $(REPORTS)/junit.xml
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) \
+		--junitxml=$(REPORTS)/junit.xml; status=$$?; \
+	$(BIN)/python .ci/durations.py $(REPORTS)/junit.xml $(REPORTS)/durations.txt; \
+	exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tierckpt.daemon_client import DaemonClient
 
 from tests.support import moto_s3
 from tests.support.cli import cli
 from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
-from tests.support.raw_rpc import raw_save
 
 pytestmark = pytest.mark.integration
 
@@ -24,17 +22,6 @@ s3 = moto_s3.s3
 
 NS = "marks-run"
 WAIT = 60.0
-
-
-def _save(c: LocalCluster, node: int, checkpoint_id: str, saved: SavedCheckpoint) -> None:
-    """One rank's whole save on `node` (it owns every file and coordinates)."""
-    files = {n: saved.data(n) for n in saved.data_names}
-    files[".metadata"] = saved.metadata
-    client = DaemonClient(c.nodes[node].address, timeout_s=60)
-    try:
-        raw_save(client, NS, checkpoint_id, files)
-    finally:
-        client.close()
 
 
 def _s3_keys(bucket: moto_s3.S3Bucket, checkpoint_id: str) -> list[str]:
@@ -70,8 +57,8 @@ def test_rm_on_one_node_removes_every_copy_and_the_persistent_one(
     s3: moto_s3.S3Bucket, saved: SavedCheckpoint
 ) -> None:
     with local_cluster(3, namespace=NS, overrides=_overrides(s3)) as c:
-        _save(c, 0, "step-000001", saved)
-        _save(c, 0, "step-000002", saved)
+        c.raw_save(0, "step-000001", saved.files())
+        c.raw_save(0, "step-000002", saved.files())
         c.wait_state("step-000001", "DURABLE")
         c.wait(
             "step-000001 known everywhere, its files on two nodes",
@@ -112,7 +99,7 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
 ) -> None:
     overrides = _overrides(s3, memory_keep_last=1, persistent_keep_last=1)
     with local_cluster(3, namespace=NS, overrides=overrides) as c:
-        _save(c, 0, "step-000001", saved)
+        c.raw_save(0, "step-000001", saved.files())
         c.wait_state("step-000001", "DURABLE")
         # Asked of the node of its job (another node is refused: test_mark_authority).
         out = cli(c.nodes[0].address, "pin", NS, "step-000001")
@@ -123,7 +110,7 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
             WAIT,
         )
         for step in (2, 3):
-            _save(c, 0, f"step-00000{step}", saved)
+            c.raw_save(0, f"step-00000{step}", saved.files())
             c.wait_state(f"step-00000{step}", "DURABLE")
         # Node 0 committed all three: its memory retention (keep 1) and its persistent
         # retention (keep 1) would have dropped step-000001 but for node 2's pin.
@@ -137,7 +124,7 @@ def test_a_pin_on_one_node_holds_every_nodes_retention_until_unpinned(
         for i in range(3):
             assert "step-000001" in c.rows(i)
         cli(c.nodes[0].address, "unpin", NS, "step-000001")
-        _save(c, 0, "step-000004", saved)
+        c.raw_save(0, "step-000004", saved.files())
         c.wait_state("step-000004", "DURABLE")
         c.wait(
             "step-000001 evicted once unpinned",
@@ -158,9 +145,9 @@ def test_persistent_retention_reaches_every_node_at_once(
     overrides = _overrides(s3, persistent_keep_last=1)
     overrides["persistent"]["relist_interval"] = 3600.0  # no relist can explain the result
     with local_cluster(3, namespace=NS, overrides=overrides) as c:
-        _save(c, 0, "step-000001", saved)
+        c.raw_save(0, "step-000001", saved.files())
         c.wait_state("step-000001", "DURABLE")
-        _save(c, 0, "step-000002", saved)
+        c.raw_save(0, "step-000002", saved.files())
         c.wait_state("step-000002", "DURABLE")
         assert not any(k.endswith("/.metadata") for k in _s3_keys(s3, "step-000001"))
         c.wait(
@@ -178,7 +165,7 @@ def test_persistent_retention_reaches_every_node_at_once(
 def test_a_node_down_during_rm_and_pin_learns_both_on_return(saved: SavedCheckpoint) -> None:
     with local_cluster(3, namespace=NS) as c:
         for step in (1, 2):
-            _save(c, 0, f"step-00000{step}", saved)
+            c.raw_save(0, f"step-00000{step}", saved.files())
         c.wait("node 2 knows both", lambda: set(c.rows(2)) == {"step-000001", "step-000002"}, WAIT)
         assert c.nodes[2].manifest_path(NS, "step-000001").exists()
         c.nodes[2].kill9()  # down, its memory dir kept

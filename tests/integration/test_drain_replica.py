@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.support import moto_s3
-from tests.support.cluster import LocalCluster, local_cluster
-from tests.support.s3_drain import s3_names, save_job, stock_load
+from tests.support.cluster import LocalCluster, local_cluster, save_job
+from tests.support.s3_drain import s3_names, stock_load
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tierckpt import ChecksumMismatch, TieredStorageReader, TieredStorageWriter
+from tierckpt import ChecksumMismatch, TieredStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.support.backends import Tiered
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +52,6 @@ def _zeros(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _save(daemon: Any, state: dict[str, Any], ckpt: str) -> None:
-    dcp.save(
-        state, checkpoint_id=ckpt, storage_writer=TieredStorageWriter(NS, daemon=daemon.address)
-    )
-
-
 def _load(daemon: Any, target: dict[str, Any], ckpt: str, io_threads: int = 2) -> None:
     reader = TieredStorageReader(NS, daemon=daemon.address, io_threads=io_threads)
     dcp.load(target, checkpoint_id=ckpt, storage_reader=reader)
@@ -64,7 +60,7 @@ def _load(daemon: Any, target: dict[str, Any], ckpt: str, io_threads: int = 2) -
 @pytest.mark.parametrize("io_threads", [1, 2, 5])
 def test_direct_batch_load_is_bit_exact(daemon: Any, io_threads: int) -> None:
     state = _state()
-    _save(daemon, state, "step-000001")
+    Tiered(NS, daemon.address).save(state, "step-000001")
     target = _zeros(state)
     _load(daemon, target, "step-000001", io_threads)
     for k, v in state.items():
@@ -76,7 +72,7 @@ def test_direct_batch_load_is_bit_exact(daemon: Any, io_threads: int) -> None:
 
 def test_strided_destinations_go_through_a_landing_buffer(daemon: Any) -> None:
     state = _state()
-    _save(daemon, state, "step-000002")
+    Tiered(NS, daemon.address).save(state, "step-000002")
     target = _zeros(state)
     wide = torch.zeros(1031, 700)
     target["matrix"] = wide.t()  # a transposed view: not contiguous, same shape
@@ -95,7 +91,7 @@ def test_resharded_pieces_of_a_saved_tensor(daemon: Any) -> None:
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     state = {"m": torch.randn(300, 4099)}
-    _save(daemon, state, "step-000003")
+    Tiered(NS, daemon.address).save(state, "step-000003")
     reader = TieredStorageReader(NS, daemon=daemon.address, io_threads=2)
     reader.reset("step-000003")
     metadata = reader.read_metadata()
@@ -135,7 +131,7 @@ def test_resharded_pieces_of_a_saved_tensor(daemon: Any) -> None:
 
 def test_a_corrupt_byte_inside_a_large_item_fails_the_load(daemon: Any) -> None:
     state = {"big": torch.randn(20 * MiB // 4), "other": torch.randn(5 * MiB // 4)}
-    _save(daemon, state, "step-000004")
+    Tiered(NS, daemon.address).save(state, "step-000004")
     files = daemon.data_dir(NS, "step-000004").iterdir()
     (data_file,) = [p for p in files if p.suffix == ".distcp" and p.stat().st_size > 20 * MiB]
     at = 13 * MiB + 12345  # an interior block of "big"

@@ -23,7 +23,10 @@ from typing import Any
 import grpc
 import pytest
 from tierckpt.checksum import checksum_bytes
+from tierckpt.daemon_client import DaemonClient
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
+
+from tests.support.raw_rpc import raw_save
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -69,17 +72,15 @@ def _commit_file(stub: Stub, ns: str, cid: str, name: str, data: bytes) -> None:
     )
 
 
-def _save(stub: Stub, ns: str, cid: str, data: bytes) -> str:
-    """A raw one-file save the way a rank does it; returns the file's path."""
-    path = _open(stub, ns, cid, ".metadata", len(data))
-    with open(path, "r+b") as f:
-        f.write(data)
-        f.truncate(len(data))
-    _commit_file(stub, ns, cid, ".metadata", data)
-    stub.CommitCheckpoint(
-        daemon_pb2.CommitCheckpointRequest(ref=_ref(ns, cid), required_files=[".metadata"])
-    )
-    return path
+def _save(daemon: Any, ns: str, cid: str, data: bytes) -> str:
+    """A one-file save (`raw_save`, the way a rank does it); the committed file's path."""
+    client = DaemonClient(daemon.address)
+    try:
+        raw_save(client, ns, cid, {".metadata": data})
+        [entry] = client.get_checkpoint(ns, cid).files
+        return entry.local_path
+    finally:
+        client.close()
 
 
 def _attempts(**calls: Callable[[], object]) -> dict[str, str]:
@@ -159,8 +160,7 @@ def test_data_file_replaced_by_a_symlink_is_never_followed(daemon: Any) -> None:
 
 
 def test_restart_never_follows_planted_links(daemon: Any) -> None:
-    stub = _stub(daemon)
-    _save(stub, "app", "step-1", b"weights")
+    _save(daemon, "app", "step-1", b"weights")
     target = Path(tempfile.mkdtemp(prefix="tgt", dir=daemon.base_dir))
     (target / "notes.txt").write_text("notes")
     (target / "app.json").write_text("{}")
@@ -182,8 +182,7 @@ def test_restart_never_follows_planted_links(daemon: Any) -> None:
 
 # ---- H1 (filesystem) and M2 "writes after commit" ---------------------------------------
 def test_other_uids_cannot_change_the_memory_dir_or_committed_files(daemon: Any) -> None:
-    stub = _stub(daemon)
-    path = _save(stub, "job", "step-1", b"committed")
+    path = _save(daemon, "job", "step-1", b"committed")
     for d in [daemon.memory_dir, *(p for p in daemon.memory_dir.rglob("*") if p.is_dir())]:
         assert not d.stat().st_mode & 0o022, d
     result = _as_other_uid(
@@ -227,7 +226,7 @@ def test_a_rank_that_keeps_its_fd_open_cannot_commit(daemon: Any) -> None:
 
 def test_pool_segments_never_carry_bytes_across_namespaces(daemon: Any) -> None:
     stub = _stub(daemon)
-    _save(stub, "victim", "step-1", b"SECRET-WEIGHTS" * 4096)
+    _save(daemon, "victim", "step-1", b"SECRET-WEIGHTS" * 4096)
     stub.DeleteCheckpoint(_ref("victim", "step-1"))
     assert daemon.memory_dir.joinpath("pool").iterdir()
     ref = _ref("thief", "step-1")

@@ -34,7 +34,7 @@ from tierckpt.fsspec_fs import TierckptFileSystem
 from tests.support import jobs
 from tests.support.backends import Nodes
 from tests.support.cli import cli
-from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.cluster import LocalCluster, local_cluster, save_job
 from tests.support.dist_job import run_job
 from tests.support.errors import capture, originals
 from tests.support.peer_nodes import NS as PEER_NS
@@ -47,11 +47,6 @@ NS = "lost-run"
 RANK1 = "__1_"  # rank 1 runs on node 1 and writes __1_0.distcp, __1_1.distcp, ...
 # Node 1's replica pushes stall (well past the test) from its restart on.
 HELD_BACK = "peer.push.chunk:delay=3600"
-
-
-def _save(c: LocalCluster, checkpoint_id: str, expected: Path, seed: int) -> None:
-    backend = Nodes(NS, c.addresses, 1)  # rank r on node r
-    run_job(jobs.save_only, 3, backend, [checkpoint_id], str(expected), seed, timeout=180)
 
 
 def _load_plain(c: LocalCluster, checkpoint_id: str | None, expected: Path) -> None:
@@ -98,7 +93,7 @@ def test_a_lost_file_is_listed_lost_everywhere_and_the_newest_complete_one_loads
     expected = tmp_path / "expected"
     overrides = {"memory": {"budget": "256MiB"}}
     with local_cluster(3, namespace=NS, copies=1, overrides=overrides) as c:
-        _save(c, "step-1", expected, seed=41)
+        save_job(c, 3, 1, ["step-1"], expected, 41)
         c.wait_state("step-1", "REPLICATED")
 
         node1 = c.nodes[1]
@@ -108,7 +103,7 @@ def test_a_lost_file_is_listed_lost_everywhere_and_the_newest_complete_one_loads
             node1.start()
         finally:
             monkeypatch.delenv("TIERCKPT_FAULT")
-        _save(c, "step-2", expected, seed=42)
+        save_job(c, 3, 1, ["step-2"], expected, 42)
         lost_files = sorted(p.name for p in node1.data_dir(NS, "step-2").glob(f"{RANK1}*"))
         assert lost_files
         for i in (0, 2):  # nobody else got a copy of node 1's files

@@ -11,7 +11,6 @@ node's replica lists settle at its next heal round."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
@@ -24,7 +23,8 @@ from tierckpt.daemon_client import DaemonClient
 from tests.support.daemon_process import DaemonProcess, toml_document
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
-from tests.support.raw_rpc import write_files
+from tests.support.raw_rpc import save_ranks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -76,22 +76,17 @@ class Fleet:
 
     def save(self, checkpoint_id: str, files: dict[int, dict[str, bytes]]) -> None:
         """Node i's rank i writes files[i]; m0 coordinates."""
-        for node, named in files.items():
-            write_files(self.clients[node], NS, checkpoint_id, named, node)
-        required = [name for named in files.values() for name in named]
-        self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
+        save_ranks(self.clients, NS, checkpoint_id, files)
 
     def state(self, i: int, checkpoint_id: str) -> str:
         rows = {r.checkpoint_id: r.state for r in self.clients[i].list_checkpoints(NS)}
         return rows.get(checkpoint_id, "-")
 
     def wait(self, what: str, check: Any, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(self.nodes[i].log_tail(30) for i in self.clients)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
+        wait_until(what, check, timeout, details=self.log_tails)
+
+    def log_tails(self) -> str:
+        return "\n".join(self.nodes[i].log_tail(30) for i in self.clients)
 
     def wait_replicated(self, checkpoint_id: str, on: list[int]) -> None:
         seen: dict[int, str] = {}

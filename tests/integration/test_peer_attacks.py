@@ -38,7 +38,8 @@ from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess
 from tests.support.fake_peer import FakePeer, code_of
 from tests.support.ports import free_ports
-from tests.support.raw_rpc import file_entry, write_files
+from tests.support.raw_rpc import file_entry, raw_save, write_files
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -142,15 +143,11 @@ def publish(v: Victim, info: common_pb2.CheckpointInfo, node: str = "mallory") -
     return code_of(lambda: v.stub(node).PublishCheckpoint(info, timeout=30))
 
 
-def write(v: Victim, ns: str, cid: str, files: dict[str, bytes], rank: int = 0) -> None:
-    """Write and commit files of a save on the victim (the save stays WRITING)."""
-    write_files(v.client, ns, cid, files, rank)
-
-
-def save(v: Victim, ns: str, cid: str, files: dict[str, bytes] | None = None) -> None:
-    files = files or {".metadata": b"meta-" + cid.encode(), "__0_0.distcp": os.urandom(3000)}
-    write(v, ns, cid, files)
-    v.client.commit_checkpoint(ns, cid, list(files))
+def save(v: Victim, ns: str, cid: str) -> None:
+    """A real one-rank save of `cid` on the victim, with its own .metadata."""
+    raw_save(
+        v.client, ns, cid, {".metadata": b"meta-" + cid.encode(), "__0_0.distcp": os.urandom(3000)}
+    )
 
 
 def ids(v: Victim, ns: str) -> list[str]:
@@ -241,7 +238,7 @@ def test_far_future_manifests_do_not_evict_real_checkpoints(victim: Victim) -> N
 def test_a_publish_never_loses_a_save(victim: Victim) -> None:
     ns, cid = "job6b", "step-1"
     files = {".metadata": b"real-meta", "__0_0.distcp": os.urandom(5000)}
-    write(victim, ns, cid, files)
+    write_files(victim.client, ns, cid, files)
     on_disk = victim.daemon.data_dir(ns, cid) / "__0_0.distcp"
     # The audit's 6b: the same id with other checksums made publish unlink the files.
     other = manifest(
@@ -318,7 +315,7 @@ def test_commit_time_holdings_are_claims_on_own_files_only(victim: Victim) -> No
     ns = "jobHold"
     theirs = b"rank-1-bytes" * 100
     victim.fakes["buddy"].holdings["step-1"] = [file_entry("__1_0.distcp", theirs, "mallory")]
-    write(victim, ns, "step-1", {".metadata": b"m1", "__0_0.distcp": b"a" * 100})
+    write_files(victim.client, ns, "step-1", {".metadata": b"m1", "__0_0.distcp": b"a" * 100})
     info = victim.client.commit_checkpoint(
         ns, "step-1", [".metadata", "__0_0.distcp", "__1_0.distcp"]
     )
@@ -328,7 +325,7 @@ def test_commit_time_holdings_are_claims_on_own_files_only(victim: Victim) -> No
     victim.fakes["mallory"].holdings["step-2"] = [
         file_entry("__1_0.distcp", b"evil" * 300, "mallory")
     ]
-    write(victim, ns, "step-2", {".metadata": b"m2", "__0_0.distcp": b"b" * 100})
+    write_files(victim.client, ns, "step-2", {".metadata": b"m2", "__0_0.distcp": b"b" * 100})
     with pytest.raises(Exception, match="different contents") as e:
         victim.client.commit_checkpoint(ns, "step-2", [".metadata", "__0_0.distcp", "__1_0.distcp"])
     assert type(e.value).__name__ == "CheckpointIncomplete"
@@ -486,10 +483,13 @@ def test_stalled_streams_leave_health_and_peers_served(victim: Victim) -> None:
     # The audit's e7: 16 PushFile streams that never send a message held all 16 threads.
     calls = [stub.PushFile.future(stalled(), timeout=60) for _ in range(16)]
     try:
-        time.sleep(1.0)
-        # Over mallory's limit (12 calls at a time): refused at once, not queued.
-        refused = [c for c in calls if c.done() and c.code() == CODE.RESOURCE_EXHAUSTED]
-        assert len(refused) == 16 - 12
+        # Over mallory's limit (12 calls at a time): refused at once, not queued (a queued
+        # call would end only when released, or at its 60 s timeout).
+        def refused() -> list[Any]:
+            return [c for c in calls if c.done() and c.code() == CODE.RESOURCE_EXHAUSTED]
+
+        wait_until("4 of the 16 stalled pushes refused", lambda: len(refused()) >= 16 - 12, 10)
+        assert len(refused()) == 16 - 12
         started = time.monotonic()
         reply = health.Check(health_pb2.HealthCheckRequest(), timeout=3)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -16,7 +16,7 @@ import pytest
 from tests.support import jobs
 from tests.support.backends import Nodes
 from tests.support.cli import cli, ls_json
-from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.cluster import LocalCluster, local_cluster, save_job
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 
@@ -28,13 +28,6 @@ NS = "peer-run"
 def cluster(n: int, **kwargs: Any) -> AbstractContextManager[LocalCluster]:
     """`n` nodes, each in its own failure domain, peering with all others."""
     return local_cluster(n, namespace=NS, **kwargs)
-
-
-def _save(
-    c: LocalCluster, world: int, ranks_per_node: int, checkpoint_id: str, expected: Path, seed: int
-) -> None:
-    backend = Nodes(NS, c.addresses, ranks_per_node)
-    run_job(jobs.save_only, world, backend, [checkpoint_id], str(expected), seed, timeout=120)
 
 
 def _load(
@@ -84,7 +77,7 @@ def _counter(metrics: str, name: str) -> float:
 @pytest.mark.parametrize("n", [2, 3])
 def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
     with cluster(n) as c:
-        _save(c, 2 * n, 2, "step-000100", tmp_path, seed=5)
+        save_job(c, 2 * n, 2, ["step-000100"], tmp_path, 5, timeout=120)
         c.wait_state("step-000100", "REPLICATED")
         owned_by_node0 = {
             f for f in _local_files(c.nodes[0], "step-000100") if f.startswith(("__0_", "__1_"))
@@ -111,7 +104,7 @@ def test_replacement_node_restores_from_a_peer(tmp_path: Path, n: int) -> None:
 
 def test_replacement_node_restores_at_another_world_size(tmp_path: Path) -> None:
     with cluster(2) as c:
-        _save(c, 4, 2, "step-000200", tmp_path, seed=6)
+        save_job(c, 4, 2, ["step-000200"], tmp_path, 6, timeout=120)
         c.wait_state("step-000200", "REPLICATED")
         c.lose(1)
         c.replace(1)
@@ -120,7 +113,7 @@ def test_replacement_node_restores_at_another_world_size(tmp_path: Path) -> None
 
 def test_two_copies_survive_losing_two_nodes_at_once(tmp_path: Path) -> None:
     with cluster(4, copies=2) as c:
-        _save(c, 4, 1, "step-000300", tmp_path, seed=7)
+        save_job(c, 4, 1, ["step-000300"], tmp_path, 7, timeout=120)
         c.wait_state("step-000300", "REPLICATED")
         c.lose(0, 1)
         c.replace(0, 1)
@@ -129,7 +122,7 @@ def test_two_copies_survive_losing_two_nodes_at_once(tmp_path: Path) -> None:
 
 def test_healing_brings_lost_copies_back(tmp_path: Path) -> None:
     with cluster(2, heal_interval=0.5) as c:
-        _save(c, 2, 1, "step-000400", tmp_path, seed=8)
+        save_job(c, 2, 1, ["step-000400"], tmp_path, 8, timeout=120)
         c.wait_state("step-000400", "REPLICATED")
         before = _local_files(c.nodes[1], "step-000400")
         c.lose(1)
@@ -146,7 +139,7 @@ def test_healing_brings_lost_copies_back(tmp_path: Path) -> None:
 
 def test_a_flipped_byte_is_never_served_and_is_repaired(tmp_path: Path) -> None:
     with cluster(2) as c:
-        _save(c, 2, 1, "step-000500", tmp_path, seed=9)
+        save_job(c, 2, 1, ["step-000500"], tmp_path, 9, timeout=120)
         c.wait_state("step-000500", "REPLICATED")
         victim = c.nodes[0].data_dir(NS, "step-000500") / "__0_0.distcp"
         good = victim.read_bytes()

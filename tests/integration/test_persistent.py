@@ -17,9 +17,9 @@ import pytest
 
 from tests.support import jobs, moto_s3
 from tests.support.backends import Nodes
-from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.cluster import LocalCluster, local_cluster, save_job
 from tests.support.dist_job import run_job
-from tests.support.s3_drain import s3_names, save_job, stock_load
+from tests.support.s3_drain import s3_names, stock_load
 
 pytestmark = pytest.mark.integration
 

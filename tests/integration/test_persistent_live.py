@@ -19,7 +19,7 @@ from tierckpt.errors import TierUnavailable
 
 from tests.support import jobs, moto_s3
 from tests.support.backends import Nodes
-from tests.support.cluster import LocalCluster, local_cluster
+from tests.support.cluster import LocalCluster, local_cluster, save_job
 from tests.support.dist_job import RankFailed, run_job
 
 pytestmark = pytest.mark.integration
@@ -41,10 +41,6 @@ def _persistent(bucket: moto_s3.S3Bucket, **keys: Any) -> dict[str, Any]:
     }
 
 
-def _save(c: LocalCluster, ids: list[str], expected: Path) -> None:
-    run_job(jobs.save_only, 1, Nodes(NS, c.addresses, 1), ids, str(expected), 23, timeout=180)
-
-
 def _load(c: LocalCluster, cid: str | None, expected: Path, shown_as: str) -> None:
     target = str(expected / shown_as)
     backend = Nodes(NS, c.addresses, 1)
@@ -61,7 +57,7 @@ def test_a_checkpoint_another_cluster_drained_is_restored_by_id_and_as_newest(
         local_cluster(1, namespace=NS, id_prefix="b", overrides=config) as b,
     ):
         assert b.rows() == {}
-        _save(a, ["step-000005", "step-000006"], tmp_path)
+        save_job(a, 1, 1, ["step-000005", "step-000006"], tmp_path, 23)
         a.wait_state("step-000005", "DURABLE")
         a.wait_state("step-000006", "DURABLE")
         # b never saw them: an explicit id is probed in S3, adopted, restored bit-exact.
@@ -81,7 +77,7 @@ def test_a_restore_while_s3_is_down_is_unavailable_then_succeeds(
         local_cluster(1, namespace=NS, id_prefix="a", overrides=config) as a,
         local_cluster(1, namespace=NS, id_prefix="b", overrides=config) as b,
     ):
-        _save(a, ["step-000003"], tmp_path)
+        save_job(a, 1, 1, ["step-000003"], tmp_path, 23)
         a.wait_state("step-000003", "DURABLE")
         client = DaemonClient(b.nodes[0].address)
         try:

@@ -55,17 +55,14 @@ def _sample(body: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def _save(daemon: Any, tmp_path: Path, steps: list[tuple[Any, ...]]) -> None:
-    run_job(jobs.run_steps, 1, Tiered(NS, daemon.address), steps, timeout=90)
-
-
 def test_the_second_save_writes_into_segments_prewarmed_for_it(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
     (port,) = free_ports(1)
     daemon = daemon_factory({"metrics": {"listen": f"127.0.0.1:{port}"}})
     expected = tmp_path / "exp"
-    _save(daemon, tmp_path, [("save", "step-1", str(expected / "step-1"), 1)])
+    steps = [("save", "step-1", str(expected / "step-1"), 1)]
+    run_job(jobs.run_steps, 1, Tiered(NS, daemon.address), steps, timeout=90)
     first = _files(daemon, "step-1")
     assert any(name.endswith(".distcp") for name in first)
     size = sum(first.values())
@@ -75,13 +72,15 @@ def test_the_second_save_writes_into_segments_prewarmed_for_it(
     pool = sorted(p.name.split("@", 1)[1] for p in (daemon.memory_dir / "pool").iterdir())
     assert pool == [NS] * len(first)
 
-    _save(
-        daemon,
-        tmp_path,
+    run_job(
+        jobs.run_steps,
+        1,
+        Tiered(NS, daemon.address),
         [
             ("save", "step-2", str(expected / "step-2"), 2),
             ("load", "step-2", str(expected / "step-2")),  # every byte verified
         ],
+        timeout=90,
     )
     second = _files(daemon, "step-2")
     assert set(second) == set(first)
@@ -102,13 +101,15 @@ def test_the_second_save_writes_into_segments_prewarmed_for_it(
 def test_prewarm_next_false_leaves_the_pool_alone(daemon_factory: Any, tmp_path: Path) -> None:
     daemon = daemon_factory({"memory": {"prewarm_next": False}})
     expected = tmp_path / "exp"
-    _save(
-        daemon,
-        tmp_path,
+    run_job(
+        jobs.run_steps,
+        1,
+        Tiered(NS, daemon.address),
         [
             ("save", "step-1", str(expected / "step-1"), 1),
             ("save", "step-2", str(expected / "step-2"), 2),
         ],
+        timeout=90,
     )
     files = len(_files(daemon, "step-1")) + len(_files(daemon, "step-2"))
     status = _status(daemon)

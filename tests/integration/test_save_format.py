@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tierckpt import TieredStorageWriter
 from tierckpt.checksum import checksum_bytes
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from tests.support.backends import Tiered
 from tests.support.cli import ls_json
 
 pytestmark = pytest.mark.integration
@@ -36,19 +36,11 @@ def _state(seed: int) -> dict[str, Any]:
     }
 
 
-def _save(address: str, checkpoint_id: str, state: dict[str, Any]) -> None:
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.save(
-            state,
-            checkpoint_id=checkpoint_id,
-            storage_writer=TieredStorageWriter(NS, daemon=address, thread_count=2),
-        )
-
-
 @pytest.mark.timeout(120)
 def test_saved_items_are_plain_torch_save_records_without_crc(daemon: Any) -> None:
     for step in range(3):  # later saves recycle the earlier ones' files as warm segments
-        _save(daemon.address, f"step-{step:06d}", _state(step))
+        with pytest.warns(UserWarning, match="single process"):
+            Tiered(NS, daemon.address).save(_state(step), f"step-{step:06d}")
     directory = daemon.data_dir(NS, "step-000002")
     metadata = FileSystemReader(str(directory)).read_metadata()
     expected = _state(2)

@@ -47,23 +47,11 @@ import errno, json, os, sys
 from tierckpt.checksum import checksum_bytes
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import TierckptError
+from tests.support.raw_rpc import raw_save
 
 address, steps = sys.argv[1], json.loads(sys.argv[2])
 client = DaemonClient(address, timeout_s=20)
 ZERO = checksum_bytes(b"")
-
-
-def save(ns, cid, text):
-    data = text.encode() * 4096
-    client.begin_checkpoint(ns, cid, 0)
-    client.reserve_space(ns, cid, 0, len(data))
-    path = client.open_file(ns, cid, "__0_0.distcp", 0).path
-    fd = os.open(path, os.O_WRONLY)
-    os.write(fd, data)
-    os.ftruncate(fd, len(data))
-    os.close(fd)
-    client.commit_file(ns, cid, "__0_0.distcp", 0, len(data), checksum_bytes(data))
-    return client.commit_checkpoint(ns, cid, ["__0_0.distcp"]).checkpoint_id
 
 
 def read(path):
@@ -72,7 +60,7 @@ def read(path):
 
 
 OPS = {
-    "save": save,
+    "save": lambda ns, cid, text: raw_save(client, ns, cid, {"__0_0.distcp": text.encode() * 4096}),
     "get": lambda ns: [f.local_path for f in client.get_checkpoint(ns).files],
     "load": lambda ns: sum(read(f.local_path) for f in client.get_checkpoint(ns).files),
     "list": lambda ns: [[c.namespace, c.checkpoint_id] for c in client.list_checkpoints(ns)],
@@ -103,6 +91,8 @@ print(json.dumps(out))
 
 
 _SITE = "import site, sys; [site.addsitedir(d) for d in sys.argv.pop(1).split(os.pathsep)]\n"
+# The checkout's root, so that a client imports `tests.support` (its save is `raw_save`).
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _run_as(uid: int, python: str, code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -112,7 +102,7 @@ def _run_as(uid: int, python: str, code: str, *args: str) -> subprocess.Complete
             "-s",
             "-c",
             "import os\n" + _SITE + code,
-            os.pathsep.join(site.getsitepackages()),
+            os.pathsep.join([*site.getsitepackages(), _ROOT]),
             *args,
         ],
         user=uid,

@@ -15,7 +15,6 @@ Every time node1's copy is bit-exact and the checkpoint listed committed on both
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -89,7 +88,13 @@ def test_a_coordinator_killed_before_its_publish_publishes_on_restart(
         pair.save_s1()
     mine = (pair.nodes[1].data_dir(NS, "s1") / MINE).read_bytes()
     pair.nodes[0].kill9()  # reap it
-    time.sleep(ABANDON + 5)  # node1's sweeper asked while node0 was down: kept
+    # node1's sweeper asks about s1 once it is idle past ABANDON; node0 cannot answer.
+    asked = f"did not say whether it knows {NS}/s1"
+    pair.wait(
+        "node1's sweeper asking node0 about s1",
+        lambda: asked in pair.nodes[1].log_path.read_text(errors="replace"),
+        60,
+    )
     kept = pair.nodes[1].data_dir(NS, "s1") / MINE
     assert kept.exists() and kept.read_bytes() == mine, pair.nodes[1].log_tail(60)
     pair.nodes[0].start()

@@ -4,18 +4,25 @@ peering with all the others (one node: no peer listener at all)."""
 from __future__ import annotations
 
 import shutil
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
+from tierckpt.daemon_client import DaemonClient
+
+from tests.support import jobs
+from tests.support.backends import Nodes
 from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
+from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
+from tests.support.raw_rpc import raw_save
+from tests.support.waiting import wait_until
 
-__all__ = ["LocalCluster", "local_cluster"]
+__all__ = ["LocalCluster", "local_cluster", "save_job"]
 
 
 class LocalCluster:
@@ -70,6 +77,15 @@ class LocalCluster:
     def addresses(self) -> tuple[str, ...]:
         return tuple(d.address for d in self.nodes)
 
+    def raw_save(self, node: int, checkpoint_id: str, files: dict[str, bytes]) -> str:
+        """One rank's whole save through node `node` (it owns every file and coordinates);
+        the committed id."""
+        client = DaemonClient(self.nodes[node].address, timeout_s=60)
+        try:
+            return raw_save(client, self.namespace, checkpoint_id, files)
+        finally:
+            client.close()
+
     def lose(self, *indices: int) -> None:
         """kill -9 nodes and wipe their memory tier (the node died with its RAM)."""
         for i in indices:
@@ -86,28 +102,39 @@ class LocalCluster:
         return {r["id"]: r for r in ls_json(self.nodes[i].address, self.namespace)}
 
     def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
-        """Until every node's `ls` shows the checkpoint in `state`."""
-        deadline = time.monotonic() + timeout
-        seen: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            for i, daemon in enumerate(self.nodes):
-                seen[daemon.name] = self.rows(i).get(checkpoint_id, {}).get("state")
-            if all(s == state for s in seen.values()):
-                return
-            time.sleep(0.3)
-        logs = "\n".join(d.log_tail(40) for d in self.nodes)
-        raise AssertionError(
-            f"{checkpoint_id} not {state} on every node within {timeout} s: {seen}\n{logs}"
-        )
+        """Until every node lists the checkpoint in `state` (the `state` of its `ls` row).
+
+        Polled through one in-process client per node: a `tierckpt ls` subprocess per node
+        and poll cost a CPU-bound interpreter start each, taken from the daemons under test.
+        """
+        clients = [DaemonClient(d.address, timeout_s=30) for d in self.nodes]
+        seen: dict[str, str | None] = {}
+
+        def reached() -> bool:
+            for daemon, client in zip(self.nodes, clients, strict=True):
+                rows = client.list_checkpoints(self.namespace)
+                seen[daemon.name] = next(
+                    (r.state for r in rows if r.checkpoint_id == checkpoint_id), None
+                )
+            return all(s == state for s in seen.values())
+
+        try:
+            wait_until(
+                f"{checkpoint_id} {state} on every node",
+                reached,
+                timeout,
+                interval=0.3,
+                details=lambda: f"{seen}\n" + "\n".join(d.log_tail(40) for d in self.nodes),
+            )
+        finally:
+            for client in clients:
+                client.close()
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
         """Until `check()` holds; on a timeout, fail with every node's log tail."""
-        deadline = time.monotonic() + timeout
-        while not check():
-            if time.monotonic() > deadline:
-                logs = "\n".join(d.log_tail(30) for d in self.nodes)
-                raise AssertionError(f"timed out waiting for {what}\n{logs}")
-            time.sleep(0.2)
+        wait_until(
+            what, check, timeout, details=lambda: "\n".join(d.log_tail(30) for d in self.nodes)
+        )
 
     def metrics(self) -> str:
         """Node 0's Prometheus exposition."""
@@ -121,3 +148,19 @@ def local_cluster(n: int, **kwargs: Any) -> Iterator[LocalCluster]:
     """A started `LocalCluster`, every node stopped and wiped on exit."""
     with ExitStack() as stack:
         yield LocalCluster(stack, n, **kwargs)
+
+
+def save_job(
+    c: LocalCluster,
+    world: int,
+    ranks_per_node: int,
+    ids: list[str],
+    root: Path,
+    seed: int,
+    *,
+    timeout: float = 180.0,
+) -> None:
+    """`world` gloo ranks (`ranks_per_node` on each node, rank r on node r // it) save
+    checkpoints `ids` of `c.namespace`; the states they saved are kept under `root`."""
+    backend = Nodes(c.namespace, c.addresses, ranks_per_node)
+    run_job(jobs.save_only, world, backend, ids, str(root), seed, timeout=timeout)

@@ -72,6 +72,10 @@ class SavedCheckpoint:
     def data(self, name: str) -> bytes:
         return (self.directory / name).read_bytes()
 
+    def files(self) -> dict[str, bytes]:
+        """Every file of the save by name, `.metadata` included (what a raw save sends)."""
+        return {p.name: p.read_bytes() for p in sorted(self.directory.iterdir()) if p.is_file()}
+
     def checksums(self, name: str) -> BlockChecksums:
         return checksum_bytes(self.data(name), block_size=BLOCK_SIZE)
 

@@ -8,9 +8,9 @@ from contextlib import ExitStack
 from typing import Any
 
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient
-from tierckpt.memory_files import ChecksummingWriter
 
 from tests.support.cluster import LocalCluster
+from tests.support.raw_rpc import save_ranks
 
 __all__ = ["NS", "Nodes", "payload"]
 
@@ -45,22 +45,7 @@ class Nodes(LocalCluster):
 
     def save(self, checkpoint_id: str, files: dict[int, dict[str, bytes]]) -> CheckpointInfo:
         """Node i's rank i writes files[i]; node 0 is the coordinator."""
-        for node, named in files.items():
-            c = self.clients[node]
-            c.begin_checkpoint(NS, checkpoint_id, node)
-            c.reserve_space(NS, checkpoint_id, node, sum(len(d) for d in named.values()))
-            for name, data in named.items():
-                opened = c.open_file(NS, checkpoint_id, name, node)
-                fd = os.open(opened.path, os.O_WRONLY)
-                try:
-                    writer = ChecksummingWriter(fd)
-                    writer.write(data)
-                    size, checksums = writer.finish()
-                finally:
-                    os.close(fd)
-                c.commit_file(NS, checkpoint_id, name, node, size, checksums)
-        required = [name for named in files.values() for name in named]
-        return self.clients[0].commit_checkpoint(NS, checkpoint_id, required)
+        return save_ranks(dict(enumerate(self.clients)), NS, checkpoint_id, files)
 
     def states(self, checkpoint_id: str) -> list[str]:
         out = []

@@ -28,20 +28,17 @@ from tierckpt.dcp_metadata import (
     CONTAINER_BYTES,
     OBJECTS_PER_BYTE,
     container_budget,
-    dump_metadata,
     load_metadata,
 )
 from tierckpt.errors import InvalidArgument, UnsafeMetadata
 from tierckpt.pickle_scan import scan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
+
+from tests.support.large_metadata import large_metadata_bytes
 
 _BOMBS = textwrap.dedent(
     """
@@ -172,35 +169,10 @@ def test_a_refused_value_is_shown_in_bounded_time_and_length() -> None:
     assert len(str(refused.value)) < 600
 
 
-def _large_metadata(tensors: int, chunks: int) -> Metadata:
-    """What a sharded save of `tensors` tensors in `chunks` chunks each writes (the
-    shape FileSystemWriter.finish pickles), built without a process group."""
-    sdm: dict[str, Any] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
-    for t in range(tensors):
-        fqn = f"model.layers.{t // 10}.mlp.block{t % 10}.weight"
-        parts = []
-        for c in range(chunks):
-            offsets = torch.Size([c * 16, 0])
-            parts.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([16, 128])))
-            storage[MetadataIndex(fqn, offsets, c)] = _StorageInfo(
-                f"__{c}_0.distcp", t * 4096, 4096
-            )
-        sdm[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.bfloat16), torch.Size([chunks * 16, 128]), parts
-        )
-    return Metadata(
-        state_dict_metadata=sdm,
-        planner_data={fqn: (fqn,) for fqn in sdm},
-        storage_data=storage,
-        storage_meta=StorageMeta(checkpoint_id="/ckpt/step-1", save_id="abc"),
-    )
-
-
 def test_a_large_real_metadata_decodes_as_torch_does(tmp_path: Path) -> None:
     """The bounds scale with the file: 600 tensors of 32 chunks (19k items, 2.7 MB)
     and a stock dcp.save of 1,500 small tensors decode exactly as pickle.load does."""
-    raw = dump_metadata(_large_metadata(600, 32))
+    raw = large_metadata_bytes(600, 32)
     assert len(raw) > 2_500_000
     assert load_metadata(raw) == pickle.loads(raw)
     with pytest.raises(UnsafeMetadata, match="tuple, not a Metadata"):
@@ -216,7 +188,7 @@ def test_a_large_real_metadata_decodes_as_torch_does(tmp_path: Path) -> None:
 def test_loads_run_side_by_side_without_a_process_wide_lock() -> None:
     """Many threads decode at once (no lock is held across a load) and each gets its
     own, correct result; a bomb refused on one thread does not disturb the others."""
-    raw = dump_metadata(_large_metadata(50, 8))
+    raw = large_metadata_bytes(50, 8)
     expected = pickle.loads(raw)
     results: list[object] = []
     errors: list[BaseException] = []
@@ -300,7 +272,7 @@ def test_the_bounds_leave_real_metadata_room_and_it_decodes_as_torch_does() -> N
     """The 2,000 tensors x 64 chunks `.metadata` (17.9 MB, 128k items): its logical
     objects and containers per byte are well inside the per-byte bounds (measured:
     0.27 and 0.108, bounds 2 and 0.25), and it decodes exactly as pickle.loads does."""
-    raw = dump_metadata(_large_metadata(2000, 64))
+    raw = large_metadata_bytes(2000, 64)
     assert len(raw) > 17_000_000
     found = scan(raw, budget=1 << 40, fresh=_FRESH, containers=_CONTAINERS)
     assert found.objects / len(raw) < OBJECTS_PER_BYTE / 4

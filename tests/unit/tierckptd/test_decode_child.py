@@ -11,12 +11,12 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from tierckpt.dcp_metadata import dump_metadata
 from tierckpt.errors import InvalidArgument, UnsafeMetadata
 from tierckptd.persistent import decode
 from tierckptd.persistent.format import ZSTD_DESCRIPTOR, data_files, rewrite_metadata
 
-from tests.unit.tierckpt.test_metadata_bounds import _large_metadata, bombs
+from tests.support.large_metadata import large_metadata_bytes
+from tests.unit.tierckpt.test_metadata_bounds import bombs
 
 
 def padded_lists(n: int) -> bytes:
@@ -37,13 +37,13 @@ def rows(raw: bytes) -> dict[str, tuple[tuple[int, int], ...]]:
 def test_a_real_large_metadata_comes_back_as_torch_reads_it() -> None:
     """2,000 tensors x 64 chunks (17.9 MB): the child's rows are pickle.loads' rows,
     and its zstd rewrite is the same metadata with the new offsets."""
-    raw = dump_metadata(_large_metadata(2000, 64))
+    raw = large_metadata_bytes(2000, 64)
     assert len(raw) > 17_000_000
     files = data_files(raw, what="ns/big/.metadata")
     assert {path: f.items for path, f in files.items()} == rows(raw)
     assert not any(f.transformed for f in files.values())
 
-    small = dump_metadata(_large_metadata(40, 4))
+    small = large_metadata_bytes(40, 4)
     mappings = {
         path: {offset: (offset + 1, length + 2) for offset, length in items}
         for path, items in rows(small).items()

@@ -24,7 +24,6 @@ from prometheus_client import REGISTRY
 from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, UnsafeMetadata
 from tierckptd.catalog import Catalog
-from tierckptd.config import PersistentConfig
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.source import PersistentSource
@@ -38,11 +37,12 @@ from tests.support.dcp_files import (
     make_state,
     save_checkpoint,
 )
+from tests.support.persistent_store import FAST, file_store
+from tests.support.waiting import wait_until
 
 from .conftest import MakeCatalog, Save
 
 NS = "run9"
-FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
 
 def _restore(catalog: Catalog, store: PersistentTier, checkpoint_id: str, name: str) -> int:
@@ -61,8 +61,7 @@ def _commit(save: Save, catalog: Catalog, checkpoint_id: str, saved: SavedCheckp
 
 @pytest.fixture
 def store(tmp_path: Path) -> PersistentTier:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression="zstd", level=3)
-    return PersistentTier.from_config(config, retry=FAST)
+    return file_store(tmp_path / "store")
 
 
 @pytest.fixture
@@ -127,8 +126,7 @@ def test_the_persistent_source_gives_back_the_original_bytes_verified(
 def test_a_corrupted_object_is_refused_on_restore(
     node: Catalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
-    store = PersistentTier.from_config(config, retry=FAST)
+    store = file_store(tmp_path / "store", compression)
     saved = save_checkpoint(tmp_path / "hot")
     _commit(save, node, "step-000004", saved)
     drainer = Drainer(node, store)
@@ -165,10 +163,9 @@ def test_the_worker_retries_until_durable(
     drainer.enqueue(NS, "step-000007")
     drainer.start()
     try:
-        deadline = time.monotonic() + 30
-        while not node.is_durable(NS, "step-000007"):
-            assert time.monotonic() < deadline, "the worker never drained the checkpoint"
-            time.sleep(0.02)
+        wait_until(
+            "the worker draining step-000007", lambda: node.is_durable(NS, "step-000007"), 30
+        )
     finally:
         drainer.stop()
     assert drainer.pending() == []
@@ -204,8 +201,7 @@ def _refused_count() -> float:
 def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
     make_catalog: MakeCatalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression=compression)
-    store = PersistentTier.from_config(config, retry=FAST)
+    store = file_store(tmp_path / "store", compression)
     node = make_catalog(budget=64 << 20, memory_keep_last=1)
     node.drain_every = 1
     marker = tmp_path / "MARKER"
@@ -264,10 +260,7 @@ def test_the_worker_never_retries_a_refused_one_until_the_operator_asks(
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+    wait_until("the drain worker", condition, timeout, interval=0.01)
 
 
 class CountingTier(PersistentTier):

@@ -4,24 +4,24 @@ PeerClient (no gRPC)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
-from tierckpt.checksum import BytesLike, checksum_bytes
+from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import CheckpointIncomplete
 from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import Heal, Repair
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
-from tierckptd.peers.breaker import Breaker
-from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
+from tierckptd.peers.client import Holdings, Manifests
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.commit import claims
 from tierckptd.peers.healer import FilePush, HealPlan, plan_heal, responsible
-from tierckptd.peers.membership import Membership
 from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.restore import Restorer, no_sources
+
+from tests.support.fake_peer_client import FakePeers
 
 from .conftest import Save, write_file
 
@@ -242,69 +242,6 @@ def test_claims_refuse_conflicts_and_invalid_answers() -> None:
 
 
 # ---- the Healer and Cluster with a fake PeerClient ---------------------------------------
-
-
-class FakePeers(PeerClient):
-    """Peers in memory: what each holds, which are down, what was pushed."""
-
-    def __init__(self, me: str, peers: dict[str, str]) -> None:
-        super().__init__(
-            Membership(me, "r1", peers=[PeerConfig(n, "x:1", d) for n, d in peers.items()])
-        )
-        self.breaker = Breaker(first=0)  # peers go down and come back between two heals
-        self.held: dict[str, dict[str, bytes]] = {n: {} for n in peers}
-        self.knows: dict[str, bool] = {n: False for n in peers}
-        self.down: set[str] = set()
-        self.corrupt_on: set[str] = set()
-        self.pushed: list[tuple[str, str]] = []
-        self.published: list[str] = []
-        self.replicas: list[tuple[str, str, list[str]]] = []
-
-    def _up(self, node: str, method: str) -> None:
-        if node in self.down:
-            raise PeerCallError(node, method, "UNAVAILABLE", "down")
-
-    def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
-        self._up(node, "Holdings")
-        return Holdings(self.knows[node], frozenset(self.held[node]))
-
-    def publish(self, node: str, view: CheckpointView) -> None:
-        self._up(node, "PublishCheckpoint")
-        self.published.append(node)
-        self.knows[node] = True
-
-    def update_replicas(
-        self, node: str, namespace: str, checkpoint_id: str, name: str, replicas: list[str]
-    ) -> None:
-        self._up(node, "UpdateReplicas")
-        self.replicas.append((node, name, list(replicas)))
-
-    def list_manifests(
-        self, node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
-    ) -> Manifests:
-        self._up(node, "ListManifests")
-        return Manifests([], [])
-
-    def fetch(
-        self, node: str, namespace: str, checkpoint_id: str, name: str
-    ) -> Iterator[tuple[int, memoryview]]:
-        self._up(node, "FetchFile")
-        yield 0, memoryview(self.held[node][name])
-
-    def push(
-        self,
-        node: str,
-        namespace: str,
-        checkpoint_id: str,
-        f: FileRecord,
-        pieces: Iterable[tuple[int, BytesLike]],
-    ) -> None:
-        self._up(node, "PushFile")
-        if node in self.corrupt_on:
-            raise PeerCallError(node, "PushFile", "DATA_LOSS", "block 0 mismatch")
-        data = b"".join(bytes(d) for _, d in pieces)
-        self.held[node][f.name] = data
-        self.pushed.append((node, f.name))
 
 
 PEERS = {"b": "r2", "c": "r3"}

@@ -7,16 +7,7 @@ import threading
 import pytest
 from tierckptd.jobs import Drain, Heal, JobQueue, Repair, StepAside, backoff
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
+from tests.support.clock import FakeClock
 
 
 def test_jobs_are_typed_values() -> None:
@@ -28,7 +19,7 @@ def test_jobs_are_typed_values() -> None:
 
 
 def test_dedup_keeps_the_earlier_due_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     ran: list[object] = []
     q: JobQueue[object] = JobQueue(lambda j: ran.append(j), clock=clock)
     assert q.put(Heal("ns", "a"), delay=5)
@@ -46,7 +37,7 @@ def test_dedup_keeps_the_earlier_due_time() -> None:
 
 
 def test_due_order_and_pending() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     ran: list[object] = []
     q: JobQueue[object] = JobQueue(lambda j: ran.append(j), clock=clock)
     q.put(Drain("ns", "b"), delay=2)
@@ -60,7 +51,7 @@ def test_due_order_and_pending() -> None:
 
 
 def test_handler_delay_reschedules_with_backoff() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     tries: list[float] = []
 
     def handler(job: Drain) -> float | None:
@@ -82,7 +73,7 @@ def test_backoff() -> None:
 
 
 def test_a_failing_job_is_logged_and_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
 
     def handler(job: Heal) -> float | None:
         raise RuntimeError("boom")
@@ -95,7 +86,7 @@ def test_a_failing_job_is_logged_and_dropped(caplog: pytest.LogCaptureFixture) -
 
 
 def test_discard() -> None:
-    q: JobQueue[Heal] = JobQueue(lambda j: None, clock=FakeClock())
+    q: JobQueue[Heal] = JobQueue(lambda j: None, clock=FakeClock(start=100.0))
     q.put(Heal("ns", "a"), delay=3)
     assert q.discard(Heal("ns", "a"))
     assert not q.discard(Heal("ns", "a"))
@@ -152,7 +143,7 @@ def test_a_job_put_again_while_running_runs_again_after() -> None:
 
 
 def test_step_aside_waits_while_saving_within_patience() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     saving = {"on": True}
     aside = StepAside(lambda: saving["on"], patience=1.0, clock=clock, sleep=clock.sleep, poll=0.1)
     assert aside.wait() is False
@@ -162,7 +153,7 @@ def test_step_aside_waits_while_saving_within_patience() -> None:
 
 
 def test_step_aside_beats_and_clears() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     calls = {"n": 0}
 
     def saving() -> bool:
@@ -177,7 +168,7 @@ def test_step_aside_beats_and_clears() -> None:
 
 
 def test_step_aside_does_not_wait_without_a_save_or_when_stopping() -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=100.0)
     assert StepAside(lambda: False, clock=clock, sleep=clock.sleep).wait() is False
     stop = threading.Event()
     stop.set()

@@ -22,29 +22,21 @@ from tierckptd.persistent.listing import (
     repair_index,
 )
 from tierckptd.persistent.source import PersistentSource
-from tierckptd.persistent.store import PersistentTier, RetryPolicy
+from tierckptd.persistent.store import PersistentTier
 from tierckptd.restore import Restorer
 
+from tests.support.clock import FakeClock
 from tests.support.dcp_files import make_state, save_checkpoint
+from tests.support.persistent_store import FAST, file_store
 
 from .conftest import MakeCatalog, Save
 
 NS = "run9"
-FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> PersistentTier:
-    config = PersistentConfig(url=f"file://{tmp_path / 'store'}", compression="zstd")
-    return PersistentTier.from_config(config, retry=FAST)
+    return file_store(tmp_path / "store")
 
 
 @pytest.fixture
@@ -96,7 +88,7 @@ def test_probe_adopts_a_checkpoint_another_cluster_drained(
 def test_a_missing_id_is_remembered_for_a_short_while(
     node: Catalog, other: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     discovery = Discovery(store, node, negative_ttl=5.0, max_negative=2, clock=clock)
     for _ in range(10):
         assert not discovery.probe(NS, "step-000001")
@@ -117,7 +109,7 @@ def test_a_missing_id_is_remembered_for_a_short_while(
 def test_refresh_lists_again_only_after_the_interval(
     node: Catalog, other: Catalog, save: Save, store: PersistentTier, tmp_path: Path
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     discovery = Discovery(store, node, relist_interval=30.0, clock=clock)
     discovery.mark_listed()
     _drain_elsewhere(other, save, store, tmp_path, "step-000003")

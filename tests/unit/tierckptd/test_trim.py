@@ -1,6 +1,6 @@
 """Surplus copies (`peers/trim.py`), the healer's pushes that recover or stop quietly
 (`peers/push.py`) and DURABLE checkpoints an owner let go (`healer.let_go`), with the
-fake PeerClient of test_healer (no gRPC)."""
+fake PeerClient of tests/support (no gRPC)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.peers.push import Pusher
 from tierckptd.peers.trim import plan_trim, ranked_holders, settled_replicas
 
+from tests.support.fake_peer_client import FakePeers
+
 from .conftest import Save
-from .test_healer import FakePeers, _cluster, _file, _view
+from .test_healer import _cluster, _file, _view
 
 MEMBERS = [Member("a", "r1"), Member("b", "r2"), Member("c", "r3"), Member("d", "r1")]
 
@@ -160,34 +162,18 @@ def test_the_better_buddy_keeps_its_copy(catalog: Catalog) -> None:
 
 
 # ---- pushes -----------------------------------------------------------------------------
-class Refusing(FakePeers):
-    """b answers Holdings as knowing the checkpoint, but refuses pushes with `code` until
-    it got a publish (NOT_FOUND), or always (PERMISSION_DENIED)."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__("node-a", {"b": "r2"})
-        self.code = code
-        self.knows["b"] = True
-        self.attempts = 0
-
-    def push(
-        self,
-        node: str,
-        namespace: str,
-        checkpoint_id: str,
-        f: FileRecord,
-        pieces: Iterable[tuple[int, BytesLike]],
-    ) -> None:
-        self.attempts += 1
-        if self.code == "PERMISSION_DENIED" or node not in self.published:
-            raise PeerCallError(node, "PushFile", self.code, "refused")
-        super().push(node, namespace, checkpoint_id, f, pieces)
+def _refusing(code: str) -> FakePeers:
+    """b answers Holdings as knowing the checkpoint, but refuses pushes with `code`."""
+    fake = FakePeers("node-a", {"b": "r2"})
+    fake.knows["b"] = True
+    fake.refuse["b"] = code
+    return fake
 
 
 def test_a_push_refused_for_want_of_the_manifest_publishes_and_pushes_again(
     catalog: Catalog, save: Save
 ) -> None:
-    fake = Refusing("NOT_FOUND")
+    fake = _refusing("NOT_FOUND")
     cluster = _cluster(catalog, fake)
     save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
     cluster.heal("run", "s1")
@@ -198,13 +184,13 @@ def test_a_push_refused_for_want_of_the_manifest_publishes_and_pushes_again(
 def test_a_refusing_peer_is_not_asked_again_and_logged_once(
     catalog: Catalog, save: Save, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fake = Refusing("PERMISSION_DENIED")
+    fake = _refusing("PERMISSION_DENIED")
     cluster = _cluster(catalog, fake)
     save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
     with caplog.at_level(logging.INFO):
         for _ in range(3):
             cluster.heal("run", "s1")
-    assert fake.attempts == 1
+    assert fake.push_attempts == 1
     assert caplog.text.count("refuses a copy") == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "push" in r.message]
 
