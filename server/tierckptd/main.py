@@ -182,6 +182,14 @@ class Daemon:
             return 1
         for warning in budget_warnings(cfg.memory.budget, tier.root):
             logger.warning("%s", warning)
+        try:  # short retries per operation: the drainer reschedules the whole job
+            stores = Roots.from_config(
+                cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
+            )
+        except ConfigError as e:
+            print(f"tierckptd: {e}", file=sys.stderr)
+            tier.close()
+            return 2
         catalog = Catalog(
             tier,
             node_id=cfg.node.id,
@@ -190,6 +198,9 @@ class Daemon:
             recycle=cfg.memory.recycle,
             memory_keep_last=cfg.retention.memory_keep_last,
             abandon_after=cfg.memory.abandon_after,
+            max_namespaces=cfg.memory.max_namespaces,
+            drain_every=cfg.persistent.every if stores.enabled else 0,
+            default_persistent=stores.default is not None,
         )
         for signum in _HANDLED:
             signal.signal(signum, self._on_signal)
@@ -220,7 +231,6 @@ class Daemon:
                 max_namespaces=cfg.metrics.namespace_series,
                 hash_labels=cfg.metrics.hash_namespaces,
             )
-            catalog.max_namespaces = cfg.memory.max_namespaces
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
             # The one restore chain: memory, then the file's peer holders and the other
@@ -237,10 +247,6 @@ class Daemon:
             metrics.bind_peers(lambda: peer_client.peer_ids)
             discovery: Discovery | None = None
             discovers = bool(cfg.membership.dns or cfg.membership.hostfile)
-            # Short retries per operation: the drainer reschedules the whole job.
-            stores = Roots.from_config(
-                cfg.persistent, retry=RetryPolicy(max_attempts=4, deadline=15.0, cap=4.0)
-            )
 
             def sources_for(namespace: str, checkpoint_id: str, f: FileRecord) -> list[FileSource]:
                 """Peers, then the persistent tier the checkpoint drained to (its own)."""
@@ -273,8 +279,6 @@ class Daemon:
                     peers=_peer_holdings(peer_client) if cfg.peers or discovers else None,
                     owner_grace=cfg.persistent.owner_grace,
                 )
-                catalog.drain_every = cfg.persistent.every
-                catalog.default_persistent = stores.default is not None
                 cluster.ops.unstore = functools.partial(remove_checkpoint, stores)  # rm
                 drainer.retention.on_evicted = cluster.ops.retired  # every node drops it
                 catalog.on_committed = drainer.enqueue

@@ -241,11 +241,11 @@ class Restorer:
                 attempts.append(Attempt("memory", Outcome.MISSING, "not held on this node"))
             for source in self.sources_for(namespace, checkpoint_id, f):
                 try:
-                    got = install_copy(
+                    held = install_copy(
                         self.catalog,
                         namespace,
                         checkpoint_id,
-                        name,
+                        f,
                         source.chunks(namespace, checkpoint_id, f),
                         what=f"{what} from {source.name}",
                         restored=True,
@@ -262,21 +262,26 @@ class Restorer:
                     logger.error("restore of %s from %s: %s", what, source.name, e)
                     attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
                     continue
-                metrics.FETCHED_BYTES.inc(got)
-                f, path = self.catalog.file_view(namespace, checkpoint_id, name)
-                if path:
-                    logger.info(
-                        "restored %s from %s (%d bytes)",
-                        what,
-                        source.name,
-                        f.size,
-                        extra=logs.context(namespace, checkpoint_id, f.rank),
-                    )
-                    if isinstance(source, Landed):
-                        try:
-                            source.landed(namespace, checkpoint_id, f)
-                        except Exception as e:
-                            logger.warning("after restoring %s from %s: %s", what, source.name, e)
-                    return f, path, _kind(source.name)
-                attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
+                if held is None:  # another route installed it meanwhile
+                    f, path = self.catalog.file_view(namespace, checkpoint_id, name)
+                    if path:
+                        return f, path, "memory"
+                    attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
+                    continue
+                f = held
+                metrics.FETCHED_BYTES.inc(f.size)
+                logger.info(
+                    "restored %s from %s (%d bytes)",
+                    what,
+                    source.name,
+                    f.size,
+                    extra=logs.context(namespace, checkpoint_id, f.rank),
+                )
+                if isinstance(source, Landed):
+                    try:
+                        source.landed(namespace, checkpoint_id, f)
+                    except Exception as e:
+                        logger.warning("after restoring %s from %s: %s", what, source.name, e)
+                path = str(self.catalog.tier.file_path(namespace, checkpoint_id, name))
+                return f, path, _kind(source.name)
             raise final_error(what, attempts)

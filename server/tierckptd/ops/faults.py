@@ -68,7 +68,7 @@ POINTS: Mapping[str, str] = MappingProxyType(
         "drain.marker": "PersistentTier.upload_file, data file up, its marker not yet",
         "drain.metadata": "Drainer._commit, every data file up, .metadata not yet",
         "drain.after_metadata": "Drainer._commit, .metadata up, not yet marked durable here",
-        "retention.evict": "CatalogState._apply_retention, before each eviction",
+        "retention.evict": "Catalog._apply_retention, before each eviction",
         "pool.recycle": "WarmPool.to_pool, before a file is renamed into the pool",
         "pool.reuse": "WarmPool.take_segment, before a segment becomes a data file",
         "adopt.checkpoint": "adoption at start, before each manifest's files are verified",

@@ -30,8 +30,7 @@ import grpc
 from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 
-from tierckptd.catalog import Catalog
-from tierckptd.catalog.unfinished import Resolution
+from tierckptd.catalog import Catalog, Resolution
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import (
     BACKGROUND,
@@ -195,7 +194,7 @@ class Cluster:
 
     def _sync_replica_target(self) -> None:
         # The catalog shows "replicated" once every file has k extra copies.
-        self.catalog.replica_target = self.membership.replica_target
+        self.catalog.peer_marks.set_replica_target(self.membership.replica_target)
 
     @property
     def peer_ids(self) -> list[str]:
@@ -371,7 +370,8 @@ class Cluster:
             if path:
                 return 0
             what = f"{namespace}/{checkpoint_id}/{name}"
-            return install_copy(self.catalog, namespace, checkpoint_id, name, pieces, what=what)
+            held = install_copy(self.catalog, namespace, checkpoint_id, f, pieces, what=what)
+            return f.size if held is not None else 0
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
         return self.serving.holdings(namespace, checkpoint_id)

@@ -28,8 +28,7 @@ from tierckpt.errors import (
 )
 from tierckpt.names import METADATA_FILE
 
-from tierckptd.catalog import Catalog
-from tierckptd.catalog.unfinished import Resolution
+from tierckptd.catalog import Catalog, Resolution
 from tierckptd.memory.incoming import restore_plan
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key, coordinator_of
 from tierckptd.ops import metrics

@@ -476,7 +476,7 @@ class ClusterOps:
     def _apply(self, mark: Mark) -> None:
         try:
             if mark.kind is MarkKind.DELETED:
-                durable = self.catalog.is_durable(*mark.key)
+                durable = self.catalog.durability.is_durable(*mark.key)
                 # A stamp ahead of this clock tombstones only up to when this node first
                 # learnt it (`Mark.applied`, kept in the journal): a later save of the id
                 # is never refused or removed for the origin's skew.

@@ -134,7 +134,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             )
         else:
             recorded = ""
-        self.catalog.set_persistent_url(namespace, recorded)
+        self.catalog.durability.set_persistent_url(namespace, recorded)
         return daemon_pb2.SetNamespaceResponse(persistent_url=recorded)
 
     @rpc_method

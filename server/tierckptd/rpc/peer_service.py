@@ -261,7 +261,9 @@ class PeerService:
         def holdings() -> peer_pb2.HoldingsResponse:
             namespace, checkpoint_id = check_ref(request)
             state, files = self.cluster.holdings(namespace, checkpoint_id)
-            if state is State.COMMITTED and self.catalog.is_durable(namespace, checkpoint_id):
+            if state is State.COMMITTED and self.catalog.durability.is_durable(
+                namespace, checkpoint_id
+            ):
                 state = State.DURABLE  # a healer that has not learnt it must not call it lost
             return peer_pb2.HoldingsResponse(
                 state=state_of(state), files=[file_entry(f) for f in files]

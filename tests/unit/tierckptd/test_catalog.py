@@ -307,16 +307,17 @@ def test_sweeper_thread_runs(catalog: Catalog, clock) -> None:  # type: ignore[n
 def test_pin_survives_restart_and_unpin_lets_retention_evict(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
     catalog = make_catalog(memory_keep_last=1)
     save(catalog, "run", "step-1", {"a": b"1"})
-    assert catalog.set_pinned("run", "step-1", True).pinned
+    pinned = catalog.apply_pin("run", "step-1", True)
+    assert pinned is not None and pinned.pinned
     save(catalog, "run", "step-2", {"a": b"2"})
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-1", "step-2"]
     # The pin is in the manifest: a restarted daemon keeps honouring it.
     assert '"pinned": true' in catalog.tier.manifest_path("run", "step-1").read_text()
-    assert not catalog.set_pinned("run", "step-1", False).pinned
+    unpinned = catalog.apply_pin("run", "step-1", False)
+    assert unpinned is not None and not unpinned.pinned
     save(catalog, "run", "step-3", {"a": b"3"})
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-3"]
-    with pytest.raises(CheckpointNotFound):
-        catalog.set_pinned("run", "step-1", True)
+    assert catalog.apply_pin("run", "step-1", True) is None  # evicted: waits for a manifest
 
 
 def test_pool_segments_never_cross_namespaces(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
@@ -400,7 +401,7 @@ def test_only_the_saves_own_calls_keep_it_alive(catalog: Catalog, save, clock) -
         catalog.list_checkpoints("run", include_uncommitted=True)
         catalog.get("run", "step-1")
         catalog.verify("run", "step-1")
-        catalog.set_pinned("run", "step-1", True)
+        catalog.apply_pin("run", "step-1", True)
     assert catalog.sweep() == [("run", "idle")]
 
 

@@ -75,9 +75,7 @@ def saved(tmp_path: Path) -> SavedCheckpoint:
 
 def _node(make_catalog: MakeCatalog, every: int, keep_last: int = 1) -> Catalog:
     """A 64 MiB node draining every `every`-th checkpoint, keeping `keep_last` in memory."""
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=keep_last)
-    catalog.drain_every = every
-    return catalog
+    return make_catalog(budget=64 << 20, memory_keep_last=keep_last, drain_every=every)
 
 
 def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
@@ -97,7 +95,7 @@ def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
     kept = {v.checkpoint_id for v in node.list_checkpoints(NS) if "memory" in v.tiers}
     assert kept == {"step-1", "step-3"}
     assert Drainer(node, store).drain(NS, "step-1")
-    assert node.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
+    assert node.durability.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
     assert not store.is_durable(NS, "step-3")
     assert node.due_not_durable() == []
     _save(node, "step-4", saved)  # durable now: retention may let it go from memory

@@ -320,7 +320,7 @@ def test_a_commit_publishes_and_heal_pushes_each_file_to_k_buddies(
     fake = FakePeers("node-a", PEERS)
     fake.membership.configure([PeerConfig(n, "x:1", d) for n, d in PEERS.items()], 2)
     cluster = _cluster(catalog, fake)
-    assert catalog.replica_target == 2
+    assert catalog.peer_marks.replica_target == 2
     save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 3000})
     cluster.heal("run", "s1")
     assert sorted(fake.pushed) == sorted(

@@ -1,5 +1,5 @@
 """A save whose commit never reached this node is kept until the peers say what became of
-it (catalog/unfinished.py), and a reader's restored copy is not evicted under it.
+it (`Catalog.sweep`, `Catalog.salvage_orphans`), and a reader's restored copy is not evicted under it.
 
 Files of a multi-node save may be the only copies of a checkpoint its coordinator
 committed: the sweep asks the peers before aborting such a save, and after a restart the
@@ -14,9 +14,8 @@ import os
 from pathlib import Path
 
 from tierckpt.checksum import checksum_bytes
-from tierckptd.catalog import Catalog
+from tierckptd.catalog import UNFINISHED_PATIENCE, Catalog, Resolution
 from tierckptd.catalog.budget import PAGE, pages
-from tierckptd.catalog.unfinished import UNFINISHED_PATIENCE, Resolution
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
 from .conftest import FakeClock, MakeCatalog, Save, write_file
