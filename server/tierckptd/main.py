@@ -36,6 +36,7 @@ from tierckptd import __version__
 from tierckptd.catalog import Catalog, Sweeper
 from tierckptd.catalog.prewarm import NextSaveWarmer
 from tierckptd.catalog.views import freshness
+from tierckptd.commit import CommitCoordinator
 from tierckptd.config import (
     Config,
     ConfigError,
@@ -67,6 +68,7 @@ from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.startup import start_in_background as start_persistent
 from tierckptd.persistent.store import RetryPolicy
 from tierckptd.restore import FileSource, Restorer
+from tierckptd.rpc.daemon_service import DaemonService
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
 from tierckptd.rpc.peer_service import add_peer_service
@@ -287,17 +289,28 @@ class Daemon:
                     stores, catalog, relist_interval=cfg.persistent.relist_interval
                 )
             health = Health()
-            servers = start_servers(
+            # A commit asks the peer tier for the files it holds, commits the catalog,
+            # then the peer tier publishes and heals (tierckptd/commit.py).
+            commits = CommitCoordinator(catalog, cluster.committer, [cluster.committer])
+            daemon = DaemonService(
                 catalog,
-                health,
-                cfg.listen.local,
-                cfg.listen.peer,
-                register_peer=lambda server: add_peer_service(cluster, server),
-                peer_security=peer_security,
-                cluster=cluster,
+                commits=commits,
+                marks=cluster,
+                restorer=restorer,
                 access=access,
                 discovery=discovery,
                 persistent_urls=stores.check if stores.enabled else None,
+            )
+            mutual_tls = peer_security.mutual_tls
+            servers = start_servers(
+                daemon,
+                health,
+                cfg.listen.local,
+                cfg.listen.peer,
+                register_peer=lambda server: add_peer_service(
+                    cluster, server, mutual_tls=mutual_tls
+                ),
+                peer_security=peer_security,
             )
         except ConfigError as e:
             print(f"tierckptd: {e}", file=sys.stderr)

@@ -56,7 +56,7 @@ POINTS: Mapping[str, str] = MappingProxyType(
         "save.commit_file.sealed": "Catalog.commit_file, sealed on disk, not yet recorded",
         "commit.before_manifest": "Catalog.commit, before the manifest is written",
         "commit.after_manifest": "Catalog.commit, manifest on disk, record not yet committed",
-        "commit.before_publish": "Committer.commit, committed here, peers not told yet",
+        "commit.before_publish": "CommitCoordinator.commit, committed here, listeners not told yet",
         "peer.holdings": "PeerClient.holdings, asking a peer what it holds",
         "peer.publish": "PeerClient.publish, giving one peer the manifest",
         "peer.apply_mark": "PeerClient.apply_mark, telling one peer of a cluster rm/pin",

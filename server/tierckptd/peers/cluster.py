@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -127,9 +127,6 @@ class Cluster:
             )
         self.client = client
         self.membership = client.membership
-        # Set by `servers.start_servers` from [security] tls_ca: a PeerService caller is
-        # then the node its client cert names, not the node it claims to be.
-        self.mutual_tls = False
         self._stop = threading.Event()
         # Several replicators, new commits first (URGENT), the periodic heal round last
         # (BACKGROUND): one gray peer or one big push does not hold every replication.
@@ -297,20 +294,6 @@ class Cluster:
         self.healer.heal(namespace, checkpoint_id)
 
     # ---- commit and manifests ---------------------------------------------------------
-    def commit(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        required: list[str],
-        *,
-        durable: bool = False,
-        holders: Sequence[str] = (),
-    ) -> CheckpointView:
-        """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
-        return self.committer.commit(
-            namespace, checkpoint_id, required, durable=durable, holders=holders
-        )
-
     def published(self, rec: CheckpointRecord) -> bool:
         return self.committer.published(rec)
 

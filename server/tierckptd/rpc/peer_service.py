@@ -146,8 +146,12 @@ class PeerService:
         call_limit: float = TRANSFER_TIMEOUT,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_per_peer: int = MAX_PER_PEER,
+        mutual_tls: bool = False,
     ) -> None:
+        """`mutual_tls` (`[security] tls_ca`): a caller is the node its client cert
+        names, not the node it claims to be."""
         self.cluster = cluster
+        self.mutual_tls = mutual_tls
         self.catalog = cluster.catalog
         self.stall_timeout = stall_timeout
         self.call_limit = call_limit
@@ -161,7 +165,7 @@ class PeerService:
     # ---- who calls, and may it --------------------------------------------------------
     def caller(self, context: Any) -> str:
         """The configured peer making this call; PermissionDenied for anyone else."""
-        mutual_tls = self.cluster.mutual_tls
+        mutual_tls = self.mutual_tls
         names = list(dict.fromkeys(caller_names(context, mutual_tls=mutual_tls)))
         members = self.cluster.members
         matched = [n for n in names if n in members]

@@ -24,6 +24,7 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info, to_info
 
+from tests.support.daemon_parts import daemon_service
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
 
 from .conftest import MakeCatalog
@@ -167,7 +168,9 @@ def test_the_rpc_refuses_durable_without_a_persistent_tier(
 ) -> None:
     node = _node(make_catalog, every=0)
     health = Health()
-    servers = start_servers(node, health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0")
+    servers = start_servers(
+        daemon_service(node), health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0"
+    )
     health.serving()
     try:
         client = DaemonClient(f"unix://{tmp_path}/d.sock")

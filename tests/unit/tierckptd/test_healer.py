@@ -23,6 +23,8 @@ from tierckptd.peers.membership import Membership
 from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.restore import Restorer, no_sources
 
+from tests.support.daemon_parts import coordinator
+
 from .conftest import Save, write_file
 
 
@@ -423,7 +425,7 @@ def test_commit_collects_peer_files_and_queues_a_heal(catalog: Catalog, save: Sa
     catalog.begin("run", "s1", 0)
     catalog.reserve("run", "s1", 0, 1)
     write_file(catalog, "run", "s1", ".metadata", b"m")
-    view = cluster.commit("run", "s1", [".metadata", "__1_0.distcp"])
+    view = coordinator(catalog, cluster).commit("run", "s1", [".metadata", "__1_0.distcp"])
     assert view.state is State.COMMITTED
     owners = {f.name: f.owner_node for f in view.files}
     assert owners == {".metadata": "node-a", "__1_0.distcp": "b"}

@@ -43,6 +43,7 @@ from tierckptd.rpc.peer_service import PeerService, add_peer_service
 from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info
 
+from tests.support.daemon_parts import daemon_service
 from tests.support.raw_rpc import file_entry
 
 from .conftest import MakeCatalog, Save
@@ -474,12 +475,11 @@ def peer_port(make_catalog: MakeCatalog, tmp_path: Path) -> Iterator[PeerPort]:
         services.append(add_peer_service(cluster, server, stall_timeout=1.0, max_per_peer=3))
 
     servers = start_servers(
-        catalog,
+        daemon_service(catalog, cluster=cluster),
         Health(),
         f"unix://{tmp_path}/d.sock",
         "127.0.0.1:0",
         register_peer=register,
-        cluster=cluster,
     )
     yield PeerPort(f"127.0.0.1:{servers.peer_port}", services[0], cluster, catalog)
     servers.stop(0)
