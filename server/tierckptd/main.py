@@ -48,8 +48,8 @@ from tierckptd.jobs import JobQueue, StepAside
 from tierckptd.memory.capacity import budget_warnings
 from tierckptd.memory.scrubber import Scrubber
 from tierckptd.memory.tier import MemoryTier, MemoryTierLocked
-from tierckptd.model import FileRecord
 from tierckptd.ops import logs, metrics
+from tierckptd.ops.events import Listeners
 from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.ops.priority import at_idle_priority
 from tierckptd.ops.systemd import sd_notify
@@ -58,16 +58,15 @@ from tierckptd.peers.client import PeerClient
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
 from tierckptd.peers.peer_discovery import Discoverer, discoverer_for
-from tierckptd.peers.source import peer_sources
+from tierckptd.peers.source import PeerSources
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
 from tierckptd.persistent.listing import Discovery
 from tierckptd.persistent.retention import remove_checkpoint
 from tierckptd.persistent.roots import Roots
-from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.startup import start_in_background as start_persistent
 from tierckptd.persistent.store import RetryPolicy
-from tierckptd.restore import FileSource, Restorer
+from tierckptd.restore import Restorer, RestoreSources
 from tierckptd.rpc.daemon_service import DaemonService
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
@@ -235,8 +234,6 @@ class Daemon:
             )
             if cfg.metrics.listen:
                 metrics.serve(cfg.metrics.listen)
-            # The one restore chain: memory, then the file's peer holders and the other
-            # peers, then the persistent tier (restore.py).
             peer_client = PeerClient(
                 Membership(
                     cfg.node.id,
@@ -250,14 +247,15 @@ class Daemon:
             discovery: Discovery | None = None
             discovers = bool(cfg.membership.dns or cfg.membership.hostfile)
 
-            def sources_for(namespace: str, checkpoint_id: str, f: FileRecord) -> list[FileSource]:
-                """Peers, then the persistent tier the checkpoint drained to (its own)."""
-                tier = stores.tier(catalog.persistent_url(namespace, checkpoint_id))
-                persistent = [PersistentSource(tier)] if tier is not None else []
-                landed = self.cluster.copy_landed if self.cluster is not None else None
-                return [*peer_sources(peer_client, f, landed), *persistent]
-
-            restorer = Restorer(catalog, sources_for)
+            # The one restore chain (restore.py): memory, then the file's peer holders
+            # and the other peers, then the persistent tier the checkpoint drained to.
+            landed: Listeners[[str, str, str]] = Listeners()  # a peer's copy landed here
+            sources = RestoreSources(
+                catalog,
+                peers=PeerSources(peer_client, landed),
+                persistent=stores.source if stores.enabled else None,
+            )
+            restorer = Restorer(catalog, sources)
             cluster = Cluster(
                 catalog,
                 restorer,
@@ -265,6 +263,7 @@ class Daemon:
                 heal_interval=cfg.replication.heal_interval,
             )
             self.cluster = cluster
+            landed.add(cluster.copy_landed)
             if access is not None:  # uid isolation, cluster-wide (rpc/local_access.py)
                 access.ask_peers = functools.partial(_ask_owner, peer_client)
                 iso = access
