@@ -24,7 +24,7 @@ Lock order (outermost first; never take an earlier one while holding a later one
 
 The catalog lock is a plain (non-reentrant) `threading.Lock`: no public method is called
 with it held. Manifest writes (small, atomic renames) happen under it, so a manifest on
-disk always agrees with the record; `on_committed`, `prewarm_next` (the next-save prewarm,
+disk always agrees with the record; `events.committed`, `events.prewarm_next` (the next-save prewarm,
 `prewarm.py`) and `tier.on_namespace_dir` are called under it and must only enqueue or
 take locks later in the order. The warm pool shares the lock (it waits on a Condition of
 it for segments being preallocated).
@@ -34,7 +34,7 @@ a multi-node save commits on the coordinator's daemon, which then publishes the 
 manifest to every node holding files of it; if that publish never arrives this node sees
 a WRITING record, or after a restart a data dir without a manifest (an *orphan*). Its
 files may be the only copies of a committed checkpoint, so neither is collected before
-the peers have been asked (`sweep`, `salvage_orphans`, through `resolve_unfinished`).
+the peers have been asked (`sweep`, `salvage_orphans`, through `events.resolve_unfinished`).
 """
 
 from __future__ import annotations
@@ -91,12 +91,14 @@ from tierckptd.model import (
     coordinator_of,
 )
 from tierckptd.ops import logs, metrics
+from tierckptd.ops.events import Answer, Listeners
 from tierckptd.ops.faults import fault
 
 __all__ = [
     "MAX_FILES",
     "UNFINISHED_PATIENCE",
     "Catalog",
+    "CatalogEvents",
     "Resolution",
     "Sweeper",
     "VerifyResult",
@@ -140,6 +142,56 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
+def _unknown(namespace: str, checkpoint_id: str) -> Resolution:
+    return "unknown"
+
+
+def _no_owner(namespace: str) -> tuple[int, str] | None:
+    return None
+
+
+def _nothing_pending() -> int:
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEvents:
+    """What the catalog tells and asks the parts built after it (`ops.events`): each
+    part subscribes once, while main.py wires the daemon. Those called under the catalog
+    lock (marked) must only enqueue or take locks later in the lock order."""
+
+    # A checkpoint due for the persistent tier committed here, by a commit or a peer's
+    # publish (under the lock): the drain enqueues it.
+    committed: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)
+    # Any checkpoint committed here, or a namespace's first Begin (under the lock): the
+    # next-save prewarm queues it; with no listener, nothing is planned.
+    prewarm_next: Listeners[[str]] = dataclasses.field(default_factory=Listeners)
+    # Bytes of next-save prewarm planned and not made yet (`status`).
+    prewarm_pending: Answer[[], int] = dataclasses.field(
+        default_factory=lambda: Answer(_nothing_pending)
+    )
+    # A drain made a deleted checkpoint durable (under the lock): the cluster rm deletes
+    # it again (peers/operations.py).
+    gone_durable: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)
+    # The cluster pin marks of a namespace (checkpoint id -> pinned), applied to a
+    # manifest that arrives after them (under the lock: takes only the journal's lock).
+    pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
+        default_factory=lambda: Answer(_no_pins)
+    )
+    # Whether a peer's coordinator committed an unfinished save (the peer tier); not
+    # answered (no peer tier): a save either finished here or it failed.
+    resolve_unfinished: Answer[[str, str], Resolution] = dataclasses.field(
+        default_factory=lambda: Answer(_unknown)
+    )
+    # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
+    # (uid, node of the claim), stamped on each new save's record; and the check of a
+    # peer's manifest against this node's owner (PermissionDenied) before a publish.
+    owner_of: Answer[[str], tuple[int, str] | None] = dataclasses.field(
+        default_factory=lambda: Answer(_no_owner)
+    )
+    check_owner: Listeners[[CheckpointRecord]] = dataclasses.field(default_factory=Listeners)
+
+
 class Catalog:
     """Lifecycle and budget of the checkpoints in one memory tier (thread-safe)."""
 
@@ -158,6 +210,7 @@ class Catalog:
         max_namespaces: int = 0,
         drain_every: int = 0,
         default_persistent: bool = True,
+        events: CatalogEvents | None = None,
     ) -> None:
         """`max_namespaces`: `[memory] max_namespaces` (0: no bound); `drain_every`,
         `default_persistent`: the persistent tier's (`durability.DurabilityLedger`)."""
@@ -189,39 +242,15 @@ class Catalog:
         # Adoption's unfinished data dirs (`keep_orphans`) and since when.
         self._orphans: dict[Key, dict[str, int]] = {}
         self._orphans_since = 0.0
-        # A callback (called under the lock: it must only enqueue) for every new commit
-        # here that is due for the persistent tier.
-        self.on_committed: Callable[[str, str], None] | None = None
-        # A drain made a deleted checkpoint durable (peers/operations.py; only enqueues).
-        self.on_gone_durable: Callable[[str, str], None] | None = None
-        # The cluster pin marks of a namespace (checkpoint id -> pinned;
-        # peers/operations.py), applied to a manifest that arrives after them. Called
-        # under the lock: it takes only the mark journal's lock.
-        self.pin_marks: Callable[[str], dict[str, bool]] = _no_pins
-        # Peer tier: ask the peers whether a checkpoint was committed and adopt the
-        # manifest if so. None (no peers): a save either finished here or it failed.
-        self.resolve_unfinished: Callable[[str, str], Resolution] | None = None
-        # Next-save prewarm (`prewarm.NextSaveWarmer.schedule`, called under the lock: it
-        # only enqueues) after every commit here, and what saves got from the pool.
-        self.prewarm_next: Callable[[str], object] | None = None
-        self.prewarm_pending: Callable[[], int] = lambda: 0  # bytes planned, not made yet
+        # What the catalog tells and asks the parts built after it (they subscribe).
+        self.events = events if events is not None else CatalogEvents()
         self.pool_use = PoolUse()
         self._prewarm_begun: set[str] = set()  # namespaces prewarmed for at a Begin
-        # `[security] local_isolation = "uid"` (`rpc.local_access`, never called under the
-        # lock): a namespace's owner (uid, node of the claim), stamped on each new save's
-        # record so it travels with the manifest, and the check of a peer's manifest
-        # against this node's owner (PermissionDenied) before a publish is taken.
-        self.owner_of: Callable[[str], tuple[int, str] | None] = lambda namespace: None
-        self.check_owner: Callable[[CheckpointRecord], None] | None = None
 
     @property
     def budget(self) -> int:
         """`memory.budget` in bytes."""
         return self._budget.limit
-
-    @budget.setter
-    def budget(self, limit: int) -> None:
-        self._budget.limit = limit
 
     # ---- accounting (call under the lock) ---------------------------------------------
     def _track(self, rec: CheckpointRecord) -> None:
@@ -607,10 +636,9 @@ class Catalog:
         )
 
     def _notify_committed(self, rec: CheckpointRecord) -> None:
-        if self.on_committed is not None and self.durability.due(rec):
-            self.on_committed(rec.namespace, rec.checkpoint_id)
-        if self.prewarm_next is not None:
-            self.prewarm_next(rec.namespace)  # plans after retention: evicted files count
+        if self.durability.due(rec):
+            self.events.committed(rec.namespace, rec.checkpoint_id)
+        self.events.prewarm_next(rec.namespace)  # plans after retention: evicted files count
 
     def _apply_retention(self, namespace: str) -> None:
         committed = [
@@ -728,11 +756,11 @@ class Catalog:
         """At the first Begin of a namespace since start (e.g. after a restart adopted
         its checkpoints), schedule the prewarm a commit would have (call under the lock;
         it runs once the save is over, or right away if the save is abandoned)."""
-        if self.prewarm_next is None or namespace in self._prewarm_begun:
+        if not self.events.prewarm_next or namespace in self._prewarm_begun:
             return
         self._prewarm_begun.add(namespace)
         if self._newest(namespace) is not None:
-            self.prewarm_next(namespace)
+            self.events.prewarm_next(namespace)
 
     # ---- durability (the ledger's marks that need the records) ------------------------
     def set_drain_failed(
@@ -780,8 +808,8 @@ class Catalog:
         with self._lock:
             rec = self._records.get(key)
             if rec is None or rec.state is not State.COMMITTED:
-                if self.peer_marks.gone(key) and self.on_gone_durable is not None:
-                    self.on_gone_durable(namespace, checkpoint_id)  # a drain beat an rm
+                if self.peer_marks.gone(key):
+                    self.events.gone_durable(namespace, checkpoint_id)  # a drain beat an rm
                 return False
             # Durable and drain-failed exclude each other: the ledger clears the mark in
             # the same step, so no view shows both (the drainer's own bookkeeping follows).
@@ -877,8 +905,7 @@ class Catalog:
         were is reported as the coordinator's clock skew (`clock_skew`, a metric).
         """
         key = self._ref(published.namespace, published.checkpoint_id)
-        if self.check_owner is not None:  # uid isolation: another uid's namespace here
-            self.check_owner(published)
+        self.events.check_owner(published)  # uid isolation: another uid's namespace here
         with self._lock:
             if self.peer_marks.refuses(published, durable=durable):
                 return False  # deleted or evicted here: a peer does not bring it back
@@ -934,7 +961,7 @@ class Catalog:
                 last_activity=self._clock(),
                 created_unix=min(published.created_unix, now),
                 committed_unix=min(published.committed_unix, now),
-                pinned=self.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
+                pinned=self.events.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
                 trust=Trust.PROVEN if durable or took_part else self._trust_of(published),
             )
             by = coordinator_of(new.files)
@@ -1263,7 +1290,7 @@ class Catalog:
     def pinned_ids(self, namespace: str) -> set[str]:
         """Ids of the namespace's checkpoints pinned here or by a cluster pin mark not
         yet applied (persistent retention keeps them all)."""
-        marks = self.pin_marks(namespace)
+        marks = self.events.pin_marks(namespace)
         with self._lock:
             pinned = {
                 r.checkpoint_id
@@ -1288,7 +1315,7 @@ class Catalog:
             ask = [
                 (r.key, now - r.last_activity)
                 for r in stale
-                if self.resolve_unfinished is not None
+                if self.events.resolve_unfinished.answered
                 and any(f.committed and f.held for f in r.files.values())
             ]
         keep: set[Key] = set()
@@ -1310,9 +1337,8 @@ class Catalog:
         return aborted
 
     def _resolve(self, key: Key) -> Resolution:
-        assert self.resolve_unfinished is not None
         try:
-            return self.resolve_unfinished(*key)
+            return self.events.resolve_unfinished(*key)
         except TierckptError as e:
             logger.warning("cannot ask the peers about %s/%s: %s", *key, e)
             return "unknown"
@@ -1359,7 +1385,7 @@ class Catalog:
         adopted here); returns those every peer answered without."""
         with self._lock:
             unknown = [k for k in self._orphans if k not in self._records]
-        if self.resolve_unfinished is None:
+        if not self.events.resolve_unfinished.answered:
             return set()
         return {key for key in unknown if self._resolve(key) == "absent"}
 
@@ -1408,7 +1434,7 @@ class Catalog:
         self._write_manifest(dataclasses.replace(rec, files={**rec.files, f.name: held}))
         mine.held = True
         self._orphans[key].pop(f.name, None)
-        self._budget.quarantined -= f.size
+        self._budget.release_quarantined(f.size)
         self._track(rec)
         logger.info(
             "%s/%s/%s: kept the file an unfinished save left here, %s: its coordinator "
@@ -1430,7 +1456,7 @@ class Catalog:
                 self.tier.remove_file(self.tier.file_path(*key, name))
             except (OSError, UnsafePath) as e:
                 logger.warning("cannot collect %s/%s/%s: %s", *key, name, e)
-        self._budget.quarantined -= sum(files.values())
+        self._budget.release_quarantined(sum(files.values()))
         if rec is None:
             self.tier.remove_checkpoint_dir(*key)
         if files:
@@ -1466,7 +1492,7 @@ class Catalog:
         """Open a save; idempotent for every rank. Committed ids are immutable."""
         fault("save.begin")
         key = self._ref(namespace, checkpoint_id)
-        owner = self.owner_of(namespace)  # uid isolation: the manifest names the owner
+        owner = self.events.owner_of(namespace)  # uid isolation: the manifest names the owner
         with self._lock:
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
@@ -1815,7 +1841,7 @@ class Catalog:
                 checkpoints=len(committed),
                 namespaces=tuple(sorted({r.namespace for r in self._records.values()})),
                 version=__version__,
-                prewarm_pending_bytes=self.prewarm_pending() + self.pool.pending,
+                prewarm_pending_bytes=self.events.prewarm_pending() + self.pool.pending,
                 prewarm_ready_bytes=self.pool.prewarmed_bytes,
                 prewarm_used_bytes=self.pool_use.prewarmed_bytes,
                 pool_hits=self.pool_use.hits,
@@ -1839,7 +1865,7 @@ class Catalog:
         """The share of the budget the manifests of one coordinating peer may take
         ([memory] peer_manifest_share)."""
         with self._lock:
-            self._budget.manifest_share = share
+            self._budget.limit_manifests(share)
 
     def adopt(self) -> None:
         """Re-adopt the memory tier left by a previous daemon (restart or kill -9).

@@ -6,16 +6,30 @@ A JSON line has ``time`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger`
 passed them (``logger.info(..., extra=context(ns, cid, rank))``), and ``exc`` with a
 traceback. Newlines and control characters in a message are escaped by the encoder, so a
 hostile name that reaches a message can never forge a second record.
+
+Logging never shows secrets: the S3 client libraries stay at INFO even under `[log]
+level = "DEBUG"` (`QUIET_LOGGERS`), because botocore's DEBUG output carries request
+headers (X-Amz-Security-Token, the access key id).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from typing import Any, Literal
 
-__all__ = ["CONTEXT_FIELDS", "JsonFormatter", "context", "formatter"]
+__all__ = [
+    "CONTEXT_FIELDS",
+    "QUIET_LOGGERS",
+    "JsonFormatter",
+    "context",
+    "formatter",
+    "set_log_format",
+    "set_log_level",
+    "setup_logging",
+]
 
 CONTEXT_FIELDS = ("namespace", "checkpoint", "rank")
 TEXT_FORMAT = "%(asctime)s %(levelname)s [{node}] %(name)s: %(message)s"
@@ -63,3 +77,38 @@ def formatter(kind: Literal["text", "json"] | str, node: str) -> logging.Formatt
     if kind == "json":
         return JsonFormatter(node)
     return logging.Formatter(TEXT_FORMAT.format(node=node))
+
+
+# Their DEBUG records carry credentials (signed headers, session tokens): never below INFO.
+QUIET_LOGGERS = ("botocore", "aiobotocore", "boto3", "s3fs", "fsspec", "urllib3")
+
+
+class _QuietBelowInfo(logging.Filter):
+    """Drops DEBUG records of QUIET_LOGGERS even if a library lowers its own level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.INFO or record.name.split(".", 1)[0] not in QUIET_LOGGERS
+
+
+def set_log_level(level: str) -> None:
+    """Set the root level, keeping the QUIET_LOGGERS at INFO or above."""
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+
+
+def set_log_format(kind: str, node: str) -> None:
+    """`[log] format`: "text" lines or one JSON object per line."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter(kind, node))
+
+
+def setup_logging(level: str, kind: str, node: str) -> None:
+    """stderr logging (journald / kubectl logs) with the node id in every line."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr)
+    set_log_format(kind, node)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _QuietBelowInfo) for f in handler.filters):
+            handler.addFilter(_QuietBelowInfo())
+    set_log_level(level)

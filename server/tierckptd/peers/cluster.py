@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -51,7 +51,7 @@ from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
-from tierckptd.peers.operations import ClusterOps, Delivery
+from tierckptd.peers.operations import ClusterOps, Delivery, Unstorer
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -110,6 +110,8 @@ class Cluster:
         copies: int = 1,
         channel_factory: ChannelFactory = grpc.insecure_channel,
         heal_interval: float = 5.0,
+        unstore: Unstorer | None = None,
+        check_mark: Callable[[Mark], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.node_id = catalog.node_id
@@ -151,6 +153,8 @@ class Cluster:
             client,
             members=lambda: self.members,
             manifest_from=self.committer.manifest_from,
+            unstore=unstore,
+            check_mark=check_mark,
         )
         self.ops.replay()
         self.healer = Healer(
@@ -165,6 +169,10 @@ class Cluster:
         self.serving = Serving(catalog, self.corrupt)
         self._heal_thread: threading.Thread | None = None
         self._sync_replica_target()
+
+    def set_heal_interval(self, seconds: float) -> None:
+        """`[replication] heal_interval` (SIGHUP): the next heal round waits this long."""
+        self.heal_interval = seconds
 
     # ---- membership -------------------------------------------------------------------
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> None:

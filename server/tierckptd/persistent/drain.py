@@ -159,6 +159,7 @@ class Drainer:
         owner_grace: seconds an unreachable owner (or coordinator) is waited for before
             a replica holder drains its files (or commits) instead.
         poll, max_backoff, max_failures, max_wait, failed_retry: see `DrainBackoff`.
+        on_evicted: persistent retention deleted a checkpoint (`PersistentRetention`).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class Drainer:
         max_failures: int = 8,
         max_wait: float = 3600.0,
         failed_retry: float = 300.0,
+        on_evicted: Callable[[str, str], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.stores = stores if isinstance(stores, Roots) else Roots(stores)
@@ -183,7 +185,7 @@ class Drainer:
         self.node_id = catalog.node_id
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.retention = PersistentRetention(catalog, keep_last, keep_every)
+        self.retention = PersistentRetention(catalog, keep_last, keep_every, on_evicted)
         self.peers = peers
         self.liveness = Liveness(owner_grace)
         self.poll = poll

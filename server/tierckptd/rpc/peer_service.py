@@ -425,7 +425,7 @@ class PeerService:
             views = self.catalog.list_checkpoints(namespace)
             if request.starting:
                 self._heal_for(self.caller(context), views)
-            owner = self.catalog.owner_of(namespace) if namespace else None  # uid isolation
+            owner = self.catalog.events.owner_of(namespace) if namespace else None  # uid isolation
             return peer_pb2.ListManifestsResponse(
                 checkpoints=[to_info(v, local_paths=False) for v in views],
                 marks=[mark_to_wire(m) for m in self.cluster.marks(namespace)],

@@ -84,7 +84,7 @@ def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
 ) -> None:
     node = _node(make_catalog, every=10)
     queued: list[tuple[str, str]] = []
-    node.on_committed = lambda ns, cid: queued.append((ns, cid))
+    node.events.committed.add(lambda ns, cid: queued.append((ns, cid)))
     _save(node, "step-1", saved, durable=True)
     _save(node, "step-2", saved)
     _save(node, "step-3", saved)

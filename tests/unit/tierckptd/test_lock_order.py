@@ -136,7 +136,7 @@ def test_restores_commits_and_jobs_keep_the_documented_order(
     jobs: JobQueue[Drain] = JobQueue(handle, workers=2)
     attrs: Any = jobs
     attrs._cv = threading.Condition(RankedLock(w, JOBS, "jobs"))
-    catalog.on_committed = lambda ns, cid: jobs.put(Drain(ns, cid))  # under the catalog lock
+    catalog.events.committed.add(lambda ns, cid: jobs.put(Drain(ns, cid)))  # under the catalog lock
 
     restorer = Restorer(catalog, lambda ns, cid, f: [AskingSource(catalog)])
     ranked = types.SimpleNamespace(Lock=lambda: RankedLock(w, FILE, "file"))
@@ -185,7 +185,7 @@ def test_the_next_save_prewarm_keeps_the_documented_order(catalog: Catalog, save
     jobs: JobQueue[str] = JobQueue(warmer.run_pass)
     attrs: Any = jobs
     attrs._cv = threading.Condition(RankedLock(w, JOBS, "jobs"))
-    catalog.prewarm_next = jobs.put
+    catalog.events.prewarm_next.add(jobs.put)
     jobs.start()
     try:
         for i in range(1, 6):

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckptd.main import QUIET_LOGGERS, _QuietBelowInfo, main, set_log_level
+from tierckptd.main import main
+from tierckptd.ops.logs import QUIET_LOGGERS, _QuietBelowInfo, set_log_level
 from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.rpc import servers
 

@@ -449,7 +449,7 @@ def test_hello_answers_strangers_and_only_hello(make_catalog: MakeCatalog, tmp_p
         catalog, Restorer(catalog, no_sources), peers=[PeerConfig("node-m", "127.0.0.1:1", "r")]
     )
     strangers: list[str] = []
-    cluster.membership.on_stranger = strangers.append
+    cluster.membership.strangers.add(strangers.append)
     servers = start_servers(
         daemon_service(catalog, cluster=cluster),
         Health(),

@@ -68,7 +68,7 @@ def test_the_sweep_adopts_the_coordinators_manifest_instead_of_aborting(
         node.publish(_manifest(checkpoint_id, mine, b"t" * 100))
         return "published"
 
-    node.resolve_unfinished = resolve
+    node.events.resolve_unfinished.answer_with(resolve)
     clock.now += ABANDON + 1
     assert node.sweep() == []
     assert asked == [(NS, "s1")]
@@ -83,7 +83,7 @@ def test_an_unanswered_question_keeps_the_save_until_the_patience_is_spent(
     node = _node_b(make_catalog)
     _peer_side_save(node, "s1", os.urandom(2000))
     answers: list[Resolution] = ["unknown"]
-    node.resolve_unfinished = lambda ns, cid: answers[0]
+    node.events.resolve_unfinished.answer_with(lambda ns, cid: answers[0])
     clock.now += ABANDON + 1
     assert node.sweep() == []  # the coordinator may be restarting
     assert node.holdings(NS, "s1")[1]
@@ -97,7 +97,7 @@ def test_every_peer_answering_without_it_aborts_the_save_at_once(
 ) -> None:
     node = _node_b(make_catalog)
     _peer_side_save(node, "s1", os.urandom(2000))
-    node.resolve_unfinished = lambda ns, cid: "absent"
+    node.events.resolve_unfinished.answer_with(lambda ns, cid: "absent")
     clock.now += ABANDON + 1
     assert node.sweep() == [(NS, "s1")]
 
@@ -107,7 +107,9 @@ def test_a_save_without_committed_files_is_aborted_without_asking(
 ) -> None:
     node = _node_b(make_catalog)
     node.begin(NS, "s1", 1)
-    node.resolve_unfinished = lambda ns, cid: (_ for _ in ()).throw(AssertionError("asked"))
+    node.events.resolve_unfinished.answer_with(
+        lambda ns, cid: (_ for _ in ()).throw(AssertionError("asked"))
+    )
     clock.now += ABANDON + 1
     assert node.sweep() == [(NS, "s1")]
 
@@ -186,7 +188,7 @@ def test_an_orphan_every_peer_answers_without_is_collected_at_once(
     node.tier.close()
     node = _node_b(make_catalog)
     answers: list[Resolution] = ["unknown"]
-    node.resolve_unfinished = lambda ns, cid: answers[0]
+    node.events.resolve_unfinished.answer_with(lambda ns, cid: answers[0])
     node.salvage_orphans()
     assert node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 900
     answers[0] = "absent"
