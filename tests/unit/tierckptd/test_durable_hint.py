@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tierckpt.checksum import checksum_bytes
+from tierckpt.checksum import DEFAULT_BLOCK_SIZE
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import NoPersistentTier, error_from_status
 from tierckptd.catalog import Catalog
@@ -24,6 +24,7 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info, to_info
 
+from tests.support.catalog_files import write_file
 from tests.support.daemon_parts import daemon_service
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
 
@@ -34,20 +35,8 @@ FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
 
 def _write(catalog: Catalog, checkpoint_id: str, name: str, data: bytes) -> None:
-    """Open, write and commit one file as rank 0 does (default block size: the wire's)."""
-    path, _prealloc = catalog.open_file(NS, checkpoint_id, name, 0)
-    Path(path).write_bytes(data)
-    cs = checksum_bytes(data)
-    catalog.commit_file(
-        NS,
-        checkpoint_id,
-        name,
-        0,
-        len(data),
-        algorithm=cs.algorithm,
-        block_size=cs.block_size,
-        digests=cs.digests,
-    )
+    """One file as rank 0 writes it (the client's default block size)."""
+    write_file(catalog, NS, checkpoint_id, name, data, block_size=DEFAULT_BLOCK_SIZE)
 
 
 def _save(
