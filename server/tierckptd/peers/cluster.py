@@ -365,7 +365,46 @@ class Cluster:
             return f.size if held is not None else 0
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
-        return self.serving.holdings(namespace, checkpoint_id)
+        """A peer's Holdings: the checkpoint's state here (DURABLE once it is: a healer
+        that has not learnt it must not call it lost) and the files held here."""
+        state, files = self.serving.holdings(namespace, checkpoint_id)
+        if state is State.COMMITTED and self.catalog.durability.is_durable(
+            namespace, checkpoint_id
+        ):
+            state = State.DURABLE
+        return state, files
+
+    def state_of(self, namespace: str, checkpoint_id: str) -> State | None:
+        """This node's state of a checkpoint (None: unknown here)."""
+        return self.serving.holdings(namespace, checkpoint_id)[0]
+
+    def file_record(self, namespace: str, checkpoint_id: str, name: str) -> FileRecord:
+        """A committed file's record here (NOT_FOUND when unknown)."""
+        return self.catalog.file_view(namespace, checkpoint_id, name)[0]
+
+    def set_replicas(self, namespace: str, checkpoint_id: str, name: str, nodes: list[str]) -> None:
+        """A peer's UpdateReplicas, once the servicer checked the caller may say so."""
+        self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
+
+    def manifests(self, namespace: str, started: str = "") -> list[CheckpointView]:
+        """A peer's ListManifests: the committed checkpoints (of `namespace`, or all).
+        `started`: the asking node has just started (restarted, or a replacement that
+        came back empty): every checkpoint it owned or held copies of is healed at once,
+        so a copy lost with its memory is re-made, or the checkpoint listed LOST, within
+        seconds (not at the next heal round). Queued, deduplicated."""
+        views = self.catalog.list_checkpoints(namespace)
+        for v in views if started else ():
+            if any(f.owner_node == started or started in f.replica_nodes for f in v.files):
+                self.jobs.put(Heal(v.namespace, v.checkpoint_id))
+        return views
+
+    def namespace_owner(self, namespace: str) -> tuple[int, str] | None:
+        """The uid owning `namespace` here and the node of its claim (uid isolation)."""
+        return self.catalog.events.owner_of(namespace)
+
+    def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
+        """What this node states to peers as the writers of each namespace."""
+        return self.catalog.stated_writers(namespace)
 
     def serve(
         self, namespace: str, checkpoint_id: str, name: str, offset: int = 0, length: int = 0
