@@ -11,7 +11,8 @@ One place decides a commit, in three steps:
    nodes it involves and queues the heal).
 
 A one-node commit is rpc -> coordinator -> catalog: this module imports nothing of
-`tierckptd.peers` (a test checks it), the peer tier is handed in by main.py.
+`tierckptd.peers` (a test checks it), the peer tier is handed in by main.py, and while the
+node has no peers (`peers_changed`, told by the membership) it is not called at all.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class CommitCoordinator:
     """Asks the holders, commits the catalog, tells the listeners.
 
     Args:
-        holders: the peer tier's view of files held elsewhere; None on a node without
-            peers (every required file must be here).
+        holders: the peer tier's view of files held elsewhere; None on a daemon without
+            a peer tier (every required file must be here).
         listeners: told after each commit, in order (the peer tier's publish and heal).
+        peers: how many peers the node has now; holders and listeners are asked only
+            while it has some (`peers_changed` keeps it current).
     """
 
     def __init__(
@@ -57,10 +60,18 @@ class CommitCoordinator:
         catalog: Catalog,
         holders: Holders | None = None,
         listeners: Sequence[CommitListener] = (),
+        *,
+        peers: int = 1,
     ) -> None:
         self.catalog = catalog
         self._holders = holders
         self._listeners = tuple(listeners)
+        self._peered = peers > 0
+
+    def peers_changed(self, count: int) -> None:
+        """The node's peers now (the membership's `resized`): none, and a commit asks
+        and tells nobody but the catalog."""
+        self._peered = count > 0
 
     def commit(
         self,
@@ -75,13 +86,14 @@ class CommitCoordinator:
         every owner drains its files of the checkpoint. `holders`: the nodes the ranks
         wrote to (unverified; only an ordering of whom to ask first)."""
         remote: dict[str, FileRecord] = {}
-        if self._holders is not None:
+        peered = self._peered
+        if self._holders is not None and peered:
             local = self.catalog.local_committed_files(namespace, checkpoint_id)
             missing = {r for r in required if r not in local}
             if missing:
                 remote = self._holders.remote_files(namespace, checkpoint_id, missing, holders)
         view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
         fault("commit.before_publish")
-        for listener in self._listeners:
+        for listener in self._listeners if peered else ():
             listener.committed(view)
         return view

@@ -326,7 +326,10 @@ def _build_on(
         discovery = Discovery(stores, catalog, relist_interval=cfg.persistent.relist_interval)
     # A commit asks the peer tier for the files it holds, commits the catalog, then the
     # peer tier publishes and heals (tierckptd/commit.py).
-    commits = CommitCoordinator(catalog, cluster.committer, [cluster.committer])
+    commits = CommitCoordinator(
+        catalog, cluster.committer, [cluster.committer], peers=len(peer_client.peer_ids)
+    )
+    peer_client.membership.resized.add(commits.peers_changed)  # [[peers]] on SIGHUP
     daemon = DaemonService(
         catalog,
         commits=commits,

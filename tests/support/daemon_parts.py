@@ -18,8 +18,13 @@ def one_node(catalog: Catalog) -> Cluster:
 
 
 def coordinator(catalog: Catalog, cluster: Cluster) -> CommitCoordinator:
-    """The commit coordinator as main.py builds it: holders and listener the cluster's."""
-    return CommitCoordinator(catalog, cluster.committer, [cluster.committer])
+    """The commit coordinator as main.py builds it: holders and listener the cluster's,
+    asked while its membership has peers."""
+    commits = CommitCoordinator(
+        catalog, cluster.committer, [cluster.committer], peers=len(cluster.peer_ids)
+    )
+    cluster.membership.resized.add(commits.peers_changed)
+    return commits
 
 
 def daemon_service(

@@ -93,6 +93,9 @@ class Membership:
         # Called with the claimed id when a node that is not a member says Hello (it is
         # joining): discovery runs a round now rather than at the next refresh.
         self.strangers: Listeners[[str]] = Listeners()
+        # Told the number of peers after every `configure` (the commit coordinator asks
+        # the peer tier only while there are some).
+        self.resized: Listeners[[int]] = Listeners()
         self.configure(peers, copies)
 
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> int:
@@ -125,6 +128,7 @@ class Membership:
             more,
             k,
         )
+        self.resized(len(new))
         return k
 
     @property
