@@ -59,6 +59,7 @@ from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
 from tierckptd.peers.peer_discovery import Discoverer, discoverer_for
 from tierckptd.peers.source import PeerSources
+from tierckptd.peers.unfinished import UnfinishedSaves
 from tierckptd.persistent.drain import Drainer
 from tierckptd.persistent.drain_plan import PeerHolding, PeerLookup
 from tierckptd.persistent.listing import Discovery
@@ -117,6 +118,7 @@ class Parts:
     daemon: DaemonService
     health: Health
     servers: Servers
+    unfinished: UnfinishedSaves
     sweeper: Sweeper
     warmer: Warmer | None
     scrubber: Scrubber | None
@@ -306,8 +308,9 @@ def _build_on(
         ),
     )
     landed.add(cluster.copy_landed)
-    # Orphans of saves committed while this daemon was down: the peers are asked.
-    catalog.events.resolve_unfinished.answer_with(cluster.resolve_unfinished)
+    # Saves committed by a peer coordinator while this node missed the publish (idle
+    # WRITING saves, orphans after a restart): the peers are asked before any is collected.
+    unfinished = UnfinishedSaves(catalog, cluster.resolve_unfinished)
     drainer: Drainer | None = None
     discovery: Discovery | None = None
     if stores.enabled:
@@ -364,7 +367,8 @@ def _build_on(
         daemon=daemon,
         health=health,
         servers=servers,
-        sweeper=Sweeper(catalog),
+        unfinished=unfinished,
+        sweeper=Sweeper(unfinished),
         warmer=_warmer(cfg, catalog),
         scrubber=_scrubber(cfg, catalog, tier, cluster),
     )
@@ -479,7 +483,7 @@ def run(parts: Parts, config_path: str | None = None, signals: _Signals | None =
         logger.error("start-up pull of the peers' manifests stopped: %.300s", e)
     # Files of saves committed while this daemon was down (orphans) are kept once they
     # verify against a pulled manifest; the sweeper asks the peers about the others.
-    catalog.salvage_orphans()
+    parts.unfinished.salvage_orphans()
     if cluster.peer_ids:
         threading.Thread(
             target=cluster.republish_own, name="tierckptd-republish", daemon=True

@@ -34,7 +34,8 @@ a multi-node save commits on the coordinator's daemon, which then publishes the 
 manifest to every node holding files of it; if that publish never arrives this node sees
 a WRITING record, or after a restart a data dir without a manifest (an *orphan*). Its
 files may be the only copies of a committed checkpoint, so neither is collected before
-the peers have been asked (`sweep`, `salvage_orphans`, through `events.resolve_unfinished`).
+the peers have been asked: the catalog keeps them (`idle_saves`, `abort_idle`,
+`salvage_orphans`), peers/unfinished.py asks the cluster and decides.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -142,10 +143,6 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
-def _unknown(namespace: str, checkpoint_id: str) -> Resolution:
-    return "unknown"
-
-
 def _no_owner(namespace: str) -> tuple[int, str] | None:
     return None
 
@@ -177,11 +174,6 @@ class CatalogEvents:
     # manifest that arrives after them (under the lock: takes only the journal's lock).
     pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
         default_factory=lambda: Answer(_no_pins)
-    )
-    # Whether a peer's coordinator committed an unfinished save (the peer tier); not
-    # answered (no peer tier): a save either finished here or it failed.
-    resolve_unfinished: Answer[[str, str], Resolution] = dataclasses.field(
-        default_factory=lambda: Answer(_unknown)
     )
     # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
     # (uid, node of the claim), stamped on each new save's record; and the check of a
@@ -1299,49 +1291,45 @@ class Catalog:
             }
         return {c for c in pinned | set(marks) if marks.get(c, True)}
 
-    # ---- sweep of idle WRITING saves ---------------------------------------------------
-    def sweep(self) -> list[Key]:
-        """Abort WRITING saves idle longer than abandon_after (a rank died mid-save),
-        except one whose coordinator may have committed it (see the module docstring);
-        then salvage or collect orphans, and apply memory retention where a reader's
-        grace ran out. Returns the keys aborted."""
+    # ---- unfinished saves (the asking is peers/unfinished.py's) -----------------------
+    def idle_saves(self) -> list[tuple[Key, float, bool]]:
+        """WRITING saves idle longer than abandon_after (a rank died mid-save, or the
+        coordinator's publish never came): (key, seconds idle, whether it holds committed
+        files: only those may have been committed by a peer coordinator)."""
         now = self._clock()
         with self._lock:
-            stale = [
-                r
+            return [
+                (
+                    r.key,
+                    now - r.last_activity,
+                    any(f.committed and f.held for f in r.files.values()),
+                )
                 for r in self._records.values()
                 if r.state is State.WRITING and now - r.last_activity > self.abandon_after
             ]
-            ask = [
-                (r.key, now - r.last_activity)
-                for r in stale
-                if self.events.resolve_unfinished.answered
-                and any(f.committed and f.held for f in r.files.values())
-            ]
-        keep: set[Key] = set()
-        for key, idle in ask:
-            answer = self._resolve(key)
-            if answer == "published" or (
-                answer == "unknown" and idle <= UNFINISHED_PATIENCE * self.abandon_after
-            ):
-                keep.add(key)
+
+    def abort_idle(self, keys: Iterable[Key]) -> list[Key]:
+        """Abort the saves of `keys` still WRITING and still idle past abandon_after;
+        returns those aborted."""
+        now = self._clock()
         aborted = []
         with self._lock:
-            for rec in stale:
-                current = self._records.get(rec.key)
-                if current is rec and rec.state is State.WRITING and rec.key not in keep:
-                    self._abort(rec, f"no activity for {now - rec.last_activity:.0f} s")
-                    aborted.append(rec.key)
+            for key in keys:
+                rec = self._records.get(key)
+                idle = now - rec.last_activity if rec is not None else 0.0
+                if rec is not None and rec.state is State.WRITING and idle > self.abandon_after:
+                    self._abort(rec, f"no activity for {idle:.0f} s")
+                    aborted.append(key)
+        return aborted
+
+    def sweep(self) -> list[Key]:
+        """A node without a peer tier: abort every idle save, settle orphans, and apply
+        memory retention where a reader's grace ran out; returns the keys aborted (with
+        peers, `peers.unfinished.UnfinishedSaves.sweep` asks them first)."""
+        aborted = self.abort_idle(key for key, _, _ in self.idle_saves())
         self.salvage_orphans()
         self.expire_landed()
         return aborted
-
-    def _resolve(self, key: Key) -> Resolution:
-        try:
-            return self.events.resolve_unfinished(*key)
-        except TierckptError as e:
-            logger.warning("cannot ask the peers about %s/%s: %s", *key, e)
-            return "unknown"
 
     # ---- orphans (restart) -------------------------------------------------------------
     def keep_orphans(self, orphans: dict[Key, dict[str, int]]) -> None:
@@ -1350,11 +1338,16 @@ class Catalog:
         self._orphans = dict(orphans)
         self._orphans_since = self._clock()
 
-    def salvage_orphans(self, *, final: bool = False) -> int:
+    def unknown_orphans(self) -> list[Key]:
+        """Orphans of checkpoints this node knows nothing of (the peers may)."""
+        with self._lock:
+            return [k for k in self._orphans if k not in self._records]
+
+    def salvage_orphans(self, absent: Collection[Key] = (), *, final: bool = False) -> int:
         """Install the orphan files a committed manifest says this node owns (verified
         first, outside the lock) and collect the orphans that are settled: known to the
-        catalog, or unknown past the patience (`final`: now). Returns bytes installed."""
-        absent = self._ask_about_orphans()
+        catalog, `absent` (every peer answered without it), or unknown past the patience
+        (`final`: now). Returns bytes installed."""
         with self._lock:
             if not self._orphans:
                 return 0
@@ -1379,15 +1372,6 @@ class Catalog:
             for key in settled:
                 self._collect_orphan(key, self._orphans.pop(key))
         return installed
-
-    def _ask_about_orphans(self) -> set[Key]:
-        """Ask the peers about orphans this node knows nothing of (a manifest found is
-        adopted here); returns those every peer answered without."""
-        with self._lock:
-            unknown = [k for k in self._orphans if k not in self._records]
-        if not self.events.resolve_unfinished.answered:
-            return set()
-        return {key for key in unknown if self._resolve(key) == "absent"}
 
     def _settled(self, key: Key, late: bool) -> bool:
         """Whether an orphan's fate is known: its checkpoint committed here, or nothing
