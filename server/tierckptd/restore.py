@@ -59,6 +59,9 @@ __all__ = [
     "FileSource",
     "Landed",
     "Outcome",
+    "PeerCopies",
+    "PersistentCopies",
+    "RestoreSources",
     "Restorer",
     "SourcesFor",
     "final_error",
@@ -93,12 +96,52 @@ class Landed(Protocol):
 
 
 SourcesFor = Callable[[str, str, FileRecord], Sequence[FileSource]]
-"""The remote sources to try for one file, nearest first (peer holders, then S3)."""
+"""The remote sources to try for one file, nearest first (`RestoreSources`)."""
 
 
 def no_sources(namespace: str, checkpoint_id: str, f: FileRecord) -> Sequence[FileSource]:
     """A `SourcesFor` with no remote tier (a node with no peers and no persistent tier)."""
     return ()
+
+
+class PeerCopies(Protocol):
+    """The peer tier's sources of one file, in its order: the file's owner, its replica
+    holders, then the other peers (`peers.source.PeerSources`)."""
+
+    def __call__(self, f: FileRecord) -> Sequence[FileSource]: ...
+
+
+class PersistentCopies(Protocol):
+    """The persistent tier a checkpoint recorded with `url` drains to, as a source;
+    None when this node has none there (`persistent.roots.Roots.source`)."""
+
+    def __call__(self, url: str) -> FileSource | None: ...
+
+
+class RestoreSources:
+    """The chain's order after memory: the file's peers (holders first), then the
+    persistent tier the checkpoint drained to (its own URL, from its record). Built from
+    the two tiers' source factories; either may be absent (no peers, no persistent tier).
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        peers: PeerCopies | None = None,
+        persistent: PersistentCopies | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self._peers = peers
+        self._persistent = persistent
+
+    def __call__(self, namespace: str, checkpoint_id: str, f: FileRecord) -> list[FileSource]:
+        found = list(self._peers(f)) if self._peers is not None else []
+        if self._persistent is not None:
+            tier = self._persistent(self.catalog.persistent_url(namespace, checkpoint_id))
+            if tier is not None:
+                found.append(tier)
+        return found
 
 
 class Outcome(enum.Enum):
@@ -241,11 +284,11 @@ class Restorer:
                 attempts.append(Attempt("memory", Outcome.MISSING, "not held on this node"))
             for source in self.sources_for(namespace, checkpoint_id, f):
                 try:
-                    got = install_copy(
+                    held = install_copy(
                         self.catalog,
                         namespace,
                         checkpoint_id,
-                        name,
+                        f,
                         source.chunks(namespace, checkpoint_id, f),
                         what=f"{what} from {source.name}",
                         restored=True,
@@ -262,21 +305,26 @@ class Restorer:
                     logger.error("restore of %s from %s: %s", what, source.name, e)
                     attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
                     continue
-                metrics.FETCHED_BYTES.inc(got)
-                f, path = self.catalog.file_view(namespace, checkpoint_id, name)
-                if path:
-                    logger.info(
-                        "restored %s from %s (%d bytes)",
-                        what,
-                        source.name,
-                        f.size,
-                        extra=logs.context(namespace, checkpoint_id, f.rank),
-                    )
-                    if isinstance(source, Landed):
-                        try:
-                            source.landed(namespace, checkpoint_id, f)
-                        except Exception as e:
-                            logger.warning("after restoring %s from %s: %s", what, source.name, e)
-                    return f, path, _kind(source.name)
-                attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
+                if held is None:  # another route installed it meanwhile
+                    f, path = self.catalog.file_view(namespace, checkpoint_id, name)
+                    if path:
+                        return f, path, "memory"
+                    attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
+                    continue
+                f = held
+                metrics.FETCHED_BYTES.inc(f.size)
+                logger.info(
+                    "restored %s from %s (%d bytes)",
+                    what,
+                    source.name,
+                    f.size,
+                    extra=logs.context(namespace, checkpoint_id, f.rank),
+                )
+                if isinstance(source, Landed):
+                    try:
+                        source.landed(namespace, checkpoint_id, f)
+                    except Exception as e:
+                        logger.warning("after restoring %s from %s: %s", what, source.name, e)
+                path = str(self.catalog.tier.file_path(namespace, checkpoint_id, name))
+                return f, path, _kind(source.name)
             raise final_error(what, attempts)

@@ -278,7 +278,7 @@ def test_stranger_hellos_wake_discovery_within_the_rate_limits(
     monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
     members = m.Membership("me", peers=[PeerConfig("peer", "127.0.0.1:1", "r")])
     woken: list[str] = []
-    members.on_stranger = woken.append
+    members.strangers.add(woken.append)
     members.stranger("peer")  # a member: no round
     members.stranger("me")
     for i in range(100):  # a flood within one second

@@ -13,10 +13,11 @@ import random
 from collections.abc import Mapping
 from pathlib import Path
 
-from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import Catalog
 from tierckptd.memory.tier import MemoryTier
 from tierckptd.model import FileRecord
+
+from tests.support.catalog_files import write_file
 
 __all__ = ["MemoryNode", "file_bytes", "flip_byte"]
 
@@ -84,18 +85,8 @@ class MemoryNode:
         catalog.begin(namespace, checkpoint_id, rank)
         catalog.reserve(namespace, checkpoint_id, rank, sum(len(d) for d in files.values()))
         for name, data in files.items():
-            path, _ = catalog.open_file(namespace, checkpoint_id, name, rank)
-            write_in_place(path, data)
-            cs = checksum_bytes(data, block_size=self.block_size)
-            catalog.commit_file(
-                namespace,
-                checkpoint_id,
-                name,
-                rank,
-                len(data),
-                algorithm=cs.algorithm,
-                block_size=cs.block_size,
-                digests=cs.digests,
+            write_file(
+                catalog, namespace, checkpoint_id, name, data, rank, block_size=self.block_size
             )
         catalog.commit(namespace, checkpoint_id, list(files))
         return {name: self.catalog.file_view(namespace, checkpoint_id, name)[0] for name in files}

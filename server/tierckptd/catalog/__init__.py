@@ -9,15 +9,14 @@ up front with a message naming the budget. Pool bytes are reclaimable: they are 
 (largest first) whenever a reservation needs room. Long I/O (hashing, preallocation)
 never runs under the lock; renames and small manifest writes do.
 
-The class is built in layers, one module each: `state.CatalogState` (records, lock,
-budget, pool, views, collection, memory retention), `persistent_marks.PersistentMarks`
-(the persistent tier's marks that retention obeys: durable, retired, drain-failed, where
-each checkpoint drains), `peer_state.PeerState` (what peers change: publish, incoming
-copies, replica lists, dropped copies, cluster marks), `unfinished.UnfinishedSaves`
-(saves whose coordinator may have committed them: the sweep and restart orphans) and
-`Catalog` here (the save lifecycle, queries, restart adoption). Helpers: `budget.Budget`
-(C, R, P and the one admission check), `views.view_of`, `retention` (pure policy), and
-in memory/: `pool.WarmPool`, `adoption.adopt`, `verify.verify_files`.
+One class, `Catalog`, holds the records and the lock and changes records (the save
+lifecycle, queries, manifests, collection, memory retention, what peers publish, copies
+arriving from other tiers, unfinished saves, adoption). Its named collaborators own their
+state and share its lock: `budget.Budget` (C, R, P and the one admission check),
+`memory.pool.WarmPool` (the warm pool), `durability.DurabilityLedger` (durable, retired,
+drain-failed, per-namespace URLs and the due rule), `peer_marks.PeerMarks` (health
+labels, tombstones, clock skew, replica target). Pure helpers: `views.view_of`,
+`retention` (policy), and in memory/: `adoption.adopt`, `verify.verify_files`.
 
 Lock order (outermost first; never take an earlier one while holding a later one):
 
@@ -25,10 +24,18 @@ Lock order (outermost first; never take an earlier one while holding a later one
 
 The catalog lock is a plain (non-reentrant) `threading.Lock`: no public method is called
 with it held. Manifest writes (small, atomic renames) happen under it, so a manifest on
-disk always agrees with the record; `on_committed`, `prewarm_next` (the next-save prewarm,
+disk always agrees with the record; `events.committed`, `events.prewarm_next` (the next-save prewarm,
 `prewarm.py`) and `tier.on_namespace_dir` are called under it and must only enqueue or
-take locks later in the order. The warm pool shares
-the lock (it waits on a Condition of it for segments being preallocated).
+take locks later in the order. The warm pool shares the lock (it waits on a Condition of
+it for segments being preallocated).
+
+Unfinished saves whose coordinator may have committed them are never thrown away early:
+a multi-node save commits on the coordinator's daemon, which then publishes the cluster
+manifest to every node holding files of it; if that publish never arrives this node sees
+a WRITING record, or after a restart a data dir without a manifest (an *orphan*). Its
+files may be the only copies of a committed checkpoint, so neither is collected before
+the peers have been asked: the catalog keeps them (`idle_saves`, `abort_idle`,
+`salvage_orphans`), peers/unfinished.py asks the cluster and decides.
 """
 
 from __future__ import annotations
@@ -36,47 +43,1416 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
+import threading
 import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Literal
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
 from tierckpt.errors import (
     NO_PERSISTENT_TIER_PREFIX,
     CheckpointExists,
     CheckpointIncomplete,
+    CheckpointNotFound,
     InvalidArgument,
     NoPersistentTier,
+    PermissionDenied,
+    TierckptError,
 )
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
 from tierckpt.units import format_size
 
 from tierckptd import __version__
-from tierckptd.catalog.budget import admit_namespace
-from tierckptd.catalog.state import listing
+from tierckptd.catalog.budget import Budget, admit_namespace, held_charge
+from tierckptd.catalog.durability import DurabilityLedger
+from tierckptd.catalog.peer_marks import DELETE_SKEW, PeerMarks
+from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, assign
+from tierckptd.catalog.retention import evictions_by_coordinator
 from tierckptd.catalog.sweeper import Sweeper
-from tierckptd.catalog.unfinished import UnfinishedSaves
+from tierckptd.catalog.views import Health, all_lost, found, view_of
 from tierckptd.memory.adoption import Adopted, adopt
+from tierckptd.memory.manifest import to_json as manifest_to_json
+from tierckptd.memory.manifest import write_manifest
+from tierckptd.memory.pool import PREWARM_SEGMENT, Segment, WarmPool
+from tierckptd.memory.tier import MemoryTier, UnsafePath, no_space
 from tierckptd.memory.verify import VerifyResult, hash_rate, verify_files
 from tierckptd.model import (
     MAX_FILES,
+    MAX_REPLICAS,
     MAX_SEQUENCE,
     CheckpointRecord,
     CheckpointView,
     FileRecord,
+    Key,
     NodeStatus,
     State,
     Trust,
     coordinator_of,
 )
 from tierckptd.ops import logs, metrics
+from tierckptd.ops.events import Answer, Listeners
 from tierckptd.ops.faults import fault
 
-__all__ = ["MAX_FILES", "Catalog", "Sweeper", "VerifyResult", "listing"]
+__all__ = [
+    "MAX_FILES",
+    "UNFINISHED_PATIENCE",
+    "Catalog",
+    "CatalogEvents",
+    "Resolution",
+    "Sweeper",
+    "VerifyResult",
+    "listing",
+]
 
 logger = logging.getLogger(__name__)
 
+# Seconds a checkpoint a reader's copy just arrived into is exempt from memory retention
+# (the reader opens the file next); the sweeper applies retention again once it is over.
+LANDED_GRACE = 3.0
 
-class Catalog(UnfinishedSaves):
+Resolution = Literal["published", "absent", "unknown"]
+# An unfinished save with committed files whose fate some peer could not tell is kept
+# this many abandon_after periods (its coordinator may be restarting) before collection.
+UNFINISHED_PATIENCE = 4
+
+
+def listing(names: list[str], shown: int = 5) -> str:
+    """Names for a message, bounded: "a, b, c and 199,997 more" (each cut to 64 chars)."""
+    head = ", ".join(n[:64] for n in names[:shown]) or "none"
+    return head + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
+
+
+def _key_name(key: Key) -> str:
+    return f"{key[0]}/{key[1]}"
+
+
+def _manifest_estimate(rec: CheckpointRecord) -> int:
+    """About the bytes of `rec`'s manifest JSON (each digest is a ~40-byte line),
+    without building it: a budget check before the write."""
+    blocks = sum(f.checksums.block_count for f in rec.files.values() if f.checksums is not None)
+    return 512 + 40 * blocks + sum(256 + 40 * len(f.replica_nodes) for f in rec.files.values())
+
+
+def _summary(f: FileRecord) -> str:
+    return f.checksums.summary() if f.checksums is not None else "none"
+
+
+def _no_pins(namespace: str) -> dict[str, bool]:
+    return {}
+
+
+def _no_owner(namespace: str) -> tuple[int, str] | None:
+    return None
+
+
+def _nothing_pending() -> int:
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEvents:
+    """What the catalog tells and asks the parts built after it (`ops.events`): each
+    part subscribes once, while main.py wires the daemon. Those called under the catalog
+    lock (marked) must only enqueue or take locks later in the lock order."""
+
+    # A checkpoint due for the persistent tier committed here, by a commit or a peer's
+    # publish (under the lock): the drain enqueues it.
+    committed: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)
+    # Any checkpoint committed here, or a namespace's first Begin (under the lock): the
+    # next-save prewarm queues it; with no listener, nothing is planned.
+    prewarm_next: Listeners[[str]] = dataclasses.field(default_factory=Listeners)
+    # Bytes of next-save prewarm planned and not made yet (`status`).
+    prewarm_pending: Answer[[], int] = dataclasses.field(
+        default_factory=lambda: Answer(_nothing_pending)
+    )
+    # A drain made a deleted checkpoint durable (under the lock): the cluster rm deletes
+    # it again (peers/operations.py).
+    gone_durable: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)
+    # The cluster pin marks of a namespace (checkpoint id -> pinned), applied to a
+    # manifest that arrives after them (under the lock: takes only the journal's lock).
+    pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
+        default_factory=lambda: Answer(_no_pins)
+    )
+    # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
+    # (uid, node of the claim), stamped on each new save's record; and the check of a
+    # peer's manifest against this node's owner (PermissionDenied) before a publish.
+    owner_of: Answer[[str], tuple[int, str] | None] = dataclasses.field(
+        default_factory=lambda: Answer(_no_owner)
+    )
+    check_owner: Listeners[[CheckpointRecord]] = dataclasses.field(default_factory=Listeners)
+
+
+class Catalog:
     """Lifecycle and budget of the checkpoints in one memory tier (thread-safe)."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        *,
+        node_id: str,
+        failure_domain: str,
+        budget: int,
+        recycle: bool = True,
+        memory_keep_last: int = 2,
+        abandon_after: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        max_namespaces: int = 0,
+        drain_every: int = 0,
+        default_persistent: bool = True,
+        events: CatalogEvents | None = None,
+    ) -> None:
+        """`max_namespaces`: `[memory] max_namespaces` (0: no bound); `drain_every`,
+        `default_persistent`: the persistent tier's (`durability.DurabilityLedger`)."""
+        self.tier = tier
+        self.node_id = node_id
+        self.failure_domain = failure_domain
+        self.recycle = recycle
+        self.memory_keep_last = memory_keep_last
+        self.abandon_after = abandon_after
+        self.max_namespaces = max_namespaces
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self.pool = WarmPool(tier, self._lock)
+        self._budget = Budget(budget, self.pool, node_id=node_id)
+        self.durability = DurabilityLedger(
+            self._lock, drain_every=drain_every, default_persistent=default_persistent
+        )
+        self.peer_marks = PeerMarks(self._lock, node_id)
+        self._records: dict[Key, CheckpointRecord] = {}
+        self._next_sequence = 1
+        # The writers the cluster states for a namespace this node has no PROVEN
+        # checkpoint of (`set_cluster_writers`, audit 3 H2): they replace trust on first
+        # use. An empty set: the peers agreed on none (no newest from peers). Beside it,
+        # what each peer stated, for the messages.
+        self._cluster_writers: dict[str, frozenset[str]] = {}
+        self._stated: dict[str, dict[str, frozenset[str]]] = {}
+        self._landed: dict[Key, float] = {}  # when a reader's copy arrived (`_landing`)
+        # Adoption's unfinished data dirs (`keep_orphans`) and since when.
+        self._orphans: dict[Key, dict[str, int]] = {}
+        self._orphans_since = 0.0
+        # What the catalog tells and asks the parts built after it (they subscribe).
+        self.events = events if events is not None else CatalogEvents()
+        self.pool_use = PoolUse()
+        self._prewarm_begun: set[str] = set()  # namespaces prewarmed for at a Begin
+
+    @property
+    def budget(self) -> int:
+        """`memory.budget` in bytes."""
+        return self._budget.limit
+
+    # ---- accounting (call under the lock) ---------------------------------------------
+    def _track(self, rec: CheckpointRecord) -> None:
+        """Tell the budget what `rec` holds and reserves now (after every change)."""
+        if self._records.get(rec.key) is rec:
+            # Whole pages, as tmpfs charges them (`budget.held_charge`).
+            self._budget.track(rec.key, held_charge(rec), sum(rec.reservations.values()))
+
+    def _unwritten(self) -> int:
+        """Reserved bytes whose pages are not allocated yet (call under the lock): per
+        rank, its reservation less the pages its open files already hold."""
+        total = self.pool.pending
+        for rec in self._records.values():
+            if rec.state is not State.WRITING or not rec.reservations:
+                continue
+            held: dict[int, int] = {}
+            for f in rec.files.values():
+                if not f.committed:
+                    path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+                    held[f.rank] = held.get(f.rank, 0) + self.tier.allocated_bytes(path)
+            total += sum(max(0, n - held.get(r, 0)) for r, n in rec.reservations.items())
+        for (namespace, checkpoint_id, name), nbytes in self._budget.incoming.items():
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            total += max(0, nbytes - self.tier.allocated_bytes(path))
+        return total
+
+    # ---- lookups ------------------------------------------------------------------------
+    @staticmethod
+    def _ref(namespace: str, checkpoint_id: str) -> Key:
+        return check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+
+    def _is_lost(self, rec: CheckpointRecord) -> bool:
+        """Shown LOST (`views.is_lost`): never the newest, never loaded."""
+        return self.peer_marks.is_lost(rec.key, self.durability.durable(rec.key))
+
+    def _writers(self, namespace: str) -> set[str]:
+        """The nodes that write `namespace` here (`model.Trust`): the coordinators of its
+        PROVEN checkpoints; while it has none, the writers a majority of the peers stated
+        (`set_cluster_writers`) once they were asked; else of its VOUCHED ones."""
+        return self._writers_by_namespace(namespace).get(namespace, set())
+
+    def _proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
+        """The coordinators of the PROVEN checkpoints of `namespace` (or of every one)."""
+        proven: dict[str, set[str]] = {}
+        for r in self._records.values():
+            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
+                continue
+            if r.trust is Trust.PROVEN and (coordinator := coordinator_of(r.files)):
+                proven.setdefault(r.namespace, set()).add(coordinator)
+        return proven
+
+    def _writers_by_namespace(self, namespace: str = "") -> dict[str, set[str]]:
+        """`_writers` of `namespace`, or of every namespace (""), in one pass."""
+        proven = self._proven_writers(namespace)
+        vouched: dict[str, set[str]] = {}
+        for r in self._records.values():
+            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
+                continue
+            if r.trust is Trust.VOUCHED and (coordinator := coordinator_of(r.files)):
+                vouched.setdefault(r.namespace, set()).add(coordinator)
+        cluster = {
+            ns: set(w)
+            for ns, w in self._cluster_writers.items()
+            if not namespace or ns == namespace
+        }
+        return {
+            ns: proven.get(ns) or (cluster[ns] if ns in cluster else vouched.get(ns, set()))
+            for ns in {*proven, *vouched, *cluster}
+        }
+
+    def writers(self, namespace: str) -> set[str]:
+        """The nodes that write `namespace` here (`_writers`)."""
+        with self._lock:
+            return self._writers(namespace)
+
+    def bound_namespaces(self) -> set[str]:
+        """The namespaces this node has writers of (`_writers`): its binding, kept."""
+        with self._lock:
+            return {ns for ns, w in self._writers_by_namespace().items() if w}
+
+    def proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
+        """This node's own binding (what it states to peers): per namespace, the
+        coordinators of the checkpoints it committed, took part in, or found durable."""
+        with self._lock:
+            return self._proven_writers(namespace)
+
+    def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
+        """What this node states to peers as a namespace's writers, and whether the
+        statement is only vouched: its PROVEN writers where it has any (False), else the
+        ones it uses itself (True: what its peers agreed on, or the coordinators of the
+        copies it holds). A node that only holds a job's replicas thus still vouches for
+        its coordinator, so the replacement of that job's only writer finds the newest;
+        a vouched statement counts only where no peer states proven writers."""
+        with self._lock:
+            proven = self._proven_writers(namespace)
+            return {
+                ns: (proven[ns], False) if ns in proven else (nodes, True)
+                for ns, nodes in self._writers_by_namespace(namespace).items()
+                if nodes
+            }
+
+    def set_cluster_writers(
+        self, namespace: str, writers: set[str], stated: dict[str, frozenset[str]]
+    ) -> bool:
+        """The writers of `namespace` a majority of the peers stated (`stated`: what each
+        said), for a node that had no binding of it (`bound_namespaces`, asked before the
+        peers were): they replace trust on first use, and any VOUCHED one a peer's publish
+        made meanwhile. Returns False (nothing set) when this node has PROVEN writers."""
+        with self._lock:
+            if self._proven_writers(namespace):
+                return False
+            self._cluster_writers[namespace] = frozenset(writers)
+            self._stated[namespace] = dict(stated)
+            return True
+
+    def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
+        """The committed checkpoints of `recs` that may be the namespace's newest: not
+        LOST, and coordinated by a writer of the namespace (one no memory tier holds any
+        more, with no coordinator left, unless it arrived FOREIGN)."""
+        writers = self._writers(namespace)
+        return [
+            r
+            for r in recs
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and not self._is_lost(r)
+            and not self._foreign(r, writers)
+        ]
+
+    def _newest(self, namespace: str) -> CheckpointRecord | None:
+        """The namespace's newest committed checkpoint (by sequence, never by wall time)
+        that is not LOST and is coordinated by a node that writes the namespace: a peer
+        publishing into a namespace it does not write never becomes its newest here."""
+        eligible = self._eligible(self._records.values(), namespace)
+        return max(eligible, key=lambda r: r.order, default=None)
+
+    def _say_skipped(self, namespace: str, newest: CheckpointRecord | None) -> None:
+        """Warn when a checkpoint later by sequence than the newest was passed over
+        because its coordinator does not write the namespace here (never silently)."""
+        after = newest.order if newest is not None else (-1, 0.0)
+        eligible = {r.key for r in self._eligible(self._records.values(), namespace)}
+        skipped = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and r.order > after
+            and not self._is_lost(r)
+            and r.key not in eligible
+        ]
+        if skipped:
+            logger.warning(
+                "the newest checkpoint of %s here is %s; passed over: %s, coordinated by "
+                "%s, which does not write %s on this node (it writes: %s): a peer's "
+                "checkpoint is never restored as the newest unless its coordinator saved "
+                "this namespace with this node; name it to load it",
+                namespace,
+                newest.checkpoint_id if newest is not None else "none",
+                listing([r.checkpoint_id for r in skipped]),
+                listing(sorted({coordinator_of(r.files) or "none" for r in skipped})),
+                namespace,
+                listing(sorted(self._writers(namespace))),
+            )
+
+    def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
+        newest = self._newest(namespace)
+        if not checkpoint_id and newest is None and (unbound := self._unbound(namespace)):
+            return unbound
+        lost = [r for r in self._records.values() if r.namespace == namespace]
+        if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
+            return all_lost(namespace, self.node_id, [r for r in lost if self._is_lost(r)])
+        tail = (
+            f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
+            if newest
+            else f"{namespace} has no committed checkpoints"
+        )
+        what = (
+            f"checkpoint {namespace}/{checkpoint_id}"
+            if checkpoint_id
+            else f"no checkpoint of {namespace}"
+        )
+        verb = "not found" if checkpoint_id else "found"
+        return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
+
+    def _unbound(self, namespace: str) -> CheckpointNotFound | None:
+        """Why a namespace has no newest when its peers agreed on no writer of it (a node
+        with no binding of its own: `set_cluster_writers`), naming the candidates."""
+        agreed = self._cluster_writers.get(namespace)
+        if self._proven_writers(namespace) or agreed is None or agreed:
+            return None  # a binding of its own, never asked, or the peers agreed on writers
+        candidates = sorted(
+            (r for r in self._records.values() if r.namespace == namespace),
+            key=lambda r: r.order,
+            reverse=True,
+        )
+        committed = [r for r in candidates if r.state is State.COMMITTED]
+        if not committed:
+            return None
+        stated = self._stated.get(namespace, {})
+        said = "; ".join(
+            f"{node} says {listing(sorted(w)) if w else 'none'}"
+            for node, w in sorted(stated.items())
+        )
+        return CheckpointNotFound(
+            f"no newest checkpoint of {namespace} on node {self.node_id}: this node took no "
+            f"part in {namespace} and its peers agree on no writer of it (a writer needs a "
+            f"majority of the {len(stated)} peers that state one, and a node never vouches "
+            f"for itself alone: {said or 'none stated'}); candidates: "
+            + listing(
+                [
+                    f"{r.checkpoint_id} (by {coordinator_of(r.files) or 'none'}"
+                    + (", LOST)" if self._is_lost(r) else ")")
+                    for r in committed
+                ]
+            )
+            + "; load one by its id"
+        )
+
+    def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.WRITING:
+            state = rec.state.value if rec else "unknown"
+            raise CheckpointIncomplete(
+                f"checkpoint {namespace}/{checkpoint_id} is {state} on node {self.node_id}, not "
+                "WRITING: call BeginCheckpoint first (an idle save is aborted after "
+                "[memory] abandon_after seconds)"
+            )
+        rec.last_activity = self._clock()
+        return rec
+
+    def _committed(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
+        key = self._ref(namespace, checkpoint_id)
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.COMMITTED:
+            raise self._not_found(namespace, checkpoint_id)
+        return rec
+
+    def _foreign(self, rec: CheckpointRecord, writers: set[str] | None = None) -> bool:
+        """Whether `rec` is never its namespace's newest here for its coordinator (not a
+        writer of the namespace: `model.Trust`); `writers` of its namespace if known."""
+        if rec.state is not State.COMMITTED:
+            return False
+        coordinator = coordinator_of(rec.files)
+        if not coordinator:
+            return rec.trust is Trust.FOREIGN
+        return coordinator not in (writers if writers is not None else self._writers(rec.namespace))
+
+    def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
+        health = self.peer_marks.health(rec.key)
+        return view_of(
+            rec,
+            node_id=self.node_id,
+            replica_target=self.peer_marks.replica_target,
+            label=health.label,
+            lost=health.lost,
+            durable=self.durability.durable(rec.key),
+            drain_failed=self.durability.failed(rec.key),
+            foreign=self._foreign(rec, writers),
+            paths={
+                f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
+                for f in rec.files.values()
+                if f.held
+            },
+        )
+
+    # ---- manifests ----------------------------------------------------------------------
+    def _write_manifest(self, rec: CheckpointRecord) -> None:
+        manifest = self.tier.manifest_path(rec.namespace, rec.checkpoint_id)
+        try:
+            self.tier.make_dir(manifest.parent)
+        except OSError as e:
+            raise no_space(e, "creating a manifest directory", self.tier.root) from e
+        write_manifest(manifest, rec)
+
+    def _manifest_size(self, key: Key) -> int:
+        try:
+            return os.lstat(self.tier.manifest_path(*key)).st_size
+        except OSError:
+            return 0
+
+    def manifest_document(self, namespace: str, checkpoint_id: str) -> dict[str, object]:
+        """The manifest of a committed checkpoint as JSON data (for the persistent
+        tier's bookkeeping: original sizes and block checksums of every file)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            return manifest_to_json(rec)
+
+    # ---- collection ---------------------------------------------------------------------
+    def _release_files(self, rec: CheckpointRecord) -> int:
+        """Take a checkpoint's files out of the memory tier (into the pool when
+        recycling) and remove its directory; returns bytes freed."""
+        freed = 0
+        for f in rec.files.values():
+            path = self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                freed += st.st_size
+            try:
+                if self.recycle:
+                    self.pool.to_pool(path, f.name, rec.namespace, touched_once=f.fresh_pages)
+                else:
+                    self.tier.remove_file(path)
+            except (OSError, UnsafePath) as e:
+                logger.warning("cannot release %s/%s/%s: %s", *rec.key, f.name, e)
+        self.tier.remove_checkpoint_dir(rec.namespace, rec.checkpoint_id)
+        return freed
+
+    def _collect(self, rec: CheckpointRecord) -> int:
+        """Remove a checkpoint and its files; returns bytes freed."""
+        freed = self._release_files(rec)
+        if self._records.pop(rec.key, None) is not None:
+            self._budget.forget(rec.key)
+        self._landed.pop(rec.key, None)
+        self._budget.trim_pool()
+        return freed
+
+    def _abort(self, rec: CheckpointRecord, why: str) -> None:
+        rec.state = State.ABORTED
+        rec.reservations.clear()
+        freed = self._collect(rec)
+        metrics.ABORTS.inc()
+        logger.warning(
+            "aborted %s/%s (%s); collected %d files, %s",
+            rec.namespace,
+            rec.checkpoint_id,
+            why,
+            len(rec.files),
+            format_size(freed),
+        )
+
+    def _delete_committed(self, rec: CheckpointRecord, *, evicted: bool = False) -> int:
+        """Delete a checkpoint from this node; `evicted`: by memory retention (a weaker
+        tombstone that the persistent tier's adoption overrides: `PeerMarks`)."""
+        # Manifest first: a crash after this point leaves a dir without manifest, which
+        # adoption collects, never a manifest pointing at missing files.
+        self.tier.remove_file(self.tier.manifest_path(rec.namespace, rec.checkpoint_id))
+        if rec.state is State.COMMITTED:
+            self.peer_marks.tombstone(rec.key, self._wall(), evicted=evicted)
+            if not evicted:
+                self.peer_marks.forget_sequence(rec.key, rec.sequence)
+        self.peer_marks.label(rec.key, None)
+        self.durability.forget(rec.key)
+        return self._collect(rec)
+
+    # ---- memory retention ---------------------------------------------------------------
+    def _holds(self, rec: CheckpointRecord) -> bool:
+        """Whether retention must keep `rec` in memory: pinned, or (invariant 6) due for
+        the persistent tier and not durable there yet, whatever memory_keep_last says."""
+        if rec.pinned:
+            return True
+        if self._is_lost(rec):
+            return False  # due or not, it can never be made durable: kept only by its age
+        if self.durability.due(rec) and not self.durability.durable(rec.key):
+            return True
+        return self._landing(rec)
+
+    def expire_landed(self) -> None:
+        """Apply memory retention again where a reader's grace ran out (the sweeper)."""
+        now = self._clock()
+        with self._lock:
+            over = [k for k, t in self._landed.items() if now - t > LANDED_GRACE]
+            for key in over:
+                del self._landed[key]
+            for namespace in sorted({k[0] for k in over}):
+                self._apply_retention(namespace)
+
+    def _landing(self, rec: CheckpointRecord) -> bool:
+        """Whether a reader's copy of one of `rec`'s files started or arrived moments
+        ago: a restore of an older checkpoint makes it memory-held again, and evicting it
+        then would pull the files from under the reader (`expire_landed` evicts it
+        once the grace is over)."""
+        landed = self._landed.get(rec.key)
+        return landed is not None and self._clock() - landed <= LANDED_GRACE
+
+    def _persistent_only(self, rec: CheckpointRecord) -> bool:
+        """A durable checkpoint no node's memory holds any more (listed, restorable)."""
+        return self.durability.durable(rec.key) and not any(
+            f.held or f.owner_node or f.replica_nodes for f in rec.files.values()
+        )
+
+    def _notify_committed(self, rec: CheckpointRecord) -> None:
+        if self.durability.due(rec):
+            self.events.committed(rec.namespace, rec.checkpoint_id)
+        self.events.prewarm_next(rec.namespace)  # plans after retention: evicted files count
+
+    def _apply_retention(self, namespace: str) -> None:
+        committed = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and not self._persistent_only(r)
+        ]
+        for checkpoint_id in evictions_by_coordinator(
+            committed, self.memory_keep_last, self._holds, self._is_lost
+        ):
+            rec = self._records[(namespace, checkpoint_id)]
+            fault("retention.evict")
+            if self.durability.durable(rec.key):
+                freed = self._keep_persistent_only(rec)
+            else:
+                freed = self._delete_committed(rec, evicted=True)
+            metrics.EVICTIONS.inc()
+            logger.info(
+                "evicted %s/%s from memory (retention memory_keep_last=%d), %s",
+                namespace,
+                checkpoint_id,
+                self.memory_keep_last,
+                format_size(freed),
+            )
+
+    def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
+        """Evict a durable checkpoint from memory but keep listing it (its files now
+        come from the persistent tier only). The manifest is rewritten first: a crash
+        after it leaves stray files adoption collects, never a manifest pointing at
+        files that are gone (which would quarantine a durable checkpoint)."""
+        gone = {
+            name: dataclasses.replace(f, held=False, owner_node="", replica_nodes=[])
+            for name, f in rec.files.items()
+        }
+        self._write_manifest(dataclasses.replace(rec, files=gone))
+        freed = self._release_files(rec)
+        for f in rec.files.values():
+            f.held = False
+            f.owner_node = ""
+            f.replica_nodes = []
+        self._track(rec)
+        self.peer_marks.label(rec.key, None)
+        self._budget.trim_pool()
+        return freed
+
+    # ---- prewarm -------------------------------------------------------------------------
+    def prewarm(self, total: int, segment_size: int = PREWARM_SEGMENT) -> int:
+        """Preallocate up to `total` bytes of fresh pool segments (`memory.prewarm`);
+        returns bytes allocated. Runs in a background thread at start."""
+        sizes = [min(segment_size, total - at) for at in range(0, total, segment_size)]
+        plan: list[tuple[int, str | None]] = [(size, None) for size in sizes]
+        return self.prewarm_segments(plan, "memory.prewarm", kind="start")
+
+    def prewarm_segments(
+        self,
+        plan: list[tuple[int, str | None]],
+        why: str,
+        *,
+        namespace: str = "",
+        stop: Callable[[], bool] | None = None,
+        progress: Callable[[int], None] | None = None,
+        kind: str = "restore",
+        headroom: int = 0,
+    ) -> int:
+        """Preallocate pool segments of the given (size, file name) while the budget
+        (`fits` beside `headroom` more: no pool dropped for them) and tmpfs allow; a
+        segment named for a file is the one that file's copy or save takes (a copy
+        already arriving is skipped), one of a `namespace` is for that job only. `stop`
+        ends it between steps (a save started). Returns bytes allocated (counted by
+        `kind` in the metrics)."""
+
+        def arriving(name: str) -> bool:
+            return any(key[2] == name for key in self._budget.incoming)
+
+        done = self.pool.prewarm(
+            plan,
+            lambda size: self._budget.fits(size + headroom),
+            skip=arriving,
+            why=why,
+            namespace=namespace,
+            stop=stop,
+            progress=progress,
+        )
+        metrics.PREWARM_BYTES.labels(kind=kind).inc(done)
+        return done
+
+    def next_save_plan(self, namespace: str, cap: int = 0) -> NextSavePlan:
+        """The segments `namespace`'s next save lacks: one per file this node wrote in its
+        newest checkpoint that no pool segment covers (`assign`), and those files' bytes."""
+        with self._lock:
+            rec = self._newest(namespace)
+            if rec is None:
+                return NextSavePlan([], 0)
+            files = [
+                (f.name, f.size, f.rank)
+                for f in rec.files.values()
+                if f.committed and f.held and f.owner_node == self.node_id
+            ]
+            plan, covered = assign(files, self.pool.segments, namespace, cap)
+            activate = [seg for seg in covered if seg.touched_once]
+            return NextSavePlan(plan, sum(size for _, size, _ in files), activate)
+
+    def activate_segments(
+        self, segments: list[Segment], stop: Callable[[], bool] | None = None
+    ) -> int:
+        """Touch pooled segments again before a save takes them (`WarmPool.activate`;
+        takes the lock itself, around short steps)."""
+        done = self.pool.activate(segments, stop)
+        metrics.PREWARM_BYTES.labels(kind="activate").inc(done)
+        return done
+
+    def _prewarm_once(self, namespace: str) -> None:
+        """At the first Begin of a namespace since start (e.g. after a restart adopted
+        its checkpoints), schedule the prewarm a commit would have (call under the lock;
+        it runs once the save is over, or right away if the save is abandoned)."""
+        if not self.events.prewarm_next or namespace in self._prewarm_begun:
+            return
+        self._prewarm_begun.add(namespace)
+        if self._newest(namespace) is not None:
+            self.events.prewarm_next(namespace)
+
+    # ---- durability (the ledger's marks that need the records) ------------------------
+    def set_drain_failed(
+        self, namespace: str, checkpoint_id: str, failed: bool, *, refused: bool = False
+    ) -> None:
+        """The drain's verdict, shown as "drain-failed" in `tiers` (False clears it).
+
+        `refused`: its `.metadata` was refused, so it can never become durable; it stops
+        being due, and memory retention no longer keeps it for the persistent tier
+        (invariant 6 keeps what can still drain; this would otherwise pin it forever).
+        """
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            if not failed or key not in self._records:
+                self.durability.clear_failed(key)
+                return
+            self.durability.set_failed(key, refused)
+            if refused:
+                self._apply_retention(namespace)
+
+    def due_not_durable(self) -> list[Key]:
+        """Committed checkpoints due for the persistent tier and not known durable,
+        oldest first (the drain queue a restarted daemon rebuilds)."""
+        with self._lock:
+            recs = [
+                r
+                for r in self._records.values()
+                if r.state is State.COMMITTED
+                and self.durability.due(r)
+                and not self.durability.durable(r.key)
+            ]
+            return [r.key for r in sorted(recs, key=lambda r: r.order)]
+
+    def persistent_url(self, namespace: str, checkpoint_id: str = "") -> str:
+        """The URL a checkpoint drains to (its record's), or without `checkpoint_id` (or
+        one this node does not know) the URL the namespace's next commit would record."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id)) if checkpoint_id else None
+            return rec.persistent_url if rec is not None else self.durability.url(namespace)
+
+    def mark_durable(self, namespace: str, checkpoint_id: str) -> bool:
+        """Record that the checkpoint's `.metadata` is in the persistent tier; memory
+        retention may now evict it. False when it is not (or no longer) committed here."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is not State.COMMITTED:
+                if self.peer_marks.gone(key):
+                    self.events.gone_durable(namespace, checkpoint_id)  # a drain beat an rm
+                return False
+            # Durable and drain-failed exclude each other: the ledger clears the mark in
+            # the same step, so no view shows both (the drainer's own bookkeeping follows).
+            if self.durability.add_durable(key):
+                logger.info("%s/%s is DURABLE in the persistent tier", *key)
+                self._apply_retention(namespace)
+            return True
+
+    def retire(self, namespace: str, checkpoint_id: str) -> None:
+        """The checkpoint is no longer due: enough newer ones are durable that persistent
+        retention deletes it (or already did, before this node learnt it was durable).
+        Memory retention may evict it like any checkpoint that is not due."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            if key in self._records and self.durability.retire_key(key):
+                self._apply_retention(namespace)
+
+    def persistent_only(self, namespace: str, url: str) -> list[str]:
+        """Ids of the namespace's durable checkpoints no node's memory holds, recorded
+        as drained to `url` (what a re-listing of that tier must still show)."""
+        with self._lock:
+            return sorted(
+                r.checkpoint_id
+                for r in self._records.values()
+                if r.namespace == namespace and r.persistent_url == url and self._persistent_only(r)
+            )
+
+    def forget_persistent(self, namespace: str, checkpoint_id: str) -> None:
+        """The checkpoint was deleted from the persistent tier (its retention). Held
+        nowhere else: it is gone. Still in memory somewhere: it stays listed there, and is
+        retired, not due again (draining it back would only feed the same retention, and
+        a due checkpoint that is never durable is held in memory forever)."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and self._persistent_only(rec):
+                self._delete_committed(rec)
+            elif rec is not None:
+                self.durability.retire_key(key)
+            self.durability.drop_durable(key)
+
+    # ---- peer tier ----------------------------------------------------------------------
+    def local_committed_files(self, namespace: str, checkpoint_id: str) -> dict[str, FileRecord]:
+        """Committed files this node holds of a save (WRITING or COMMITTED); {} if unknown."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return {}
+            return {
+                f.name: dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in rec.files.values()
+                if f.committed and f.held
+            }
+
+    def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
+        """(this node's state of the checkpoint or None, the committed files held here)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is State.ABORTED:
+                return None, []
+            files = [
+                dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+                for f in sorted(rec.files.values(), key=lambda f: f.name)
+                if f.committed and f.held
+            ]
+            return rec.state, files
+
+    def committed_keys(self) -> list[Key]:
+        with self._lock:
+            return [r.key for r in self._records.values() if r.state is State.COMMITTED]
+
+    def publish(self, published: CheckpointRecord, *, durable: bool = False) -> bool:
+        """Adopt the cluster manifest of a checkpoint the DCP coordinator committed.
+
+        Files of our own WRITING save that the manifest lists become committed (held);
+        everything else is listed as held elsewhere. A checkpoint already known only
+        merges replica lists. Returns False when this node deleted the checkpoint (it is
+        not resurrected by a peer) or its retention evicted it, unless `durable` (the
+        persistent tier's copy: a durable checkpoint stays listed, persistent-only).
+
+        What a peer says never destroys anything here (invariant 10): a committed file of
+        ours is never unlinked (a manifest that disagrees with one, or a save whose
+        `.metadata` was committed here, which this node commits itself, is refused with
+        FAILED_PRECONDITION); the manifest counts against the budget (RESOURCE_EXHAUSTED
+        when it does not fit); retention groups checkpoints by coordinator, so it can
+        only push out checkpoints of its own coordinator; and it is the namespace's newest
+        here only when its coordinator writes the namespace (`model.Trust`, audit 3 H2).
+
+        Time orders nothing (audit 3, H6): a manifest is taken whatever its timestamps
+        say; they are clamped to this node's clock for display, and how far ahead they
+        were is reported as the coordinator's clock skew (`clock_skew`, a metric).
+        """
+        key = self._ref(published.namespace, published.checkpoint_id)
+        self.events.check_owner(published)  # uid isolation: another uid's namespace here
+        with self._lock:
+            if self.peer_marks.refuses(published, durable=durable):
+                return False  # deleted or evicted here: a peer does not bring it back
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.COMMITTED:
+                self._merge_published(rec, published)
+                return True
+            if rec is None:
+                admit_namespace(
+                    self._records,
+                    key[0],
+                    self.max_namespaces,
+                    node_id=self.node_id,
+                    what=f"the manifest of {_key_name(key)}",
+                )
+            if not durable:
+                self.peer_marks.measure_skew(published, self._wall())
+            local = rec.files if rec is not None and rec.state is State.WRITING else {}
+            mine_meta = local.get(METADATA_FILE)
+            if mine_meta is not None and mine_meta.committed and mine_meta.held:
+                raise CheckpointIncomplete(
+                    f"{_key_name(key)}: its .metadata was committed on node {self.node_id}, "
+                    "which commits the checkpoint itself; a peer's manifest is not taken"
+                )
+            files: dict[str, FileRecord] = {}
+            for f in published.files.values():
+                mine = local.get(f.name)
+                if mine is not None and mine.committed and mine.held:
+                    self._check_same(key, mine, f)
+                    files[f.name] = dataclasses.replace(
+                        f,
+                        owner_node=self.node_id,
+                        replica_nodes=[n for n in f.replica_nodes if n != self.node_id],
+                        held=True,
+                    )
+                else:
+                    files[f.name] = dataclasses.replace(
+                        f, replica_nodes=list(f.replica_nodes), held=False
+                    )
+            for name, mine in local.items():
+                if name not in files and mine.committed and mine.held:
+                    files[name] = dataclasses.replace(mine, replica_nodes=list(mine.replica_nodes))
+            now = self._wall()
+            # This node took part in the save: the manifest lists, with the same bytes
+            # (`_check_same`), files this node's ranks wrote here.
+            took_part = any(f.held for name, f in files.items() if name in published.files)
+            new = dataclasses.replace(
+                published,
+                state=State.COMMITTED,
+                node_id=self.node_id,
+                files=files,
+                reservations={},
+                last_activity=self._clock(),
+                created_unix=min(published.created_unix, now),
+                committed_unix=min(published.committed_unix, now),
+                pinned=self.events.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
+                trust=Trust.PROVEN if durable or took_part else self._trust_of(published),
+            )
+            by = coordinator_of(new.files)
+            charge = _manifest_estimate(new) if by != self.node_id else 0
+            if charge:  # within the coordinator's own cap (budget.admit_manifest, M3)
+                self._budget.admit_manifest(
+                    charge, key, by, what=f"the manifest of {_key_name(key)}"
+                )
+            self._write_manifest(new)  # before anything changes here
+            for name in local:
+                if name not in files:  # opened, never committed: a straggler of the save
+                    self.tier.remove_file(self.tier.file_path(*key, name))
+            self._records[key] = new
+            self._track(new)
+            if durable:
+                self.durability.add_durable(key)  # before retention: kept persistent-only
+            if charge:
+                self._budget.charge_manifest(key, self._manifest_size(key) or charge)
+            if new.trust is not Trust.FOREIGN:  # Lamport: commit above what writers did
+                self._next_sequence = max(self._next_sequence, min(new.sequence + 1, MAX_SEQUENCE))
+            logger.info(
+                "published %s/%s from the coordinator's daemon: %d files, %d held here%s",
+                *key,
+                len(new.files),
+                sum(f.held for f in new.files.values()),
+                ""
+                if new.trust is not Trust.FOREIGN
+                else f"; listed, never the newest of {key[0]}: its coordinator "
+                f"{coordinator_of(new.files)} does not write {key[0]} here (writers: "
+                f"{listing(sorted(self._writers(key[0])))})",
+            )
+            self._notify_committed(new)
+            self._apply_retention(key[0])
+            return True
+
+    def _trust_of(self, published: CheckpointRecord) -> Trust:
+        """A peer's manifest this node took no part in (call under the lock): VOUCHED when
+        its coordinator writes the namespace here, or the namespace has no writer yet and
+        the peers were not asked about it (trust on first use: a coordinator publishing
+        its own save), else FOREIGN (`model.Trust`). Once the peers stated the writers
+        (`set_cluster_writers`), those decide, an empty agreement included."""
+        writers = self._writers(published.namespace)
+        asked = published.namespace in self._cluster_writers
+        if (not writers and not asked) or coordinator_of(published.files) in writers:
+            return Trust.VOUCHED
+        return Trust.FOREIGN
+
+    def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
+        """Refuse a manifest that describes a file committed here with other bytes."""
+        if (mine.size, mine.checksums) != (theirs.size, theirs.checksums):
+            raise CheckpointIncomplete(
+                f"{_key_name(key)}/{mine.name}: the published manifest says {theirs.size} "
+                f"bytes with checksums {_summary(theirs)}, but node {self.node_id} committed "
+                f"{mine.size} bytes with {_summary(mine)}; the local file is kept and the "
+                "manifest refused"
+            )
+
+    def _merge_published(self, rec: CheckpointRecord, published: CheckpointRecord) -> None:
+        """A known checkpoint published again: merge replica lists (persisted first).
+        Only from the coordinator this node recorded (audit 3, M2): a manifest naming
+        another node as the owner of its `.metadata` is refused (PermissionDenied), so no
+        peer lists itself as a holder of another's files by publishing them again.
+        Not into one retention let go to the persistent tier only (as `set_replicas`):
+        a peer's lists would make it a memory one again here, for good."""
+        if self._persistent_only(rec):
+            return
+        recorded, claimed = coordinator_of(rec.files), coordinator_of(published.files)
+        if not recorded:
+            return  # known here from the persistent tier only: no coordinator to match
+        if claimed != recorded:
+            metrics.PEER_REFUSED.labels(reason="coordinator").inc()
+            raise PermissionDenied(
+                f"{_key_name(rec.key)} is coordinated by node {recorded or 'none'} here; a "
+                f"manifest of it naming {claimed[:64] or 'no node'} as its coordinator is "
+                "refused (only its coordinator publishes its replica lists)"
+            )
+        merged: dict[str, FileRecord] = {}
+        for f in published.files.values():
+            mine = rec.files.get(f.name)
+            if mine is None:
+                continue
+            self._check_same(rec.key, mine, f)
+            nodes = list(dict.fromkeys([*mine.replica_nodes, *f.replica_nodes]))
+            if nodes != mine.replica_nodes and len(nodes) <= MAX_REPLICAS:
+                merged[f.name] = dataclasses.replace(mine, replica_nodes=nodes)
+        if merged:
+            self._write_manifest(dataclasses.replace(rec, files={**rec.files, **merged}))
+            for name, f in merged.items():
+                rec.files[name].replica_nodes = f.replica_nodes
+
+    def file_view(self, namespace: str, checkpoint_id: str, name: str) -> tuple[FileRecord, str]:
+        """(a copy of one committed file's record, its local path or "" if not held)."""
+        with self._lock:
+            rec = self._committed(namespace, checkpoint_id)
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name[:64]!r}; its "
+                    f"files: {listing(sorted(rec.files))}"
+                )
+            path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
+            return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
+
+    def start_incoming(
+        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
+    ) -> Path | None:
+        """Make room for a copy of a file arriving from a peer; None if already held.
+
+        The bytes count as reserved until `finish_incoming`; a copy that does not fit the
+        budget is refused (RESOURCE_EXHAUSTED) before any byte is written. `restored`: a
+        reader's copy (see `finish_incoming`).
+        """
+        with self._lock:
+            self.pool.wait_for(name)  # a segment being preallocated for this very file
+            rec = self._committed(namespace, checkpoint_id)
+            if restored:
+                self._landed[rec.key] = self._clock()
+            f = rec.files.get(name)
+            if f is None:
+                raise CheckpointNotFound(
+                    f"checkpoint {namespace}/{checkpoint_id} has no file {name}"
+                )
+            if f.held:
+                return None
+            ikey = (namespace, checkpoint_id, name)
+            if ikey in self._budget.incoming:
+                raise CheckpointExists(
+                    f"file {name} of {namespace}/{checkpoint_id} is already being received"
+                )
+            self._budget.admit(
+                f.size, what=f"a copy of {namespace}/{checkpoint_id}/{name}", reason="replica"
+            )
+            path = self.tier.incoming_path(namespace, checkpoint_id, name)
+            self.tier.remove_file(path)
+            # A replica arriving every checkpoint lands in the warm pages of an evicted one
+            # (4x cheaper than fresh tmpfs pages), like a local save.
+            seg = self.pool.pick_segment(name, f.size, namespace) if self.recycle else None
+            if seg is not None:
+                self.pool.take_segment(seg, path)
+                metrics.RECYCLED_BYTES.inc(seg.size)
+            else:
+                self.tier.create_file(path)
+            # Reserved until installed: at least the copy's size, or the segment's pages.
+            self._budget.start_incoming(ikey, max(f.size, seg.size if seg is not None else 0))
+            return path
+
+    def finish_incoming(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        tmp: Path,
+        ok: bool,
+        *,
+        restored: bool = False,
+    ) -> FileRecord | None:
+        """Install (ok) or drop a received copy; its record as held here now, or None.
+        `restored` (a reader's copy) exempts the checkpoint from memory retention for
+        `LANDED_GRACE` s: the reader opens the file next."""
+        with self._lock:
+            self._budget.finish_incoming((namespace, checkpoint_id, name))
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if not ok or rec is None or rec.state is not State.COMMITTED or f is None:
+                self.tier.remove_file(tmp)
+                return None
+            final = self.tier.file_path(namespace, checkpoint_id, name)
+            replicas = list(f.replica_nodes)
+            if f.owner_node != self.node_id and self.node_id not in replicas:
+                replicas.append(self.node_id)
+            held = dataclasses.replace(f, held=True, replica_nodes=replicas)
+            installed = False
+            try:
+                try:
+                    self.tier.seal_file(tmp)
+                except FileNotFoundError:
+                    # Retention evicted the checkpoint while the copy arrived: its directory
+                    # went, this copy with it. Not held; the caller says so (never INTERNAL).
+                    return None
+                self.tier.install(tmp, final)
+                installed = True
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: held}))
+            except BaseException:
+                self.tier.remove_file(final if installed else tmp)
+                raise
+            f.held, f.replica_nodes = True, replicas
+            self._track(rec)
+            self.peer_marks.held_here(rec.key, name)  # a copy here: that file is not lost
+            if restored:
+                self._landed[rec.key] = self._clock()
+            return dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
+
+    def drop_local_copy(
+        self, namespace: str, checkpoint_id: str, name: str, *, surplus: bool = False
+    ) -> bool:
+        """Forget a corrupt local copy (never served again), or with `surplus` one copy
+        too many (the healer's trim), which a reader restored moments ago keeps (it opens
+        the file next: `_landing`); True if one was dropped."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or f is None or not f.held or (surplus and self._landing(rec)):
+                return False
+            replicas = [n for n in f.replica_nodes if n != self.node_id]
+            if rec.state is State.COMMITTED:
+                dropped = dataclasses.replace(f, held=False, replica_nodes=replicas)
+                try:
+                    self._write_manifest(
+                        dataclasses.replace(rec, files={**rec.files, name: dropped})
+                    )
+                except (OSError, TierckptError) as e:
+                    # Dropped anyway: never serve a corrupt copy. A restart re-verifies.
+                    logger.error("cannot record the drop of %s/%s/%s: %s", *rec.key, name, e)
+            self.tier.remove_file(self.tier.file_path(namespace, checkpoint_id, name))
+            f.held = False
+            f.replica_nodes = replicas
+            self._track(rec)
+            return True
+
+    def set_replicas(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        replica_nodes: list[str],
+        *,
+        expected: list[str] | None = None,
+    ) -> bool:
+        """Record the nodes (other than the owner) holding verified copies of a file.
+
+        `expected`: record only if the list is still this one (what the caller's finding
+        started from); a newer list a peer sent meanwhile is kept (False).
+
+        Not for a checkpoint retention left in the persistent tier only: a peer that has
+        not evicted it yet would list itself, which makes the record a memory one again
+        (its pushes accepted, retention and `forget_persistent` skipping it) for good."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            f = rec.files.get(name) if rec is not None else None
+            if rec is None or rec.state is not State.COMMITTED or f is None:
+                return False
+            if self._persistent_only(rec):
+                return False
+            if expected is not None and f.replica_nodes != expected:
+                return False
+            nodes = list(dict.fromkeys(replica_nodes))
+            if f.held and f.owner_node != self.node_id and self.node_id not in nodes:
+                nodes.append(self.node_id)  # we hold a verified copy whatever the peer says
+            if nodes != f.replica_nodes:
+                changed = dataclasses.replace(f, replica_nodes=nodes)
+                self._write_manifest(dataclasses.replace(rec, files={**rec.files, name: changed}))
+                f.replica_nodes = nodes
+            return True
+
+    def set_health(
+        self, namespace: str, checkpoint_id: str, label: str, lost: Sequence[str] = ()
+    ) -> None:
+        """The healer's finding ("" healthy, "under-replicated", "lost"), shown in tiers;
+        with "lost", the files no node holds: the checkpoint is then shown LOST (unless
+        durable), never picked as the newest (`views.is_lost`)."""
+        with self._lock:
+            rec = self._records.get((namespace, checkpoint_id))
+            if rec is None:
+                return
+            if not label:
+                self.peer_marks.label(rec.key, None)
+                return
+            health: Health | None = Health(label, tuple(sorted(lost)))
+            # A finding is as old as the holdings its heal asked for: a copy installed
+            # here meanwhile (`install_copy` clears its file the same way) is not lost.
+            for name, f in rec.files.items():
+                if f.held:
+                    health = found(health, name)
+            self.peer_marks.label(rec.key, health)
+
+    # ---- cluster marks (peers/operations.py) ------------------------------------------
+    def remove_marked(
+        self, namespace: str, checkpoint_id: str, stamp: float
+    ) -> tuple[int, str] | None:
+        """A cluster rm stamped `stamp` (its origin's clock): delete the checkpoint if it
+        was committed by then, and refuse a later publish or adoption of it. A save of it
+        writing here now is a re-save after the rm: left alone. Returns (bytes freed, its
+        persistent URL) when a committed checkpoint was deleted here, else None."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is not None and rec.state is State.WRITING:
+                return None
+            self.peer_marks.tombstone(key, stamp)
+            if rec is None or rec.state is not State.COMMITTED:
+                return None
+            if rec.committed_unix > stamp + DELETE_SKEW:
+                return None  # committed again after the rm
+            url = rec.persistent_url
+            freed = self._delete_committed(rec)
+            logger.info(
+                "deleted %s/%s (a cluster rm), %s freed",
+                namespace,
+                checkpoint_id,
+                format_size(freed),
+            )
+            return freed, url
+
+    def apply_pin(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView | None:
+        """A cluster pin or unpin: persisted in the manifest, then in memory; None when
+        this node does not have the checkpoint committed (the mark waits in the journal
+        for its manifest: `pin_marks`)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None or rec.state is not State.COMMITTED:
+                return None
+            if rec.pinned != pinned:
+                self._write_manifest(dataclasses.replace(rec, pinned=pinned))
+                rec.pinned = pinned
+                logger.info("%s %s/%s", "pinned" if pinned else "unpinned", *key)
+            return self._view(rec)
+
+    def knows(self, namespace: str, checkpoint_id: str) -> bool:
+        """Whether this node has the checkpoint (committed or being written)."""
+        key = self._ref(namespace, checkpoint_id)
+        with self._lock:
+            rec = self._records.get(key)
+            return rec is not None and rec.state is not State.ABORTED
+
+    def pinned_ids(self, namespace: str) -> set[str]:
+        """Ids of the namespace's checkpoints pinned here or by a cluster pin mark not
+        yet applied (persistent retention keeps them all)."""
+        marks = self.events.pin_marks(namespace)
+        with self._lock:
+            pinned = {
+                r.checkpoint_id
+                for r in self._records.values()
+                if r.namespace == namespace and r.state is State.COMMITTED and r.pinned
+            }
+        return {c for c in pinned | set(marks) if marks.get(c, True)}
+
+    # ---- unfinished saves (the asking is peers/unfinished.py's) -----------------------
+    def idle_saves(self) -> list[tuple[Key, float, bool]]:
+        """WRITING saves idle longer than abandon_after (a rank died mid-save, or the
+        coordinator's publish never came): (key, seconds idle, whether it holds committed
+        files: only those may have been committed by a peer coordinator)."""
+        now = self._clock()
+        with self._lock:
+            return [
+                (
+                    r.key,
+                    now - r.last_activity,
+                    any(f.committed and f.held for f in r.files.values()),
+                )
+                for r in self._records.values()
+                if r.state is State.WRITING and now - r.last_activity > self.abandon_after
+            ]
+
+    def abort_idle(self, keys: Iterable[Key]) -> list[Key]:
+        """Abort the saves of `keys` still WRITING and still idle past abandon_after;
+        returns those aborted."""
+        now = self._clock()
+        aborted = []
+        with self._lock:
+            for key in keys:
+                rec = self._records.get(key)
+                idle = now - rec.last_activity if rec is not None else 0.0
+                if rec is not None and rec.state is State.WRITING and idle > self.abandon_after:
+                    self._abort(rec, f"no activity for {idle:.0f} s")
+                    aborted.append(key)
+        return aborted
+
+    def sweep(self) -> list[Key]:
+        """A node without a peer tier: abort every idle save, settle orphans, and apply
+        memory retention where a reader's grace ran out; returns the keys aborted (with
+        peers, `peers.unfinished.UnfinishedSaves.sweep` asks them first)."""
+        aborted = self.abort_idle(key for key, _, _ in self.idle_saves())
+        self.salvage_orphans()
+        self.expire_landed()
+        return aborted
+
+    # ---- orphans (restart) -------------------------------------------------------------
+    def keep_orphans(self, orphans: dict[Key, dict[str, int]]) -> None:
+        """Adoption's unfinished data dirs (call under the lock; their bytes are already
+        counted as quarantined)."""
+        self._orphans = dict(orphans)
+        self._orphans_since = self._clock()
+
+    def unknown_orphans(self) -> list[Key]:
+        """Orphans of checkpoints this node knows nothing of (the peers may)."""
+        with self._lock:
+            return [k for k in self._orphans if k not in self._records]
+
+    def salvage_orphans(self, absent: Collection[Key] = (), *, final: bool = False) -> int:
+        """Install the orphan files a committed manifest says this node owns (verified
+        first, outside the lock) and collect the orphans that are settled: known to the
+        catalog, `absent` (every peer answered without it), or unknown past the patience
+        (`final`: now). Returns bytes installed."""
+        with self._lock:
+            if not self._orphans:
+                return 0
+            late = final or (
+                self._clock() - self._orphans_since > UNFINISHED_PATIENCE * self.abandon_after
+            )
+            candidates: list[tuple[Key, FileRecord]] = []
+            for key, files in self._orphans.items():
+                rec = self._records.get(key)
+                if rec is None or rec.state is not State.COMMITTED:
+                    continue
+                for name, size in files.items():
+                    f = rec.files.get(name)
+                    if f is not None and self._salvageable(f, size):
+                        candidates.append((key, dataclasses.replace(f)))
+        good = [(key, f) for key, f in candidates if self._verified(key, f)]
+        installed = 0
+        with self._lock:
+            for key, f in good:
+                installed += self._install_orphan(key, f)
+            settled = [k for k in self._orphans if k in absent or self._settled(k, late)]
+            for key in settled:
+                self._collect_orphan(key, self._orphans.pop(key))
+        return installed
+
+    def _settled(self, key: Key, late: bool) -> bool:
+        """Whether an orphan's fate is known: its checkpoint committed here, or nothing
+        known of it past the patience (a save of that id writing again keeps it)."""
+        rec = self._records.get(key)
+        return rec.state is State.COMMITTED if rec is not None else late
+
+    def _salvageable(self, f: FileRecord, size: int) -> bool:
+        return (
+            not f.held
+            and f.owner_node == self.node_id
+            and f.size == size
+            and f.checksums is not None
+        )
+
+    def _verified(self, key: Key, f: FileRecord) -> bool:
+        assert f.checksums is not None
+        path = self.tier.file_path(*key, f.name)
+        ok, reason = self.tier.verify_file(path, f.size, f.checksums)
+        if ok:
+            try:
+                self.tier.seal_file(path, exclusive=False)
+            except (OSError, UnsafePath) as e:
+                ok, reason = False, str(e)
+        if not ok:
+            logger.warning(
+                "%s/%s/%s left by an unfinished save does not match the committed "
+                "manifest (%s): not installed",
+                *key,
+                f.name,
+                reason,
+            )
+        return ok
+
+    def _install_orphan(self, key: Key, f: FileRecord) -> int:
+        """Hold a verified orphan file (call under the lock); bytes installed."""
+        rec = self._records.get(key)
+        mine = rec.files.get(f.name) if rec is not None else None
+        if rec is None or rec.state is not State.COMMITTED or mine is None or mine.held:
+            return 0
+        if (mine.size, mine.checksums, mine.owner_node) != (f.size, f.checksums, f.owner_node):
+            return 0
+        held = dataclasses.replace(mine, held=True)
+        self._write_manifest(dataclasses.replace(rec, files={**rec.files, f.name: held}))
+        mine.held = True
+        self._orphans[key].pop(f.name, None)
+        self._budget.release_quarantined(f.size)
+        self._track(rec)
+        logger.info(
+            "%s/%s/%s: kept the file an unfinished save left here, %s: its coordinator "
+            "committed the checkpoint while this daemon was down",
+            *key,
+            f.name,
+            format_size(f.size),
+        )
+        return f.size
+
+    def _collect_orphan(self, key: Key, files: dict[str, int]) -> None:
+        """Remove what is left of an orphan (call under the lock)."""
+        rec = self._records.get(key)
+        for name in files:
+            f = rec.files.get(name) if rec is not None else None
+            if f is not None and f.held:
+                continue
+            try:
+                self.tier.remove_file(self.tier.file_path(*key, name))
+            except (OSError, UnsafePath) as e:
+                logger.warning("cannot collect %s/%s/%s: %s", *key, name, e)
+        self._budget.release_quarantined(sum(files.values()))
+        if rec is None:
+            self.tier.remove_checkpoint_dir(*key)
+        if files:
+            logger.warning(
+                "collected %d files (%s) of the unfinished save %s/%s: %s",
+                len(files),
+                format_size(sum(files.values())),
+                *key,
+                "its coordinator did not commit it"
+                if rec is None
+                else "not part of the committed checkpoint",
+            )
 
     # ---- accounting -------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -100,7 +1476,7 @@ class Catalog(UnfinishedSaves):
         """Open a save; idempotent for every rank. Committed ids are immutable."""
         fault("save.begin")
         key = self._ref(namespace, checkpoint_id)
-        owner = self.owner_of(namespace)  # uid isolation: the manifest names the owner
+        owner = self.events.owner_of(namespace)  # uid isolation: the manifest names the owner
         with self._lock:
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
@@ -108,9 +1484,7 @@ class Catalog(UnfinishedSaves):
                     f"checkpoint {namespace}/{checkpoint_id} is already committed on node "
                     f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
                 )
-            self._gone.pop(key, None)  # saved again after a delete: peers may publish it
-            self._gone_sequence.pop(key, None)
-            self._evicted.pop(key, None)
+            self.peer_marks.saved_again(key)  # after a delete: peers may publish it
             if rec is None:
                 admit_namespace(
                     self._records,
@@ -271,12 +1645,12 @@ class Catalog(UnfinishedSaves):
         `remote` are required files that peers hold (the cluster commit asked them with
         Holdings); they enter the manifest with their owner and `held` False. `durable`:
         the "make this one durable" hint, kept in the manifest (restarts, peers): due
-        whatever `drain_every` says (`_due`). Refused without a persistent tier, never
+        whatever `drain_every` says (`DurabilityLedger.due`). Refused without a persistent tier, never
         ignored: the caller asked for a copy that would never exist.
         """
         key = self._ref(namespace, checkpoint_id)
         url = self.persistent_url(namespace)
-        if durable and (self.drain_every <= 0 or not (url or self.default_persistent)):
+        if durable and self.durability.refuses_durable(url):
             raise NoPersistentTier(
                 f"{NO_PERSISTENT_TIER_PREFIX}cannot commit {namespace}/{checkpoint_id} with "
                 "durable=true: this daemon has no persistent tier for the namespace; set "
@@ -377,19 +1751,6 @@ class Catalog(UnfinishedSaves):
                 )
             self._abort(rec, "aborted by the client")
 
-    def set_pinned(self, namespace: str, checkpoint_id: str, pinned: bool) -> CheckpointView:
-        """Pin (exempt from retention) or unpin a committed checkpoint; persisted in its
-        manifest so a restarted daemon keeps it."""
-        with self._lock:
-            rec = self._committed(check_namespace(namespace), check_checkpoint_id(checkpoint_id))
-            if rec.pinned != pinned:
-                self._write_manifest(dataclasses.replace(rec, pinned=pinned))  # then in memory
-                rec.pinned = pinned
-                logger.info(
-                    "%s %s/%s", "pinned" if pinned else "unpinned", namespace, checkpoint_id
-                )
-            return self._view(rec)
-
     def delete(self, namespace: str, checkpoint_id: str) -> int:
         """Remove a committed or writing checkpoint; returns the bytes freed."""
         key = self._ref(namespace, checkpoint_id)
@@ -464,12 +1825,12 @@ class Catalog(UnfinishedSaves):
                 checkpoints=len(committed),
                 namespaces=tuple(sorted({r.namespace for r in self._records.values()})),
                 version=__version__,
-                prewarm_pending_bytes=self.prewarm_pending() + self.pool.pending,
+                prewarm_pending_bytes=self.events.prewarm_pending() + self.pool.pending,
                 prewarm_ready_bytes=self.pool.prewarmed_bytes,
                 prewarm_used_bytes=self.pool_use.prewarmed_bytes,
                 pool_hits=self.pool_use.hits,
                 pool_misses=self.pool_use.misses,
-                peer_clocks=dict(sorted(self._skew.items())),
+                peer_clocks=dict(self.peer_marks.skew_now()),
             )
 
     # ---- background work ----------------------------------------------------------------
@@ -488,7 +1849,7 @@ class Catalog(UnfinishedSaves):
         """The share of the budget the manifests of one coordinating peer may take
         ([memory] peer_manifest_share)."""
         with self._lock:
-            self._budget.manifest_share = share
+            self._budget.limit_manifests(share)
 
     def adopt(self) -> None:
         """Re-adopt the memory tier left by a previous daemon (restart or kill -9).

@@ -195,6 +195,15 @@ class Budget:
     def finish_incoming(self, ikey: IncomingKey) -> None:
         self._incoming_total -= self.incoming.pop(ikey, 0)
 
+    def release_quarantined(self, nbytes: int) -> None:
+        """Quarantined bytes installed or collected (an orphan's files)."""
+        self.quarantined -= nbytes
+
+    def limit_manifests(self, share: float) -> None:
+        """`[memory] peer_manifest_share`: the share of the limit one coordinator's
+        manifests may take."""
+        self.manifest_share = share
+
     def reset(self, quarantined: int) -> None:
         """Start over (restart adoption installs a new set of records)."""
         for d in (self._held, self._reserved, self._manifests, self.incoming):

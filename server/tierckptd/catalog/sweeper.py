@@ -1,4 +1,5 @@
-"""The sweeper thread: aborts saves whose ranks died mid-save (`Catalog.sweep`)."""
+"""The sweeper thread: aborts saves whose ranks died mid-save (`Catalog.sweep`, or with
+a peer tier `peers.unfinished.UnfinishedSaves.sweep`, which asks the peers first)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class Sweepable(Protocol):
 
 
 class Sweeper(threading.Thread):
-    """Calls `catalog.sweep()` every `interval` seconds until stopped."""
+    """Calls `sweep()` of what it was given every `interval` seconds until stopped."""
 
     def __init__(self, catalog: Sweepable, interval: float = 5.0) -> None:
         super().__init__(name="tierckptd-sweeper", daemon=True)

@@ -23,11 +23,8 @@ __all__ = ["IncomingFile", "Landing", "install_copy", "restore_plan"]
 
 class Landing(Protocol):
     """Where a copy lands: the catalog's side of `install_copy` (memory/ never imports
-    catalog/, so it names only what it calls)."""
-
-    def file_view(
-        self, namespace: str, checkpoint_id: str, name: str
-    ) -> tuple[FileRecord, str]: ...
+    catalog/, so it names only what it calls): room made for the copy before its first
+    byte, then the copy installed (or dropped) in one step."""
 
     def start_incoming(
         self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
@@ -42,7 +39,7 @@ class Landing(Protocol):
         ok: bool,
         *,
         restored: bool = False,
-    ) -> bool: ...
+    ) -> FileRecord | None: ...
 
 
 class IncomingFile:
@@ -95,22 +92,23 @@ def install_copy(
     catalog: Landing,
     namespace: str,
     checkpoint_id: str,
-    name: str,
+    f: FileRecord,
     pieces: Iterable[tuple[int, BytesLike]],
     *,
     what: str,
     restored: bool = False,
-) -> int:
-    """Store a copy of a committed file arriving as (offset, bytes) pieces from another
-    tier (a peer's stream, the persistent tier): budget-checked, written into a warm
-    segment when one fits, every block verified, installed only when complete.
-    `restored`: a reader asked for it (kept a while even outside memory retention).
-    Returns the bytes taken (0 when the file was already held)."""
-    f, _ = catalog.file_view(namespace, checkpoint_id, name)
-    assert f.checksums is not None
-    tmp = catalog.start_incoming(namespace, checkpoint_id, name, restored=restored)
+) -> FileRecord | None:
+    """Store a copy of the committed file `f` (its record, as the caller read it)
+    arriving as (offset, bytes) pieces from another tier (a peer's stream, the persistent
+    tier): budget-checked, written into a warm segment when one fits, every block
+    verified against `f`'s checksums, installed only when complete. `restored`: a reader
+    asked for it (kept a while even outside memory retention). Returns the record as held
+    now, or None when the file was already held (nothing taken)."""
+    if f.checksums is None:
+        raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
+    tmp = catalog.start_incoming(namespace, checkpoint_id, f.name, restored=restored)
     if tmp is None:
-        return 0
+        return None
     ok = False
     try:
         incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
@@ -122,10 +120,10 @@ def install_copy(
             incoming.close()
         ok = True
     finally:
-        held = catalog.finish_incoming(namespace, checkpoint_id, name, tmp, ok, restored=restored)
-    if not held:
+        held = catalog.finish_incoming(namespace, checkpoint_id, f.name, tmp, ok, restored=restored)
+    if held is None:
         raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
-    return f.size
+    return held
 
 
 def restore_plan(node_id: str, adopted: Iterable[CheckpointRecord]) -> list[tuple[int, str]]:

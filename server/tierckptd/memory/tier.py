@@ -35,6 +35,8 @@ from tierckpt.checksum import ALGORITHM, BlockChecksums, BlockHasher
 from tierckpt.errors import CheckpointIncomplete, InvalidName, MemoryBudgetExceeded, TierckptError
 from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 
+from tierckptd.ops.events import Listeners
+
 __all__ = [
     "COMMITTED_MODE",
     "WRITING_MODE",
@@ -100,7 +102,7 @@ class MemoryTier:
         self._lock_fd: int | None = None
         # Called with the namespace right after data/<namespace> is created (local
         # isolation restricts it to its owner before any file exists in it).
-        self.on_namespace_dir: Callable[[str], None] | None = None
+        self.namespace_dirs: Listeners[[str]] = Listeners()
 
     # ---- layout ---------------------------------------------------------------------
     @property
@@ -176,8 +178,8 @@ class MemoryTier:
                     ) from None
                 continue
             _fchmod_dir(current, DIR_MODE)
-            if current.parent == self.data_root and self.on_namespace_dir is not None:
-                self.on_namespace_dir(part)
+            if current.parent == self.data_root:
+                self.namespace_dirs(part)
 
     def _make_root(self) -> None:
         missing = []

@@ -6,16 +6,31 @@ A JSON line has ``time`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger`
 passed them (``logger.info(..., extra=context(ns, cid, rank))``), and ``exc`` with a
 traceback. Newlines and control characters in a message are escaped by the encoder, so a
 hostile name that reaches a message can never forge a second record.
+
+Logging never shows secrets: the persistent backends' client libraries (their names come
+from `persistent.errors.QUIET_LOGGERS`, passed in by the composition root) stay at INFO even
+under `[log] level = "DEBUG"`, because botocore's DEBUG output carries request headers
+(X-Amz-Security-Token, the access key id).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["CONTEXT_FIELDS", "JsonFormatter", "context", "formatter"]
+__all__ = [
+    "CONTEXT_FIELDS",
+    "JsonFormatter",
+    "context",
+    "formatter",
+    "set_log_format",
+    "set_log_level",
+    "setup_logging",
+]
 
 CONTEXT_FIELDS = ("namespace", "checkpoint", "rank")
 TEXT_FORMAT = "%(asctime)s %(levelname)s [{node}] %(name)s: %(message)s"
@@ -63,3 +78,40 @@ def formatter(kind: Literal["text", "json"] | str, node: str) -> logging.Formatt
     if kind == "json":
         return JsonFormatter(node)
     return logging.Formatter(TEXT_FORMAT.format(node=node))
+
+
+class _QuietBelowInfo(logging.Filter):
+    """Drops DEBUG records of the quiet loggers even if a library lowers its own level."""
+
+    def __init__(self, quiet: Sequence[str]) -> None:
+        super().__init__()
+        self.quiet = frozenset(quiet)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.INFO or record.name.split(".", 1)[0] not in self.quiet
+
+
+def set_log_level(level: str, quiet: Sequence[str]) -> None:
+    """Set the root level, keeping the `quiet` loggers (their DEBUG records carry
+    credentials) at INFO or above."""
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for name in quiet:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+
+
+def set_log_format(kind: str, node: str) -> None:
+    """`[log] format`: "text" lines or one JSON object per line."""
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter(kind, node))
+
+
+def setup_logging(level: str, kind: str, node: str, quiet: Sequence[str]) -> None:
+    """stderr logging (journald / kubectl logs) with the node id in every line; the
+    `quiet` loggers never below INFO."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr)
+    set_log_format(kind, node)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _QuietBelowInfo) for f in handler.filters):
+            handler.addFilter(_QuietBelowInfo(quiet))
+    set_log_level(level, quiet)

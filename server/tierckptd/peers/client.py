@@ -29,6 +29,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.errors import SourceUnavailable
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key
 from tierckptd.ops import metrics
+from tierckptd.ops.events import Listeners
 from tierckptd.ops.faults import fault
 from tierckptd.peers.breaker import MISSED_CODES, Breaker
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
@@ -257,9 +258,9 @@ class PeerClient:
         self.fetch_stall = _fetch_stall() if fetch_stall is None else fetch_stall
         # Peers that did not answer their last call: skipped by `each` for a back-off.
         self.breaker = Breaker()
-        # Cluster marks a peer's ListManifests answer carried (validated), by node: set
-        # by `Cluster` to its `operations.ClusterOps.learn`.
-        self.on_marks: Callable[[str, list[Mark]], None] | None = None
+        # Cluster marks a peer's ListManifests answer carried (validated), by node: told
+        # to `operations.ClusterOps.learn` (it subscribes when it is built).
+        self.marks_learnt: Listeners[[str, list[Mark]]] = Listeners()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -407,7 +408,7 @@ class PeerClient:
     ) -> Manifests:
         """The committed checkpoints `node` knows (of `namespace`, or all), validated one
         by one; `starting`: this node has just started (the peer heals at once). The
-        cluster marks in the answer go to `on_marks` before this returns, so a deleted
+        cluster marks in the answer go to `marks_learnt` before this returns, so a deleted
         checkpoint is refused before any record is adopted."""
         stub = self._stub(node, "ListManifests")
         try:
@@ -427,8 +428,8 @@ class PeerClient:
                 marks.append(mark_from_wire(m, now=time.time()))
             except TierckptError as e:
                 refused.append(bounded(str(e)))
-        if marks and self.on_marks is not None:
-            self.on_marks(node, marks)
+        if marks:
+            self.marks_learnt(node, marks)
         lost: list[Key] = []
         for info in resp.checkpoints:
             try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -30,8 +30,7 @@ import grpc
 from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
 
-from tierckptd.catalog import Catalog
-from tierckptd.catalog.unfinished import Resolution
+from tierckptd.catalog import Catalog, Resolution
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import (
     BACKGROUND,
@@ -52,7 +51,7 @@ from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
-from tierckptd.peers.operations import ClusterOps, Delivery
+from tierckptd.peers.operations import ClusterOps, Delivery, Unstorer
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -111,6 +110,8 @@ class Cluster:
         copies: int = 1,
         channel_factory: ChannelFactory = grpc.insecure_channel,
         heal_interval: float = 5.0,
+        unstore: Unstorer | None = None,
+        check_mark: Callable[[Mark], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.node_id = catalog.node_id
@@ -128,9 +129,6 @@ class Cluster:
             )
         self.client = client
         self.membership = client.membership
-        # Set by `servers.start_servers` from [security] tls_ca: a PeerService caller is
-        # then the node its client cert names, not the node it claims to be.
-        self.mutual_tls = False
         self._stop = threading.Event()
         # Several replicators, new commits first (URGENT), the periodic heal round last
         # (BACKGROUND): one gray peer or one big push does not hold every replication.
@@ -155,6 +153,8 @@ class Cluster:
             client,
             members=lambda: self.members,
             manifest_from=self.committer.manifest_from,
+            unstore=unstore,
+            check_mark=check_mark,
         )
         self.ops.replay()
         self.healer = Healer(
@@ -169,6 +169,10 @@ class Cluster:
         self.serving = Serving(catalog, self.corrupt)
         self._heal_thread: threading.Thread | None = None
         self._sync_replica_target()
+
+    def set_heal_interval(self, seconds: float) -> None:
+        """`[replication] heal_interval` (SIGHUP): the next heal round waits this long."""
+        self.heal_interval = seconds
 
     # ---- membership -------------------------------------------------------------------
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> None:
@@ -195,7 +199,7 @@ class Cluster:
 
     def _sync_replica_target(self) -> None:
         # The catalog shows "replicated" once every file has k extra copies.
-        self.catalog.replica_target = self.membership.replica_target
+        self.catalog.peer_marks.set_replica_target(self.membership.replica_target)
 
     @property
     def peer_ids(self) -> list[str]:
@@ -298,20 +302,6 @@ class Cluster:
         self.healer.heal(namespace, checkpoint_id)
 
     # ---- commit and manifests ---------------------------------------------------------
-    def commit(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        required: list[str],
-        *,
-        durable: bool = False,
-        holders: Sequence[str] = (),
-    ) -> CheckpointView:
-        """The DCP coordinator's commit: find remote files, commit, publish, replicate."""
-        return self.committer.commit(
-            namespace, checkpoint_id, required, durable=durable, holders=holders
-        )
-
     def published(self, rec: CheckpointRecord) -> bool:
         return self.committer.published(rec)
 
@@ -371,10 +361,50 @@ class Cluster:
             if path:
                 return 0
             what = f"{namespace}/{checkpoint_id}/{name}"
-            return install_copy(self.catalog, namespace, checkpoint_id, name, pieces, what=what)
+            held = install_copy(self.catalog, namespace, checkpoint_id, f, pieces, what=what)
+            return f.size if held is not None else 0
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
-        return self.serving.holdings(namespace, checkpoint_id)
+        """A peer's Holdings: the checkpoint's state here (DURABLE once it is: a healer
+        that has not learnt it must not call it lost) and the files held here."""
+        state, files = self.serving.holdings(namespace, checkpoint_id)
+        if state is State.COMMITTED and self.catalog.durability.is_durable(
+            namespace, checkpoint_id
+        ):
+            state = State.DURABLE
+        return state, files
+
+    def state_of(self, namespace: str, checkpoint_id: str) -> State | None:
+        """This node's state of a checkpoint (None: unknown here)."""
+        return self.serving.holdings(namespace, checkpoint_id)[0]
+
+    def file_record(self, namespace: str, checkpoint_id: str, name: str) -> FileRecord:
+        """A committed file's record here (NOT_FOUND when unknown)."""
+        return self.catalog.file_view(namespace, checkpoint_id, name)[0]
+
+    def set_replicas(self, namespace: str, checkpoint_id: str, name: str, nodes: list[str]) -> None:
+        """A peer's UpdateReplicas, once the servicer checked the caller may say so."""
+        self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
+
+    def manifests(self, namespace: str, started: str = "") -> list[CheckpointView]:
+        """A peer's ListManifests: the committed checkpoints (of `namespace`, or all).
+        `started`: the asking node has just started (restarted, or a replacement that
+        came back empty): every checkpoint it owned or held copies of is healed at once,
+        so a copy lost with its memory is re-made, or the checkpoint listed LOST, within
+        seconds (not at the next heal round). Queued, deduplicated."""
+        views = self.catalog.list_checkpoints(namespace)
+        for v in views if started else ():
+            if any(f.owner_node == started or started in f.replica_nodes for f in v.files):
+                self.jobs.put(Heal(v.namespace, v.checkpoint_id))
+        return views
+
+    def namespace_owner(self, namespace: str) -> tuple[int, str] | None:
+        """The uid owning `namespace` here and the node of its claim (uid isolation)."""
+        return self.catalog.events.owner_of(namespace)
+
+    def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
+        """What this node states to peers as the writers of each namespace."""
+        return self.catalog.stated_writers(namespace)
 
     def serve(
         self, namespace: str, checkpoint_id: str, name: str, offset: int = 0, length: int = 0

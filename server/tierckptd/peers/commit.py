@@ -28,12 +28,10 @@ from tierckpt.errors import (
 )
 from tierckpt.names import METADATA_FILE
 
-from tierckptd.catalog import Catalog
-from tierckptd.catalog.unfinished import Resolution
+from tierckptd.catalog import Catalog, Resolution
 from tierckptd.memory.incoming import restore_plan
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key, coordinator_of
 from tierckptd.ops import metrics
-from tierckptd.ops.faults import fault
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 from tierckptd.peers.placement import Member, interested
 
@@ -149,88 +147,83 @@ class Committer:
         )
         return [n for n in self.client.peer_ids if n in near]
 
-    def commit(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        required: list[str],
-        *,
-        durable: bool = False,
-        holders: Sequence[str] = (),
-    ) -> CheckpointView:
-        """The DCP coordinator's commit: find remote files, commit, publish, replicate.
-        `durable` (the hint) travels in the published manifest: every owner drains its
-        files of the checkpoint. `holders`: the nodes the ranks wrote to (the writer's
+    def remote_files(
+        self, namespace: str, checkpoint_id: str, missing: set[str], hinted: Sequence[str]
+    ) -> dict[str, FileRecord]:
+        """The commit coordinator's question (`tierckptd.commit.Holders`): the files of
+        `missing` that peers hold. `hinted`: the nodes the ranks wrote to (the writer's
         hint, unverified): only an ordering. Every peer is asked (in parallel) and every
         claim checked against the others: a hinted node that lies about a file another
         node holds refuses the commit rather than steering it (audit 3, M2)."""
         peers = self.client.peer_ids
-        local = self.catalog.local_committed_files(namespace, checkpoint_id)
-        missing = {r for r in required if r not in local}
-        remote: dict[str, FileRecord] = {}
-        if missing and peers:
+        if not peers:
+            return {}
 
-            def unanswered(node: str, e: PeerCallError) -> None:
-                logger.warning(
-                    "commit %s/%s: no holdings from %s: %s", namespace, checkpoint_id, node, e.code
+        def unanswered(node: str, e: PeerCallError) -> None:
+            logger.warning(
+                "commit %s/%s: no holdings from %s: %s", namespace, checkpoint_id, node, e.code
+            )
+
+        hinted = [n for n in dict.fromkeys(hinted) if n in peers]
+        nodes = [*hinted, *(n for n in peers if n not in hinted)]
+        asked = len(nodes)
+
+        def holdings(node: str) -> Holdings:
+            return self.client.holdings(node, namespace, checkpoint_id)
+
+        held = self.client.each(holdings, nodes=nodes, on_error=unanswered, parallel=True)
+        ordered = {node: held[node] for node in nodes if node in held}
+        remote = claims(namespace, checkpoint_id, ordered, missing)
+        unasked = [n for n in nodes if n not in held]
+        if missing - remote.keys() and unasked:
+            # A file is still missing: ask the peers the first round skipped or lost
+            # too (one backing off after a restart may hold it), rather than fail
+            # the save; this costs a deadline only when the commit would fail anyway.
+            held.update(
+                self.client.each(
+                    holdings,
+                    nodes=unasked,
+                    on_error=unanswered,
+                    parallel=True,
+                    backed_off=True,
                 )
-
-            hinted = [n for n in dict.fromkeys(holders) if n in peers]
-            nodes = [*hinted, *(n for n in peers if n not in hinted)]
-            asked = len(nodes)
-
-            def holdings(node: str) -> Holdings:
-                return self.client.holdings(node, namespace, checkpoint_id)
-
-            held = self.client.each(holdings, nodes=nodes, on_error=unanswered, parallel=True)
+            )
             ordered = {node: held[node] for node in nodes if node in held}
-            remote.update(claims(namespace, checkpoint_id, ordered, missing))
-            unasked = [n for n in nodes if n not in held]
-            if missing - remote.keys() and unasked:
-                # A file is still missing: ask the peers the first round skipped or lost
-                # too (one backing off after a restart may hold it), rather than fail
-                # the save; this costs a deadline only when the commit would fail anyway.
-                held.update(
-                    self.client.each(
-                        holdings,
-                        nodes=unasked,
-                        on_error=unanswered,
-                        parallel=True,
-                        backed_off=True,
-                    )
-                )
-                ordered = {node: held[node] for node in nodes if node in held}
-                remote = dict(claims(namespace, checkpoint_id, ordered, missing))
-            logger.info(
-                "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
+            remote = dict(claims(namespace, checkpoint_id, ordered, missing))
+        logger.info(
+            "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
+            namespace,
+            checkpoint_id,
+            asked,
+            len(peers),
+            len(hinted),
+        )
+        return remote
+
+    def committed(self, view: CheckpointView) -> None:
+        """A commit coordinated here (`tierckptd.commit.CommitListener`): publish the
+        manifest to the peers it involves, then replicate."""
+        if not self.client.peer_ids:
+            return
+        namespace, checkpoint_id = view.namespace, view.checkpoint_id
+
+        def unpublished(node: str, e: PeerCallError) -> None:
+            logger.warning(
+                "commit %s/%s: cannot publish to %s (%s); it adopts the manifest "
+                "by gossip, when it restarts or when a healer pushes to it",
                 namespace,
                 checkpoint_id,
-                asked,
-                len(peers),
-                len(hinted),
+                node,
+                e.code,
             )
-        view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
-        fault("commit.before_publish")
-        if peers:
 
-            def unpublished(node: str, e: PeerCallError) -> None:
-                logger.warning(
-                    "commit %s/%s: cannot publish to %s (%s); it adopts the manifest "
-                    "by gossip, when it restarts or when a healer pushes to it",
-                    namespace,
-                    checkpoint_id,
-                    node,
-                    e.code,
-                )
-
-            self.client.each(
-                lambda node: self.client.publish(node, view),
-                nodes=self.interested(view),
-                on_error=unpublished,
-                parallel=True,
-            )
-            self._heal(namespace, checkpoint_id)
-        return view
+        self.client.each(
+            lambda node: self.client.publish(node, view),
+            nodes=self.interested(view),
+            on_error=unpublished,
+            parallel=True,
+        )
+        self._heal(namespace, checkpoint_id)
 
     def published(self, rec: CheckpointRecord) -> bool:
         """PeerService.PublishCheckpoint (the caller authorized): adopt, then replicate

@@ -499,4 +499,4 @@ class Healer:
                 logger.info(
                     "%s/%s: every file has %d extra copies again", namespace, checkpoint_id, k
                 )
-        metrics.UNDER_REPLICATED.set(self.catalog.unhealthy_count())
+        metrics.UNDER_REPLICATED.set(self.catalog.peer_marks.unhealthy_count())

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from tierckptd.config import PeerConfig
+from tierckptd.ops.events import Listeners
 from tierckptd.peers.placement import Member, replica_count
 from tierckptd.peers.security import PeerChannels, node_client_interceptor
 
@@ -91,7 +92,10 @@ class Membership:
         self._k = 0
         # Called with the claimed id when a node that is not a member says Hello (it is
         # joining): discovery runs a round now rather than at the next refresh.
-        self.on_stranger: Callable[[str], None] | None = None
+        self.strangers: Listeners[[str]] = Listeners()
+        # Told the number of peers after every `configure` (the commit coordinator asks
+        # the peer tier only while there are some).
+        self.resized: Listeners[[int]] = Listeners()
         self.configure(peers, copies)
 
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> int:
@@ -124,6 +128,7 @@ class Membership:
             more,
             k,
         )
+        self.resized(len(new))
         return k
 
     @property
@@ -201,10 +206,10 @@ class Membership:
         return self._open(address, token=False, server_name=server_name)
 
     def stranger(self, node: str) -> None:
-        """A node that is not a member said Hello: `on_stranger`, if set, within the
-        rate limits (STRANGER_GAP, STRANGER_BACKOFF per claimed id)."""
-        hook = self.on_stranger
-        if hook is None:
+        """A node that is not a member said Hello: tell `strangers`, if any listens,
+        within the rate limits (STRANGER_GAP, STRANGER_BACKOFF per claimed id)."""
+        hook = self.strangers
+        if not hook:
             return
         now = time.monotonic()
         with self._lock:

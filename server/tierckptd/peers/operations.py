@@ -144,6 +144,8 @@ class ClusterOps:
         manifest_from: ManifestFrom,
         journal: MarkJournal | None = None,
         wall_clock: Callable[[], float] = time.time,
+        unstore: Unstorer | None = None,
+        check_mark: Callable[[Mark], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.client = client
@@ -152,17 +154,17 @@ class ClusterOps:
         self.manifest_from = manifest_from
         self.journal = journal if journal is not None else MarkJournal(catalog.tier.root)
         self._wall = wall_clock
-        self.unstore: Unstorer | None = None  # main.py, when a persistent tier exists
+        self.unstore = unstore  # main.py, when a persistent tier exists
         # uid isolation (`LocalAccess.check_mark`, wired by main.py): a peer's mark made
         # for a uid applies only to that uid's checkpoints (PermissionDenied).
-        self.check_mark: Callable[[Mark], None] | None = None
+        self.check_mark = check_mark
         self.jobs: JobQueue[Job] = JobQueue(self._run, name="tierckptd-marks")
         self._tries: dict[Job, int] = {}
         self._recent: dict[Key, str] = {}  # persistent URL of checkpoints rm deleted here
         self._recent_lock = threading.Lock()  # taken under the catalog lock (`_raced`)
-        catalog.pin_marks = self.journal.pins
-        catalog.on_gone_durable = self._raced
-        client.on_marks = self.learn
+        catalog.events.pin_marks.answer_with(self.journal.pins)
+        catalog.events.gone_durable.add(self._raced)
+        client.marks_learnt.add(self.learn)
 
     # ---- life cycle -------------------------------------------------------------------
     def replay(self) -> None:
@@ -476,7 +478,7 @@ class ClusterOps:
     def _apply(self, mark: Mark) -> None:
         try:
             if mark.kind is MarkKind.DELETED:
-                durable = self.catalog.is_durable(*mark.key)
+                durable = self.catalog.durability.is_durable(*mark.key)
                 # A stamp ahead of this clock tombstones only up to when this node first
                 # learnt it (`Mark.applied`, kept in the journal): a later save of the id
                 # is never refused or removed for the origin's skew.

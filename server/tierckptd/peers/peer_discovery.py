@@ -511,6 +511,6 @@ def discoverer_for(
         apply=lambda peers: cluster.configure(peers, copies()),
         on_admitted=lambda: admitted(cluster),
     )
-    cluster.membership.on_stranger = lambda node: discoverer.wake()
+    cluster.membership.strangers.add(lambda node: discoverer.wake())
     discoverer.refresh()
     return discoverer

@@ -17,7 +17,7 @@ from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 from tierckptd.model import FileRecord
 from tierckptd.peers.client import PeerCallError, PeerClient
 
-__all__ = ["OnLanded", "PeerSource", "peer_sources"]
+__all__ = ["OnLanded", "PeerSource", "PeerSources", "peer_sources"]
 
 OnLanded = Callable[[str, str, str], None]
 """Called with (namespace, checkpoint id, file name) once a peer's copy is installed here."""
@@ -85,3 +85,15 @@ def peer_sources(
     backing_off = client.breaker.backing_off()
     nodes.sort(key=lambda n: n in backing_off)  # stable: the order above otherwise
     return [PeerSource(client, node, on_landed) for node in nodes]
+
+
+class PeerSources:
+    """The peer tier's part of the restore chain (`restore.PeerCopies`): the peers to ask
+    for a file, in `peer_sources` order; `on_landed` as `PeerSource`'s."""
+
+    def __init__(self, client: PeerClient, on_landed: OnLanded | None = None) -> None:
+        self.client = client
+        self._on_landed = on_landed
+
+    def __call__(self, f: FileRecord) -> list[PeerSource]:
+        return peer_sources(self.client, f, self._on_landed)

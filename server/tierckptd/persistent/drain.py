@@ -159,6 +159,7 @@ class Drainer:
         owner_grace: seconds an unreachable owner (or coordinator) is waited for before
             a replica holder drains its files (or commits) instead.
         poll, max_backoff, max_failures, max_wait, failed_retry: see `DrainBackoff`.
+        on_evicted: persistent retention deleted a checkpoint (`PersistentRetention`).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class Drainer:
         max_failures: int = 8,
         max_wait: float = 3600.0,
         failed_retry: float = 300.0,
+        on_evicted: Callable[[str, str], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.stores = stores if isinstance(stores, Roots) else Roots(stores)
@@ -183,7 +185,7 @@ class Drainer:
         self.node_id = catalog.node_id
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.retention = PersistentRetention(catalog, keep_last, keep_every)
+        self.retention = PersistentRetention(catalog, keep_last, keep_every, on_evicted)
         self.peers = peers
         self.liveness = Liveness(owner_grace)
         self.poll = poll
@@ -198,7 +200,7 @@ class Drainer:
         self._queue: JobQueue[Drain] = JobQueue(self._job, name="tierckptd-drain")
         self._drain_lock = threading.Lock()
         self.refusals = RefusedMetadata(catalog.tier.root / REFUSALS_FILE, self._has)
-        metrics.DRAIN_FAILED.set_function(lambda: len(catalog.drain_failed()))
+        metrics.DRAIN_FAILED.set_function(lambda: len(catalog.durability.drain_failed()))
         metrics.DRAIN_BACKLOG_CHECKPOINTS.set_function(lambda: len(catalog.due_not_durable()))
         metrics.DRAIN_BACKLOG_BYTES.set_function(self.backlog_bytes)
 
@@ -277,7 +279,7 @@ class Drainer:
         """Operator override (SIGHUP): retry every drain-failed checkpoint now, with
         fresh counters, decoding a refused `.metadata` again. Returns how many were
         queued."""
-        keys = sorted(self.catalog.drain_failed())
+        keys = sorted(self.catalog.durability.drain_failed())
         self.refusals.forget(keys)
         for key in keys:
             self.backoff.reset(key)
@@ -305,7 +307,7 @@ class Drainer:
         self, namespace: str, checkpoint_id: str, *, everything: bool = False
     ) -> Outcome:
         key = (namespace, checkpoint_id)
-        if self.catalog.drain_failed().get(key):
+        if self.catalog.durability.drain_failed().get(key):
             raise UnsafeMetadata(
                 f"persistent tier drain of {namespace}/{checkpoint_id}: its .metadata was "
                 "refused; Drainer.retry_failed() (SIGHUP) decodes it again"
@@ -364,7 +366,7 @@ class Drainer:
         return Presence(self.node_id, peers, self.liveness.observe(peers))
 
     def _drain(self, namespace: str, checkpoint_id: str, everything: bool) -> Outcome:
-        if self.catalog.is_durable(namespace, checkpoint_id):
+        if self.catalog.durability.is_durable(namespace, checkpoint_id):
             return Outcome.DURABLE
         try:
             view = self.catalog.get(namespace, checkpoint_id)

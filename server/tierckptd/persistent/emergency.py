@@ -65,8 +65,10 @@ def newest_held(drainer: Drainer) -> list[Key]:
         coordinates = meta is not None and meta.owner_node == me
         if coordinates or any(f.held for f in view.files):
             newest[view.namespace] = (view.namespace, view.checkpoint_id)
-    refused = catalog.drain_failed()
-    return [k for k in newest.values() if not catalog.is_durable(*k) and not refused.get(k)]
+    refused = catalog.durability.drain_failed()
+    return [
+        k for k in newest.values() if not catalog.durability.is_durable(*k) and not refused.get(k)
+    ]
 
 
 def _drain_one(drainer: Drainer, key: Key, end: float) -> bool:

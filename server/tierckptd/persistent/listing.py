@@ -294,7 +294,7 @@ def _adopt_ids(
             )
             break
         key = (namespace, checkpoint_id)
-        if key in known and catalog.is_durable(*key):
+        if key in known and catalog.durability.is_durable(*key):
             continue  # nothing to learn
         try:
             # A listing is a hint (an index entry may outlive a .metadata deleted by

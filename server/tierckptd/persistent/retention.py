@@ -73,13 +73,20 @@ def persistent_evictions(
 class PersistentRetention:
     """``persistent_keep_last``/``persistent_keep_every`` for one daemon (module doc)."""
 
-    def __init__(self, catalog: Catalog, keep_last: int, keep_every: int) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        keep_last: int,
+        keep_every: int,
+        on_evicted: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`on_evicted` tells every other node (main.py wires the cluster's DELETED
+        mark): they drop their copies and their listing of it at once, not at their next
+        relist of S3."""
         self.catalog = catalog
         self.keep_last = keep_last
         self.keep_every = keep_every
-        # Tells every other node (main.py wires the cluster's DELETED mark): they drop
-        # their copies and their listing of it at once, not at their next relist of S3.
-        self.on_evicted: Callable[[str, str], None] | None = None
+        self.on_evicted = on_evicted
 
     def apply(self, tier: PersistentTier, namespace: str) -> None:
         """On the committer, after a commit: delete what the policy evicts (`.metadata`

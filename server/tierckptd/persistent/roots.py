@@ -26,6 +26,7 @@ from tierckpt.names import check_persistent_url
 
 from tierckptd.config import PersistentConfig
 from tierckptd.config_secrets import redact
+from tierckptd.persistent.source import PersistentSource
 from tierckptd.persistent.store import PersistentTier
 
 __all__ = ["MAX_ROOTS", "Roots"]
@@ -95,6 +96,12 @@ class Roots:
                 "or the job uses one of them"
             )
         return normalized
+
+    def source(self, url: str) -> PersistentSource | None:
+        """The persistent tier a checkpoint recorded with `url` drains to, as a source of
+        the restore chain (`restore.PersistentCopies`); None when this node has none."""
+        tier = self.tier(url)
+        return PersistentSource(tier) if tier is not None else None
 
     def tier(self, url: str) -> PersistentTier | None:
         """The tier a checkpoint recorded with `url` drains to; None when this node has

@@ -28,9 +28,9 @@ from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
 from tierckptd.catalog.views import freshness
+from tierckptd.commit import CommitCoordinator
+from tierckptd.model import CheckpointView, FileRecord
 from tierckptd.ops import metrics
-from tierckptd.peers.cluster import Cluster, LocalRestore
-from tierckptd.restore import Restorer, no_sources
 from tierckptd.rpc.errors import MAX_DETAILS, StatusTranslator, bounded, rpc_method
 from tierckptd.rpc.local_access import LocalAccess
 from tierckptd.wire import file_entry, node_status, to_info
@@ -49,6 +49,46 @@ class Discovery(Protocol):
     def refresh(self, namespace: str = "", max_age: float | None = None) -> int: ...
 
 
+class Delivery(Protocol):
+    """What the peers did with a cluster mark (`peers.operations.Delivery`)."""
+
+    @property
+    def applied(self) -> tuple[str, ...]: ...
+
+    @property
+    def pending(self) -> tuple[str, ...]: ...
+
+    @property
+    def refused(self) -> tuple[str, ...]: ...
+
+
+class ClusterMarks(Protocol):
+    """`tierckpt rm` and `pin` on every node (`peers.cluster.Cluster`): cluster marks
+    carry them, so they go through the peer tier even on a node without peers."""
+
+    def remove(
+        self, namespace: str, checkpoint_id: str, uid: int | None = None
+    ) -> tuple[int, Delivery]: ...
+
+    def pin(
+        self, namespace: str, checkpoint_id: str, pinned: bool, uid: int | None = None
+    ) -> tuple[CheckpointView, Delivery]: ...
+
+
+class LocalCopy(Protocol):
+    """EnsureLocal's one restore chain (`restore.Restorer`)."""
+
+    def ensure_local(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        repair: bool = False,
+        *,
+        timed: bool = False,
+    ) -> tuple[FileRecord, str]: ...
+
+
 PersistentUrls = Callable[[str], str]
 """`tierckptd.persistent.roots.Roots.check`: a namespace URL as the daemon records it
 ("" for `[persistent] url`); PermissionDenied when `[persistent] allowed_urls` excludes it."""
@@ -64,21 +104,20 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     def __init__(
         self,
         catalog: Catalog,
-        cluster: Cluster | None = None,
+        *,
+        commits: CommitCoordinator,
+        marks: ClusterMarks,
+        restorer: LocalCopy,
         access: LocalAccess | None = None,
-        restorer: LocalRestore | None = None,
         discovery: Discovery | None = None,
         persistent_urls: PersistentUrls | None = None,
     ) -> None:
         self.catalog = catalog
+        self.commits = commits  # CommitCheckpoint: holders, catalog, listeners
+        self.marks = marks  # DeleteCheckpoint, PinCheckpoint: cluster marks
+        self.restorer = restorer  # EnsureLocal: memory, peers, persistent tier
         self.persistent_urls = persistent_urls  # SetNamespace's policy; None: no tier
         self.discovery = discovery  # the persistent tier as a live source (C)
-        # EnsureLocal's one restore chain: the cluster's (memory, peers, persistent tier as
-        # main.py wires it); without one, only local copies are served.
-        if restorer is None:
-            restorer = cluster.restorer if cluster is not None else Restorer(catalog, no_sources)
-        self.restorer = restorer
-        self.cluster = cluster or Cluster(catalog, restorer)
         self.access = access  # [security] local_isolation = "uid"; None: every caller trusted
         self.errors = StatusTranslator(_internal_message)
 
@@ -135,7 +174,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
             )
         else:
             recorded = ""
-        self.catalog.set_persistent_url(namespace, recorded)
+        self.catalog.durability.set_persistent_url(namespace, recorded)
         return daemon_pb2.SetNamespaceResponse(persistent_url=recorded)
 
     @rpc_method
@@ -183,7 +222,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ref = request.ref
         self._allow(context, "CommitCheckpoint", ref.namespace)
         with metrics.COMMIT_DURATION.time():
-            view = self.cluster.commit(
+            view = self.commits.commit(
                 ref.namespace,
                 ref.checkpoint_id,
                 list(request.required_files),
@@ -239,7 +278,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ns, cid = check_namespace(request.namespace), check_checkpoint_id(request.checkpoint_id)
         unreachable = self._probe(ns, cid)
         try:
-            freed, peers = self.cluster.remove(ns, cid, tenant)
+            freed, peers = self.marks.remove(ns, cid, tenant)
         except CheckpointNotFound:
             if unreachable is not None:
                 raise unreachable from None  # it may be there: say why it was not asked
@@ -272,7 +311,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ns, cid = check_namespace(ref.namespace), check_checkpoint_id(ref.checkpoint_id)
         unreachable = self._probe(ns, cid)
         try:
-            view, peers = self.cluster.pin(ns, cid, request.pinned, tenant)
+            view, peers = self.marks.pin(ns, cid, request.pinned, tenant)
         except CheckpointNotFound:
             if unreachable is not None:
                 raise unreachable from None
@@ -316,21 +355,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         return node_status(dataclasses.replace(s, namespaces=namespaces, freshness=fresh))
 
 
-def add_daemon_service(
-    catalog: Catalog,
-    server: Any,
-    cluster: Cluster | None = None,
-    access: LocalAccess | None = None,
-    discovery: Discovery | None = None,
-    persistent_urls: PersistentUrls | None = None,
-) -> DaemonService:
-    """Register DaemonService for `catalog` on a grpc server (never the peer server).
+def add_daemon_service(servicer: DaemonService, server: Any) -> DaemonService:
+    """Register DaemonService on a grpc server (never the peer server).
 
     The handlers take raw bytes (no grpc deserializer) and decode them in `_decoding`.
     """
-    servicer = DaemonService(
-        catalog, cluster, access, discovery=discovery, persistent_urls=persistent_urls
-    )
     service = daemon_pb2.DESCRIPTOR.services_by_name["DaemonService"]
     handlers = {
         m.name: grpc.unary_unary_rpc_method_handler(

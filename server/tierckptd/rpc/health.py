@@ -9,6 +9,7 @@ the peer port for DaemonService gets NOT_FOUND: that port refuses it).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-__all__ = ["DAEMON_SERVICE", "PEER_SERVICE", "Health"]
+__all__ = ["DAEMON_SERVICE", "PEER_SERVICE", "PROBE_TIMEOUT", "Health", "probe"]
+
+PROBE_TIMEOUT = 3.0
 
 DAEMON_SERVICE = "tierckpt.v1.DaemonService"
 PEER_SERVICE = "tierckpt.v1.PeerService"
@@ -85,3 +88,22 @@ class Health:
         """Every service NOT_SERVING; later `set` calls are ignored by grpc_health."""
         for servicer in self._services:
             servicer.enter_graceful_shutdown()
+
+
+def probe(address: str, timeout: float = PROBE_TIMEOUT) -> int:
+    """`tierckptd --probe`: exit status of a health check against the daemon's local
+    `address` (0 when SERVING), for exec probes (Kubernetes' gRPC probes cannot speak
+    TLS)."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+    except grpc.RpcError as e:
+        print(f"tierckptd --probe: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        print(f"tierckptd --probe: {address} is {status}", file=sys.stderr)
+        return 1
+    return 0

@@ -167,6 +167,7 @@ class LocalAccess:
         max_namespaces_per_uid: int = MAX_NAMESPACES_PER_UID,
         tenant_urls: Iterable[str] = (),
         record_owner: Callable[[str, str], int | None] | None = None,
+        ask_peers: AskPeers | None = None,
     ) -> None:
         self.tier = tier
         self.has_records = has_records
@@ -178,7 +179,7 @@ class LocalAccess:
         self.tenant_urls = tuple(tenant_urls)
         # The uid a committed checkpoint's manifest names (None: none, or not known here).
         self.record_owner = record_owner or (lambda namespace, checkpoint_id: None)
-        self.ask_peers: AskPeers | None = None  # main.py, when the node has peers
+        self.ask_peers = ask_peers  # main.py, when the node has peers
         self.owners_dir = tier.root / "owners"
         # Lock order: _claim_lock, then the catalog's (has_records), then _acl_lock; the
         # catalog calls namespace_dir_created, which takes only _acl_lock, under its own.
@@ -217,7 +218,7 @@ class LocalAccess:
         for entry in os.scandir(tier.data_root):
             if entry.is_dir(follow_symlinks=False):
                 self.namespace_dir_created(entry.name)
-        tier.on_namespace_dir = self.namespace_dir_created
+        tier.namespace_dirs.add(self.namespace_dir_created)
 
     # ---- ownership ------------------------------------------------------------------
     def _read_owner(self, namespace: str) -> int | None:
@@ -514,6 +515,7 @@ def open_local_access(
     operators: Iterable[int] = (),
     tenant_urls: Iterable[str] = (),
     max_namespaces_per_uid: int = MAX_NAMESPACES_PER_UID,
+    ask_peers: AskPeers | None = None,
 ) -> LocalAccess | None:
     """The policy for `[security] local_isolation` (None when it is off, after giving an
     earlier isolated run's directories back to the group); call after adoption. Stamps
@@ -536,8 +538,9 @@ def open_local_access(
         tenant_urls=tenant_urls,
         max_namespaces_per_uid=max_namespaces_per_uid,
         record_owner=record_owner,
+        ask_peers=ask_peers,
     )
     access.prepare()
-    catalog.owner_of = access.claim_of
-    catalog.check_owner = access.check_record
+    catalog.events.owner_of.answer_with(access.claim_of)
+    catalog.events.check_owner.add(access.check_record)
     return access

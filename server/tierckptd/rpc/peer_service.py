@@ -55,8 +55,7 @@ from tierckpt.errors import (
 from tierckpt.names import check_file_name, check_namespace
 from tierckpt.v1 import common_pb2, peer_pb2
 
-from tierckptd.jobs import Heal
-from tierckptd.model import CheckpointView, FileRecord, State
+from tierckptd.model import FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
@@ -146,9 +145,12 @@ class PeerService:
         call_limit: float = TRANSFER_TIMEOUT,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_per_peer: int = MAX_PER_PEER,
+        mutual_tls: bool = False,
     ) -> None:
+        """`mutual_tls` (`[security] tls_ca`): a caller is the node its client cert
+        names, not the node it claims to be."""
         self.cluster = cluster
-        self.catalog = cluster.catalog
+        self.mutual_tls = mutual_tls
         self.stall_timeout = stall_timeout
         self.call_limit = call_limit
         self.admission = Admission(max_in_flight, max_per_peer)
@@ -161,7 +163,7 @@ class PeerService:
     # ---- who calls, and may it --------------------------------------------------------
     def caller(self, context: Any) -> str:
         """The configured peer making this call; PermissionDenied for anyone else."""
-        mutual_tls = self.cluster.mutual_tls
+        mutual_tls = self.mutual_tls
         names = list(dict.fromkeys(caller_names(context, mutual_tls=mutual_tls)))
         members = self.cluster.members
         matched = [n for n in names if n in members]
@@ -252,7 +254,7 @@ class PeerService:
             self._note(logging.INFO, "peer %s: %s", method, message)
 
     def _file(self, namespace: str, checkpoint_id: str, name: str) -> FileRecord:
-        return self.catalog.file_view(namespace, checkpoint_id, name)[0]
+        return self.cluster.file_record(namespace, checkpoint_id, name)
 
     # ---- methods ----------------------------------------------------------------------
     def Holdings(
@@ -260,9 +262,7 @@ class PeerService:
     ) -> peer_pb2.HoldingsResponse:
         def holdings() -> peer_pb2.HoldingsResponse:
             namespace, checkpoint_id = check_ref(request)
-            state, files = self.cluster.holdings(namespace, checkpoint_id)
-            if state is State.COMMITTED and self.catalog.is_durable(namespace, checkpoint_id):
-                state = State.DURABLE  # a healer that has not learnt it must not call it lost
+            state, files = self.cluster.holdings(namespace, checkpoint_id)  # DURABLE too
             return peer_pb2.HoldingsResponse(
                 state=state_of(state), files=[file_entry(f) for f in files]
             )
@@ -284,8 +284,7 @@ class PeerService:
                     f".metadata); node {caller} cannot publish it here"
                 )
             if caller != coordinator:
-                state, _ = self.catalog.holdings(rec.namespace, rec.checkpoint_id)
-                if state is State.COMMITTED:
+                if self.cluster.state_of(rec.namespace, rec.checkpoint_id) is State.COMMITTED:
                     return peer_pb2.PublishCheckpointResponse()  # known: nothing to take
                 if coordinator not in self.cluster.peer_ids:
                     raise PermissionDenied(
@@ -328,7 +327,7 @@ class PeerService:
             namespace, checkpoint_id = check_ref(first.header.ref)
             entry = file_from_entry(first.header.file)
             what = f"{namespace}/{checkpoint_id}/{entry.name}"
-            if self.catalog.holdings(namespace, checkpoint_id)[0] is None:
+            if self.cluster.state_of(namespace, checkpoint_id) is None:
                 raise CheckpointIncomplete(
                     f"node {self.cluster.node_id} does not know {namespace}/{checkpoint_id}: "
                     "publish it first"
@@ -397,29 +396,19 @@ class PeerService:
                         "node may only add itself"
                     )
                 nodes = list(dict.fromkeys([*f.replica_nodes, *(n for n in nodes if n == caller)]))
-            self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
+            self.cluster.set_replicas(namespace, checkpoint_id, name, nodes)
             return peer_pb2.UpdateReplicasResponse()
 
         return self.errors.call(context, "UpdateReplicas", update)
-
-    def _heal_for(self, caller: str, views: list[CheckpointView]) -> None:
-        """`caller` has just started (restarted, or a replacement that came back empty):
-        heal at once every checkpoint it owned or held copies of, so a copy lost with its
-        memory is re-made, or the checkpoint listed LOST, within seconds (not at the next
-        heal round). Queued, deduplicated: a caller repeating this costs nothing more."""
-        for v in views:
-            if any(f.owner_node == caller or caller in f.replica_nodes for f in v.files):
-                self.cluster.jobs.put(Heal(v.namespace, v.checkpoint_id))
 
     def ListManifests(
         self, request: peer_pb2.ListManifestsRequest, context: Any
     ) -> peer_pb2.ListManifestsResponse:
         def manifests() -> peer_pb2.ListManifestsResponse:
             namespace = check_namespace(request.namespace) if request.namespace else ""
-            views = self.catalog.list_checkpoints(namespace)
-            if request.starting:
-                self._heal_for(self.caller(context), views)
-            owner = self.catalog.owner_of(namespace) if namespace else None  # uid isolation
+            started = self.caller(context) if request.starting else ""
+            views = self.cluster.manifests(namespace, started)
+            owner = self.cluster.namespace_owner(namespace) if namespace else None
             return peer_pb2.ListManifestsResponse(
                 checkpoints=[to_info(v, local_paths=False) for v in views],
                 marks=[mark_to_wire(m) for m in self.cluster.marks(namespace)],
@@ -427,7 +416,7 @@ class PeerService:
                 namespace_owner_node=owner[1] if owner is not None else "",
                 writers=[
                     peer_pb2.NamespaceWriters(namespace=ns, nodes=sorted(nodes), vouched=weak)
-                    for ns, (nodes, weak) in sorted(self.catalog.stated_writers(namespace).items())
+                    for ns, (nodes, weak) in sorted(self.cluster.stated_writers(namespace).items())
                 ],
             )
 

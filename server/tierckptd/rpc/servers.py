@@ -20,12 +20,9 @@ from typing import Any
 
 import grpc
 
-from tierckptd.catalog import Catalog
-from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.security import PeerServerSecurity
-from tierckptd.rpc.daemon_service import Discovery, PersistentUrls, add_daemon_service
+from tierckptd.rpc.daemon_service import DaemonService, add_daemon_service
 from tierckptd.rpc.health import Health
-from tierckptd.rpc.local_access import LocalAccess
 from tierckptd.rpc.local_login import LoginServer, login_path_for
 from tierckptd.rpc.peer_counter import PeerRpcCounter
 from tierckptd.rpc.peer_guard import HealthGuard
@@ -156,7 +153,7 @@ def _bind_peer(server: Any, address: str, security: PeerServerSecurity) -> int:
 
 
 def start_servers(
-    catalog: Catalog,
+    daemon: DaemonService,
     health: Health,
     local: str,
     peer: str,
@@ -164,15 +161,12 @@ def start_servers(
     workers: int = 32,
     register_peer: Callable[[Any], object] | None = None,
     peer_security: PeerServerSecurity | None = None,
-    cluster: Cluster | None = None,
-    access: LocalAccess | None = None,
-    discovery: Discovery | None = None,
-    persistent_urls: PersistentUrls | None = None,
 ) -> Servers:
-    """Bind and start the servers; DaemonService on `local`, health on both, and what
-    `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS, token).
-    With `access` (local_isolation), a login socket beside `local` issues the sessions
-    DaemonService checks."""
+    """Bind and start the servers; `daemon` (DaemonService) on `local`, health on both,
+    and what `register_peer` adds (PeerService) on `peer`, behind `peer_security` (TLS,
+    token). With the servicer's `access` (local_isolation), a login socket beside `local`
+    issues the sessions DaemonService checks."""
+    access = daemon.access
     grpc_local, socket_path = parse_local(local)
     if access is not None and socket_path is None:
         raise ValueError("local_isolation needs [listen] local to be a unix socket")
@@ -184,7 +178,7 @@ def start_servers(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierckptd-rpc"),
         options=OPTIONS,
     )
-    add_daemon_service(catalog, local_server, cluster, access, discovery, persistent_urls)
+    add_daemon_service(daemon, local_server)
     # Health's Check on threads of its own: however long DaemonService calls take (a
     # silent S3 under restores, audit 3 H7), the liveness probe is answered.
     health_pool = futures.ThreadPoolExecutor(
@@ -198,8 +192,6 @@ def start_servers(
     peer_server, peer_port = None, None
     if peer:
         security = peer_security or PeerServerSecurity()
-        if cluster is not None:
-            cluster.mutual_tls = security.mutual_tls
         # PeerService admits at most peer_service.MAX_IN_FLIGHT calls, so the rest of the
         # threads stay free for health (the liveness probe's) whatever peers do.
         peer_server = grpc.server(

@@ -37,6 +37,8 @@ from tierckptd.memory.tier import MemoryTier
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
 
+from tests.support.daemon_parts import daemon_service
+
 ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
 
@@ -124,7 +126,7 @@ def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Catalog]
     catalog = Catalog(tier, node_id="n0", failure_domain="r0", budget=64 * MiB, memory_keep_last=0)
     catalog.adopt()
     address = f"unix://{tmp_path}/d.sock"
-    servers = start_servers(catalog, Health(), address, "")
+    servers = start_servers(daemon_service(catalog), Health(), address, "")
     monkeypatch.setenv("TIERCKPT_DAEMON", address)
     try:
         yield catalog

@@ -143,6 +143,7 @@ PERSISTENT = "persistent never imports peers, rpc, wire, main"
 SHARED_RULE = "shared modules import no tier or edge"
 OPS = "ops imports no tier or edge"
 RESTORE = "restore.py imports no peers, persistent, rpc, main (sources are injected)"
+COMMIT = "commit.py imports no peers, persistent, rpc, main (the peer tier is injected)"
 MAIN = "only __main__ imports main (rpc may import anything else)"
 PROTO = "protobuf stops at rpc/, wire.py, peers/client.py, peers/chunk_wire.py"
 
@@ -168,6 +169,10 @@ RULES: dict[str, tuple[Scope, Refusal]] = {
     RESTORE: (
         _in("restore"),
         _daemon_area_outside((*_BOTTOM, *SHARED, "memory", "catalog", "restore")),
+    ),
+    COMMIT: (
+        _in("commit"),
+        _daemon_area_outside((*_BOTTOM, *SHARED, "memory", "catalog", "commit")),
     ),
     MAIN: (lambda m: m.area != "__main__", _imports_main),
     PROTO: (lambda m: not _protobuf_allowed(m), _imports_protobuf),
@@ -286,6 +291,8 @@ def _fake(name: str, source: str) -> Module:
         (OPS, "tierckptd.ops.metrics", "import tierckptd.memory.tier", True),
         (RESTORE, "tierckptd.restore", "from tierckptd.peers.source import PeerSource", True),
         (RESTORE, "tierckptd.restore", "from tierckptd.memory.incoming import install_copy", False),
+        (COMMIT, "tierckptd.commit", "from tierckptd.peers.commit import Committer", True),
+        (COMMIT, "tierckptd.commit", "from tierckptd.catalog import Catalog", False),
         (MAIN, "tierckptd.rpc.servers", "from tierckptd.main import Daemon", True),
         (
             MAIN,

@@ -6,10 +6,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.budget import held_charge
 from tierckptd.memory.tier import MemoryTier
+
+from tests.support.catalog_files import write_file
+
+__all__ = ["FakeClock", "MakeCatalog", "Save", "write_file"]
 
 
 class FakeClock:
@@ -74,26 +77,6 @@ def assert_budget_consistent(catalog: Catalog) -> None:
 @pytest.fixture
 def catalog(make_catalog: MakeCatalog) -> Catalog:
     return make_catalog()
-
-
-def write_file(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes, rank: int = 0) -> str:
-    """Open, write and commit one file the way a rank does; returns its path."""
-    path, _prealloc = catalog.open_file(ns, ckpt, name, rank)
-    with open(path, "r+b") as f:
-        f.write(data)
-        f.truncate(len(data))
-    cs = checksum_bytes(data, block_size=1024)
-    catalog.commit_file(
-        ns,
-        ckpt,
-        name,
-        rank,
-        len(data),
-        algorithm=cs.algorithm,
-        block_size=cs.block_size,
-        digests=cs.digests,
-    )
-    return path
 
 
 @pytest.fixture

@@ -18,33 +18,23 @@ from tierckptd.catalog import Catalog
 from tierckptd.catalog.budget import PAGE, pages
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
+from tests.support.catalog_files import write_file
+
 KiB = 1024
-
-
-def _write(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes, rank: int = 0) -> str:
-    path, _ = catalog.open_file(ns, ckpt, name, rank)
-    with open(path, "r+b") as f:
-        f.write(data)
-        f.truncate(len(data))
-    cs = checksum_bytes(data, block_size=1024)
-    catalog.commit_file(
-        ns, ckpt, name, rank, len(data), algorithm=cs.algorithm, block_size=1024, digests=cs.digests
-    )
-    return path
 
 
 def test_full_save_is_listed_only_after_commit(catalog: Catalog) -> None:
     catalog.begin("run", "step-1", 0)
     catalog.begin("run", "step-1", 1)  # idempotent for every rank
     catalog.reserve("run", "step-1", 0, 10 * KiB)
-    path = _write(catalog, "run", "step-1", "__0_0.distcp", b"a" * 3000)
+    path = write_file(catalog, "run", "step-1", "__0_0.distcp", b"a" * 3000)
     assert catalog.list_checkpoints("run") == []
     assert [v.state for v in catalog.list_checkpoints("run", include_uncommitted=True)] == [
         State.WRITING
     ]
     with pytest.raises(CheckpointNotFound):
         catalog.get("run", "step-1")
-    _write(catalog, "run", "step-1", ".metadata", b"m" * 10)
+    write_file(catalog, "run", "step-1", ".metadata", b"m" * 10)
     view = catalog.commit("run", "step-1", ["__0_0.distcp", ".metadata"])
     assert view.state is State.COMMITTED and view.sequence == 1
     assert view.size_bytes == 3010
@@ -120,7 +110,7 @@ def test_commit_file_checks_size_and_blocks(catalog: Catalog) -> None:
 def test_commit_refuses_missing_and_open_files(catalog: Catalog) -> None:
     catalog.begin("run", "s", 0)
     catalog.reserve("run", "s", 0, 10 * KiB)
-    _write(catalog, "run", "s", "__0_0.distcp", b"d")
+    write_file(catalog, "run", "s", "__0_0.distcp", b"d")
     catalog.open_file("run", "s", "__1_0.distcp", 1)
     with pytest.raises(CheckpointIncomplete, match=r"missing files: \.metadata.*open.*__1_0"):
         catalog.commit("run", "s", ["__0_0.distcp", ".metadata"])
@@ -132,19 +122,19 @@ def test_writing_beyond_the_reservation_is_refused(catalog: Catalog) -> None:
     catalog.begin("run", "s", 0)
     catalog.reserve("run", "s", 0, 100)
     with pytest.raises(MemoryBudgetExceeded, match=r"rank 0's reservation has only 100 B left"):
-        _write(catalog, "run", "s", "small", b"x" * 300)
+        write_file(catalog, "run", "s", "small", b"x" * 300)
     assert catalog.status().used_bytes == 0
     catalog.reserve("run", "s", 1, 1000 * KiB)
     with pytest.raises(MemoryBudgetExceeded, match="reservation"):
-        _write(catalog, "run", "s", "big", b"x" * (100 * KiB), rank=2)
-    _write(catalog, "run", "s", "fits", b"x" * 100)  # exactly the reservation
+        write_file(catalog, "run", "s", "big", b"x" * (100 * KiB), rank=2)
+    write_file(catalog, "run", "s", "fits", b"x" * 100)  # exactly the reservation
     assert catalog.status().reserved_bytes == 1000 * KiB  # rank 1's, untouched
 
 
 def test_abort_collects_and_releases(catalog: Catalog) -> None:
     catalog.begin("run", "s", 0)
     catalog.reserve("run", "s", 0, 10 * KiB)
-    path = _write(catalog, "run", "s", "f", b"x" * 4096)
+    path = write_file(catalog, "run", "s", "f", b"x" * 4096)
     catalog.abort("run", "s")
     assert not Path(path).exists()
     status = catalog.status()
@@ -212,7 +202,7 @@ def test_retention_keeps_newest_and_pinned(make_catalog, save) -> None:  # type:
 def test_commit_collects_older_unfinished_saves(catalog: Catalog, save, clock) -> None:  # type: ignore[no-untyped-def]
     catalog.begin("run", "step-1", 0)  # a save whose rank was killed
     catalog.reserve("run", "step-1", 0, KiB)
-    _write(catalog, "run", "step-1", "f", b"x")
+    write_file(catalog, "run", "step-1", "f", b"x")
     clock.now += 1
     save(catalog, "run", "step-2", {"a": b"y"})
     ids = [v.checkpoint_id for v in catalog.list_checkpoints("run", include_uncommitted=True)]
@@ -307,16 +297,17 @@ def test_sweeper_thread_runs(catalog: Catalog, clock) -> None:  # type: ignore[n
 def test_pin_survives_restart_and_unpin_lets_retention_evict(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
     catalog = make_catalog(memory_keep_last=1)
     save(catalog, "run", "step-1", {"a": b"1"})
-    assert catalog.set_pinned("run", "step-1", True).pinned
+    pinned = catalog.apply_pin("run", "step-1", True)
+    assert pinned is not None and pinned.pinned
     save(catalog, "run", "step-2", {"a": b"2"})
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-1", "step-2"]
     # The pin is in the manifest: a restarted daemon keeps honouring it.
     assert '"pinned": true' in catalog.tier.manifest_path("run", "step-1").read_text()
-    assert not catalog.set_pinned("run", "step-1", False).pinned
+    unpinned = catalog.apply_pin("run", "step-1", False)
+    assert unpinned is not None and not unpinned.pinned
     save(catalog, "run", "step-3", {"a": b"3"})
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-3"]
-    with pytest.raises(CheckpointNotFound):
-        catalog.set_pinned("run", "step-1", True)
+    assert catalog.apply_pin("run", "step-1", True) is None  # evicted: waits for a manifest
 
 
 def test_pool_segments_never_cross_namespaces(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
@@ -400,7 +391,7 @@ def test_only_the_saves_own_calls_keep_it_alive(catalog: Catalog, save, clock) -
         catalog.list_checkpoints("run", include_uncommitted=True)
         catalog.get("run", "step-1")
         catalog.verify("run", "step-1")
-        catalog.set_pinned("run", "step-1", True)
+        catalog.apply_pin("run", "step-1", True)
     assert catalog.sweep() == [("run", "idle")]
 
 

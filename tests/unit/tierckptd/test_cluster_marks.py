@@ -197,7 +197,9 @@ def test_a_pin_mark_applies_now_or_when_the_manifest_arrives(catalog: Catalog, s
     view = catalog.apply_pin("run", "s1", True)
     assert view is not None and view.pinned
     assert catalog.apply_pin("run", "later", True) is None  # not here yet
-    catalog.pin_marks = lambda ns: {"later": True, "s1": False} if ns == "run" else {}
+    catalog.events.pin_marks.answer_with(
+        lambda ns: {"later": True, "s1": False} if ns == "run" else {}
+    )
     assert catalog.publish(_published("later", time.time()))
     assert catalog.get("run", "later").pinned
     # Persistent retention keeps what a node pinned and what a mark pins; an unpin

@@ -16,6 +16,8 @@ from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.placement import Member, interested, neighbourhood, spare_width
 from tierckptd.restore import Restorer, no_sources
 
+from tests.support.daemon_parts import coordinator
+
 from .conftest import Save, write_file
 from .test_healer import FakePeers, _file
 
@@ -94,7 +96,8 @@ def _remote_commit(
     catalog.begin("run", "s1", 0)
     catalog.reserve("run", "s1", 0, 1)
     write_file(catalog, "run", "s1", ".metadata", b"m")
-    view = cluster.commit("run", "s1", [".metadata", "__1_0.distcp"], holders=holders)
+    commits = coordinator(catalog, cluster)
+    view = commits.commit("run", "s1", [".metadata", "__1_0.distcp"], holders=holders)
     assert {f.name: f.owner_node for f in view.files} == {
         ".metadata": "node-a",
         "__1_0.distcp": owner,

@@ -17,11 +17,13 @@ from tierckptd.rpc import daemon_service
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import AddressInUse, start_servers
 
+from tests.support.daemon_parts import daemon_service as served
+
 
 @pytest.fixture
 def stub(catalog: Catalog, tmp_path: Path) -> Iterator[daemon_pb2_grpc.DaemonServiceStub]:
     health = Health()
-    servers = start_servers(catalog, health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0")
+    servers = start_servers(served(catalog), health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0")
     health.serving()
     channel = grpc.insecure_channel(f"unix:{tmp_path}/d.sock")
     try:
@@ -132,14 +134,14 @@ def test_save_and_status_codes(stub: daemon_pb2_grpc.DaemonServiceStub) -> None:
 
 def test_second_server_on_live_socket_is_refused(catalog: Catalog, tmp_path: Path) -> None:
     health = Health()
-    servers = start_servers(catalog, health, f"unix:{tmp_path}/d.sock", "")
+    servers = start_servers(served(catalog), health, f"unix:{tmp_path}/d.sock", "")
     try:
         with pytest.raises(AddressInUse, match="another tierckptd is serving"):
-            start_servers(catalog, Health(), f"unix:{tmp_path}/d.sock", "")
+            start_servers(served(catalog), Health(), f"unix:{tmp_path}/d.sock", "")
     finally:
         servers.stop(0)
     (tmp_path / "d.sock").touch()  # a stale file nobody answers on is replaced
-    servers = start_servers(catalog, health, f"unix:{tmp_path}/d.sock", "")
+    servers = start_servers(served(catalog), health, f"unix:{tmp_path}/d.sock", "")
     servers.stop(0)
 
 

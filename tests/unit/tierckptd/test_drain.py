@@ -66,8 +66,7 @@ def store(tmp_path: Path) -> PersistentTier:
 
 @pytest.fixture
 def node(make_catalog: MakeCatalog) -> Catalog:
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=10)
-    catalog.drain_every = 1
+    catalog = make_catalog(budget=64 << 20, memory_keep_last=10, drain_every=1)
     return catalog
 
 
@@ -79,7 +78,7 @@ def test_drain_makes_a_checkpoint_durable_and_stock_dcp_loads_it(
     drainer = Drainer(node, store)
     assert drainer.resume() == 1 and drainer.pending() == [(NS, "step-000001")]
     assert drainer.drain(NS, "step-000001")
-    assert node.is_durable(NS, "step-000001") and store.is_durable(NS, "step-000001")
+    assert node.durability.is_durable(NS, "step-000001") and store.is_durable(NS, "step-000001")
     target = load_target(saved.state)
     dcp.load(target, checkpoint_id=store.checkpoint_url(NS, "step-000001"))
     assert_state_equal(actual=target, expected=saved.state)
@@ -97,11 +96,10 @@ def test_a_restart_probes_the_store_instead_of_uploading_again(
     metadata = tmp_path / "store" / NS / "step-000002" / ".metadata"
     before = metadata.stat().st_mtime_ns
     node.tier.close()  # the daemon restarts: a new catalog adopts the same memory dir
-    restarted = make_catalog(budget=64 << 20, memory_keep_last=10)
-    restarted.drain_every = 1
+    restarted = make_catalog(budget=64 << 20, memory_keep_last=10, drain_every=1)
     assert restarted.due_not_durable() == [(NS, "step-000002")]
     assert Drainer(restarted, store).drain(NS, "step-000002")
-    assert restarted.is_durable(NS, "step-000002")
+    assert restarted.durability.is_durable(NS, "step-000002")
     assert metadata.stat().st_mtime_ns == before
 
 
@@ -164,7 +162,9 @@ def test_the_worker_retries_until_durable(
     drainer.start()
     try:
         wait_until(
-            "the worker draining step-000007", lambda: node.is_durable(NS, "step-000007"), 30
+            "the worker draining step-000007",
+            lambda: node.durability.is_durable(NS, "step-000007"),
+            30,
         )
     finally:
         drainer.stop()
@@ -202,8 +202,7 @@ def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
     make_catalog: MakeCatalog, save: Save, tmp_path: Path, compression: str
 ) -> None:
     store = file_store(tmp_path / "store", compression)
-    node = make_catalog(budget=64 << 20, memory_keep_last=1)
-    node.drain_every = 1
+    node = make_catalog(budget=64 << 20, memory_keep_last=1, drain_every=1)
     marker = tmp_path / "MARKER"
     payload = pickle.dumps(_Shell(f"touch {shlex.quote(str(marker))}"))
     save(node, NS, "step-000001", {"__0_0.distcp": b"x" * 100, ".metadata": payload})
@@ -214,7 +213,7 @@ def test_a_hostile_metadata_is_refused_not_run_and_not_pinned(
     assert not marker.exists()
     assert _refused_count() == before + 1
     assert "drain-failed" in node.get(NS, "step-000001").tiers
-    assert node.drain_failed() == {(NS, "step-000001"): True}
+    assert node.durability.drain_failed() == {(NS, "step-000001"): True}
     assert not store.is_durable(NS, "step-000001") and store.list_durable(NS) == []
     # No longer due: not queued again at restart, and no longer pinned in memory.
     assert node.due_not_durable() == []  # not durable, so no longer due (is_due is gone)
@@ -290,14 +289,14 @@ def test_failures_back_off_then_drain_failed_then_recover(
         assert len(tier.probes) == 4
         gaps = [b - a for a, b in itertools.pairwise(tier.probes)]
         assert gaps == sorted(gaps) and gaps[-1] >= 0.04  # exponential, not a fixed pace
-        assert node.drain_failed() == {(NS, "step-000001"): False}
+        assert node.durability.drain_failed() == {(NS, "step-000001"): False}
         assert node.due_not_durable() == [(NS, "step-000001")]  # still pinned: may drain
         time.sleep(0.5)
         assert len(tier.probes) == 4  # drain-failed: rare retries only
         root.unlink()  # the outage ends: the next rare retry succeeds by itself
-        _wait_for(lambda: node.is_durable(NS, "step-000001"))
+        _wait_for(lambda: node.durability.is_durable(NS, "step-000001"))
         assert "drain-failed" not in node.get(NS, "step-000001").tiers
-        assert node.drain_failed() == {}
+        assert node.durability.drain_failed() == {}
     finally:
         drainer.stop()
 
@@ -367,7 +366,7 @@ def test_emergency_honours_the_deadline_with_s3_hanging(
         took = time.monotonic() - started
         drainer.stop()
         assert took < 3.0, took
-        assert not node.is_durable(NS, "step-000001")
+        assert not node.durability.is_durable(NS, "step-000001")
 
 
 # ---- adoption of an untrusted bucket (audit M8, L6) -------------------------------------------
@@ -403,8 +402,7 @@ def test_adoption_skips_bad_keys_and_bad_manifests(
         path.write_text(json.dumps(doc))
     node.tier.close()
     shutil.rmtree(tmp_path / "mem")  # a replacement node: its memory tier is gone
-    fresh = make_catalog(budget=64 << 20, memory_keep_last=10)
-    fresh.drain_every = 1
+    fresh = make_catalog(budget=64 << 20, memory_keep_last=10, drain_every=1)
     assert Drainer(fresh, store).adopt_durable() == 1
     assert [v.checkpoint_id for v in fresh.list_checkpoints(NS)] == ["step-000001"]
     assert store.list_namespaces() == [NS]

@@ -148,8 +148,7 @@ def store(tmp_path: Path) -> PersistentTier:
 
 def _buddy(make_catalog: MakeCatalog, saved: SavedCheckpoint, cid: str) -> Catalog:
     """node-b, holding a copy of every file of node-a's checkpoint `cid`."""
-    node = make_catalog(node_id="node-b", budget=64 << 20, memory_keep_last=4)
-    node.drain_every = 1
+    node = make_catalog(node_id="node-b", budget=64 << 20, memory_keep_last=4, drain_every=1)
     names = [*saved.data_names, META]
     data = {n: (saved.directory / n).read_bytes() for n in names}
     files = {
@@ -160,7 +159,7 @@ def _buddy(make_catalog: MakeCatalog, saved: SavedCheckpoint, cid: str) -> Catal
     record = CheckpointRecord(NS, cid, State.COMMITTED, now, "node-a", now, 1, files=files)
     assert node.publish(record)
     for n, d in data.items():
-        assert install_copy(node, NS, cid, n, [(0, d)], what=n) == len(d)
+        assert install_copy(node, NS, cid, node.file_view(NS, cid, n)[0], [(0, d)], what=n)
     return node
 
 
@@ -185,7 +184,7 @@ def test_a_buddy_waits_for_a_live_owner_then_drains_and_commits_once_it_is_gone(
     assert store.uploaded(NS, "step-1") == {}
     answers["node-a"] = None  # killed; a grace of 0: gone at once
     assert drainer.drain(NS, "step-1")
-    assert node.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
+    assert node.durability.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
     target = load_target(saved.state)
     dcp.load(target, checkpoint_id=store.checkpoint_url(NS, "step-1"))
     assert_state_equal(actual=target, expected=saved.state)
@@ -250,7 +249,8 @@ def test_sigterm_skips_a_lost_newest_and_drains_the_one_before(
     )
     assert node.publish(record)
     name = saved.data_names[0]
-    install_copy(node, NS, "step-5", name, [(0, files[name])], what=name)
+    f = node.file_view(NS, "step-5", name)[0]
+    install_copy(node, NS, "step-5", f, [(0, files[name])], what=name)
     node.set_health(NS, "step-5", "lost", [META])  # the healer found no copy of .metadata
     assert node.get(NS, "step-5").state is State.LOST
     assert Drainer(node, store).emergency(deadline=30.0)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tierckpt.checksum import checksum_bytes
+from tierckpt.checksum import DEFAULT_BLOCK_SIZE
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import NoPersistentTier, error_from_status
 from tierckptd.catalog import Catalog
@@ -24,6 +24,8 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info, to_info
 
+from tests.support.catalog_files import write_file
+from tests.support.daemon_parts import daemon_service
 from tests.support.dcp_files import SavedCheckpoint, save_checkpoint
 
 from .conftest import MakeCatalog
@@ -33,20 +35,8 @@ FAST = RetryPolicy(max_attempts=2, deadline=None, base=0.01, cap=0.02)
 
 
 def _write(catalog: Catalog, checkpoint_id: str, name: str, data: bytes) -> None:
-    """Open, write and commit one file as rank 0 does (default block size: the wire's)."""
-    path, _prealloc = catalog.open_file(NS, checkpoint_id, name, 0)
-    Path(path).write_bytes(data)
-    cs = checksum_bytes(data)
-    catalog.commit_file(
-        NS,
-        checkpoint_id,
-        name,
-        0,
-        len(data),
-        algorithm=cs.algorithm,
-        block_size=cs.block_size,
-        digests=cs.digests,
-    )
+    """One file as rank 0 writes it (the client's default block size)."""
+    write_file(catalog, NS, checkpoint_id, name, data, block_size=DEFAULT_BLOCK_SIZE)
 
 
 def _save(
@@ -75,9 +65,7 @@ def saved(tmp_path: Path) -> SavedCheckpoint:
 
 def _node(make_catalog: MakeCatalog, every: int, keep_last: int = 1) -> Catalog:
     """A 64 MiB node draining every `every`-th checkpoint, keeping `keep_last` in memory."""
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=keep_last)
-    catalog.drain_every = every
-    return catalog
+    return make_catalog(budget=64 << 20, memory_keep_last=keep_last, drain_every=every)
 
 
 def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
@@ -85,7 +73,7 @@ def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
 ) -> None:
     node = _node(make_catalog, every=10)
     queued: list[tuple[str, str]] = []
-    node.on_committed = lambda ns, cid: queued.append((ns, cid))
+    node.events.committed.add(lambda ns, cid: queued.append((ns, cid)))
     _save(node, "step-1", saved, durable=True)
     _save(node, "step-2", saved)
     _save(node, "step-3", saved)
@@ -97,7 +85,7 @@ def test_a_durable_commit_drains_despite_every_and_stays_until_durable(
     kept = {v.checkpoint_id for v in node.list_checkpoints(NS) if "memory" in v.tiers}
     assert kept == {"step-1", "step-3"}
     assert Drainer(node, store).drain(NS, "step-1")
-    assert node.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
+    assert node.durability.is_durable(NS, "step-1") and store.is_durable(NS, "step-1")
     assert not store.is_durable(NS, "step-3")
     assert node.due_not_durable() == []
     _save(node, "step-4", saved)  # durable now: retention may let it go from memory
@@ -169,7 +157,9 @@ def test_the_rpc_refuses_durable_without_a_persistent_tier(
 ) -> None:
     node = _node(make_catalog, every=0)
     health = Health()
-    servers = start_servers(node, health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0")
+    servers = start_servers(
+        daemon_service(node), health, f"unix://{tmp_path}/d.sock", "127.0.0.1:0"
+    )
     health.serving()
     try:
         client = DaemonClient(f"unix://{tmp_path}/d.sock")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tierckptd.catalog import state
+from tierckptd.catalog import peer_marks
 
 from tests.support.dcp_files import save_checkpoint
 
@@ -18,10 +18,10 @@ from .test_durable_hint import NS, _save
 def test_deleted_keys_are_bounded_and_the_newest_are_kept(
     make_catalog: MakeCatalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(state, "MAX_GONE", 3)
+    monkeypatch.setattr(peer_marks, "MAX_GONE", 3)
     saved = save_checkpoint(tmp_path / "hot")
     catalog = make_catalog(budget=64 << 20, memory_keep_last=0)
     for i in range(6):
         _save(catalog, f"step-{i}", saved)
         catalog.delete(NS, f"step-{i}")
-    assert list(catalog._gone) == [(NS, "step-3"), (NS, "step-4"), (NS, "step-5")]
+    assert catalog.peer_marks.tombstones() == [(NS, "step-3"), (NS, "step-4"), (NS, "step-5")]

@@ -21,6 +21,7 @@ from tierckptd.peers.healer import FilePush, HealPlan, plan_heal, responsible
 from tierckptd.peers.placement import Member, file_key, preference
 from tierckptd.restore import Restorer, no_sources
 
+from tests.support.daemon_parts import coordinator
 from tests.support.fake_peer_client import FakePeers
 
 from .conftest import Save, write_file
@@ -257,7 +258,7 @@ def test_a_commit_publishes_and_heal_pushes_each_file_to_k_buddies(
     fake = FakePeers("node-a", PEERS)
     fake.membership.configure([PeerConfig(n, "x:1", d) for n, d in PEERS.items()], 2)
     cluster = _cluster(catalog, fake)
-    assert catalog.replica_target == 2
+    assert catalog.peer_marks.replica_target == 2
     save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 3000})
     cluster.heal("run", "s1")
     assert sorted(fake.pushed) == sorted(
@@ -360,7 +361,7 @@ def test_commit_collects_peer_files_and_queues_a_heal(catalog: Catalog, save: Sa
     catalog.begin("run", "s1", 0)
     catalog.reserve("run", "s1", 0, 1)
     write_file(catalog, "run", "s1", ".metadata", b"m")
-    view = cluster.commit("run", "s1", [".metadata", "__1_0.distcp"])
+    view = coordinator(catalog, cluster).commit("run", "s1", [".metadata", "__1_0.distcp"])
     assert view.state is State.COMMITTED
     owners = {f.name: f.owner_node for f in view.files}
     assert owners == {".metadata": "node-a", "__1_0.distcp": "b"}

@@ -19,8 +19,7 @@ from .test_healer import PEERS, FakePeers, _cluster
 def test_a_persistent_only_checkpoint_is_neither_lost_nor_pushed(
     make_catalog: MakeCatalog, save: Save
 ) -> None:
-    catalog: Catalog = make_catalog(memory_keep_last=1)
-    catalog.drain_every = 1
+    catalog: Catalog = make_catalog(memory_keep_last=1, drain_every=1)
     fake = FakePeers("node-a", PEERS)
     cluster = _cluster(catalog, fake)
     save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 300})
@@ -43,8 +42,7 @@ def test_a_peer_cannot_list_itself_as_holder_of_a_persistent_only_checkpoint(
     """A peer that has not evicted it yet says "I hold a copy" (UpdateReplicas): taken,
     the record was a memory one again, accepted that peer's pushes and was never evicted
     nor forgotten when the persistent tier's retention deleted it (found by the soak)."""
-    catalog: Catalog = make_catalog(memory_keep_last=1)
-    catalog.drain_every = 1
+    catalog: Catalog = make_catalog(memory_keep_last=1, drain_every=1)
     save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 300})
     save(catalog, "run", "s2", {".metadata": b"n" * 10, "__0_0.distcp": b"y" * 300})
     assert catalog.mark_durable("run", "s1")
@@ -61,8 +59,7 @@ def test_a_manifest_published_again_does_not_bring_a_persistent_only_one_back(
     """The same through a publish of the known manifest (gossip merges the coordinator's
     replica lists every heal round): found by the soak smoke, nodes kept a durable
     checkpoint in memory past `memory_keep_last`."""
-    catalog: Catalog = make_catalog(memory_keep_last=1)
-    catalog.drain_every = 1
+    catalog: Catalog = make_catalog(memory_keep_last=1, drain_every=1)
     save(catalog, "run", "s1", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 300})
     view = catalog.get("run", "s1")
     save(catalog, "run", "s2", {".metadata": b"n" * 10, "__0_0.distcp": b"y" * 300})

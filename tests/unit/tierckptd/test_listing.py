@@ -44,9 +44,10 @@ def other(tmp_path: Path) -> Iterator[Catalog]:
     """Another cluster's node: its own memory tier, the same persistent tier."""
     tier = MemoryTier(tmp_path / "other-mem")
     tier.open_layout()
-    catalog = Catalog(tier, node_id="node-z", failure_domain="rack-9", budget=64 << 20)
+    catalog = Catalog(
+        tier, node_id="node-z", failure_domain="rack-9", budget=64 << 20, drain_every=1
+    )
     catalog.adopt()
-    catalog.drain_every = 1
     yield catalog
     tier.close()
 
@@ -181,7 +182,7 @@ def test_an_index_entry_without_its_metadata_is_not_trusted(
     # The cluster that drained it: listed, known, but not durable any more.
     other_view = Discovery(store, other, relist_interval=0.0)
     other.forget_persistent(NS, "step-000001")
-    assert other_view.refresh(NS) == 0 and not other.is_durable(NS, "step-000001")
+    assert other_view.refresh(NS) == 0 and not other.durability.is_durable(NS, "step-000001")
 
 
 def test_a_start_writes_the_index_entries_a_cut_off_drain_left_out(

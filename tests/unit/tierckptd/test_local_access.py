@@ -24,6 +24,7 @@ from tierckptd.rpc.local_access import (
 from tierckptd.rpc.local_login import LoginServer, Sessions
 from tierckptd.rpc.servers import start_servers
 
+from tests.support.daemon_parts import daemon_service
 from tests.unit.tierckptd.conftest import FakeClock, MakeCatalog, Save
 
 A, B = 1001, 1002
@@ -229,7 +230,7 @@ def test_client_logs_in_and_again_after_the_daemon_forgot_it(
 ) -> None:
     access = _access(catalog)
     servers = start_servers(
-        catalog, Health(), f"unix://{tmp_path}/d.sock", "", access=access, workers=4
+        daemon_service(catalog, access=access), Health(), f"unix://{tmp_path}/d.sock", "", workers=4
     )
     try:
         assert stat.S_IMODE(os.stat(tmp_path / "d.sock.login").st_mode) == 0o660

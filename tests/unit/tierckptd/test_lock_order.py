@@ -27,7 +27,7 @@ from tierckptd.jobs import Drain, JobQueue
 from tierckptd.model import FileRecord
 from tierckptd.restore import Restorer
 
-from .conftest import Save
+from .conftest import MakeCatalog, Save
 
 DATA = bytes(range(256)) * 12  # three 1 KiB checksum blocks
 
@@ -116,12 +116,15 @@ def _rank_catalog(catalog: Catalog, w: Witness) -> None:
     attrs: Any = catalog
     attrs._lock = lock
     attrs.pool._lock = lock
+    attrs.durability._lock = lock
+    attrs.peer_marks._lock = lock
     attrs.pool._prewarmed = threading.Condition(lock)
 
 
 def test_restores_commits_and_jobs_keep_the_documented_order(
-    catalog: Catalog, save: Save, monkeypatch: pytest.MonkeyPatch
+    make_catalog: MakeCatalog, save: Save, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    catalog = make_catalog(drain_every=1)
     w = Witness()
     _rank_catalog(catalog, w)
     handled: list[Drain] = []
@@ -133,8 +136,7 @@ def test_restores_commits_and_jobs_keep_the_documented_order(
     jobs: JobQueue[Drain] = JobQueue(handle, workers=2)
     attrs: Any = jobs
     attrs._cv = threading.Condition(RankedLock(w, JOBS, "jobs"))
-    catalog.drain_every = 1
-    catalog.on_committed = lambda ns, cid: jobs.put(Drain(ns, cid))  # under the catalog lock
+    catalog.events.committed.add(lambda ns, cid: jobs.put(Drain(ns, cid)))  # under the catalog lock
 
     restorer = Restorer(catalog, lambda ns, cid, f: [AskingSource(catalog)])
     ranked = types.SimpleNamespace(Lock=lambda: RankedLock(w, FILE, "file"))
@@ -183,7 +185,7 @@ def test_the_next_save_prewarm_keeps_the_documented_order(catalog: Catalog, save
     jobs: JobQueue[str] = JobQueue(warmer.run_pass)
     attrs: Any = jobs
     attrs._cv = threading.Condition(RankedLock(w, JOBS, "jobs"))
-    catalog.prewarm_next = jobs.put
+    catalog.events.prewarm_next.add(jobs.put)
     jobs.start()
     try:
         for i in range(1, 6):

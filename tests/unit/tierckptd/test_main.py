@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tierckptd.main import _QuietBelowInfo, main, set_log_level
+from tierckptd.main import main
+from tierckptd.ops.logs import _QuietBelowInfo, set_log_level
 from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.persistent.errors import QUIET_LOGGERS
 from tierckptd.rpc import servers
@@ -150,17 +151,17 @@ def restore_logging() -> Any:
 @pytest.mark.usefixtures("restore_logging")
 def test_debug_level_keeps_s3_client_loggers_at_info() -> None:
     # botocore's DEBUG output carries X-Amz-Security-Token and the access key id (audit M4).
-    set_log_level("DEBUG")
+    set_log_level("DEBUG", QUIET_LOGGERS)
     assert logging.getLogger().getEffectiveLevel() == logging.DEBUG
     for name in (*QUIET_LOGGERS, "botocore.endpoint", "botocore.auth", "s3fs.core"):
         assert logging.getLogger(name).getEffectiveLevel() == logging.INFO, name
         assert not logging.getLogger(name).isEnabledFor(logging.DEBUG), name
-    set_log_level("WARNING")
+    set_log_level("WARNING", QUIET_LOGGERS)
     assert logging.getLogger("botocore").getEffectiveLevel() == logging.WARNING
 
 
 def test_handler_filter_drops_debug_of_s3_clients_even_if_they_lower_their_level() -> None:
-    quiet = _QuietBelowInfo()
+    quiet = _QuietBelowInfo(QUIET_LOGGERS)
 
     def record(name: str, level: int) -> logging.LogRecord:
         return logging.LogRecord(name, level, __file__, 1, "headers %s", ("x",), None)

@@ -185,7 +185,7 @@ def test_pin_and_commit_are_persisted_before_they_change_memory(
     with monkeypatch.context() as m:
         _enospc(m)
         with pytest.raises(MemoryBudgetExceeded):
-            catalog.set_pinned("run", "step-1", True)
+            catalog.apply_pin("run", "step-1", True)
         with pytest.raises(MemoryBudgetExceeded):
             catalog.commit("run", "step-2", ["a"])
     # Audit M3: the refused pin is not in memory either, so a retry really writes it.
@@ -199,7 +199,8 @@ def test_pin_and_commit_are_persisted_before_they_change_memory(
     assert sorted(p.name for p in catalog.tier.manifest_path("run", "x").parent.iterdir()) == [
         "step-1.json"
     ]
-    assert catalog.set_pinned("run", "step-1", True).pinned
+    pinned = catalog.apply_pin("run", "step-1", True)
+    assert pinned is not None and pinned.pinned
     assert catalog.commit("run", "step-2", ["a"]).sequence == 2
     catalog.tier.close()
     again: Catalog = make_catalog()
@@ -214,8 +215,7 @@ def test_keep_persistent_only_writes_the_manifest_before_releasing(
 ) -> None:  # type: ignore[no-untyped-def]
     # Audit L3: a failure (or crash) between the two must not lose the files of a
     # manifest that still lists them as held.
-    catalog: Catalog = make_catalog(memory_keep_last=1)
-    catalog.drain_every = 1
+    catalog: Catalog = make_catalog(memory_keep_last=1, drain_every=1)
     save(catalog, "run", "step-1", {"a": b"a" * 100})
     save(catalog, "run", "step-2", {"a": b"b" * 100})
     with monkeypatch.context() as m:

@@ -112,9 +112,9 @@ def test_each_checkpoint_drains_to_the_url_it_was_committed_with(
     catalog = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(catalog, stores, poll=0.01)
     _save(catalog, "step-1", saved)  # no namespace URL: the default
-    catalog.set_persistent_url(NS, stores.check(jobs + "/team-a"))
+    catalog.durability.set_persistent_url(NS, stores.check(jobs + "/team-a"))
     _save(catalog, "step-2", saved)
-    catalog.set_persistent_url(NS, stores.check(jobs + "/team-b"))  # a later change...
+    catalog.durability.set_persistent_url(NS, stores.check(jobs + "/team-b"))  # a later change...
     assert drainer.drain(NS, "step-1") and drainer.drain(NS, "step-2")
     assert (tmp_path / "default" / NS / "step-1" / ".metadata").is_file()
     # ...does not move step-2: it drains where it was committed to go.
@@ -139,11 +139,11 @@ def test_a_url_this_node_does_not_allow_is_refused_not_drained(
     it (drain-failed, no longer due, nothing written), it never writes there."""
     catalog = _node(make_catalog, every=1, keep_last=4)
     drainer = Drainer(catalog, _stores(tmp_path, f"file://{tmp_path}/jobs"), poll=0.01)
-    catalog.set_persistent_url(NS, f"file://{tmp_path}/elsewhere")  # as a peer's would
+    catalog.durability.set_persistent_url(NS, f"file://{tmp_path}/elsewhere")  # as a peer's would
     _save(catalog, "step-1", saved)
     with pytest.raises(UnsafeMetadata, match="does not have or allow"):
         drainer.drain(NS, "step-1")
-    assert catalog.drain_failed().get((NS, "step-1")) is True
+    assert catalog.durability.drain_failed().get((NS, "step-1")) is True
     assert catalog.due_not_durable() == []
     assert not (tmp_path / "elsewhere").exists()
 
@@ -151,11 +151,13 @@ def test_a_url_this_node_does_not_allow_is_refused_not_drained(
 def test_durable_hint_needs_a_tier_for_the_namespace(
     make_catalog: MakeCatalog, saved: SavedCheckpoint, tmp_path: Path
 ) -> None:
-    catalog = _node(make_catalog, every=1, keep_last=4)
-    catalog.default_persistent = False  # allowed_urls only, no [persistent] url
+    # allowed_urls only, no [persistent] url
+    catalog = make_catalog(
+        budget=64 << 20, memory_keep_last=4, drain_every=1, default_persistent=False
+    )
     with pytest.raises(NoPersistentTier, match="allowed_urls"):
         _save(catalog, "step-1", saved, durable=True)
     catalog.abort(NS, "step-1")
-    catalog.set_persistent_url(NS, f"file://{tmp_path}/jobs/a")
+    catalog.durability.set_persistent_url(NS, f"file://{tmp_path}/jobs/a")
     _save(catalog, "step-2", saved, durable=True)
     assert catalog.due_not_durable() == [(NS, "step-2")]

@@ -93,8 +93,7 @@ def _published(namespace: str, checkpoint_id: str = "s1") -> CheckpointRecord:
 def test_namespaces_per_node_are_bounded(make_catalog: MakeCatalog, save: Save) -> None:
     """`[memory] max_namespaces`: a save or a peer's manifest in one more namespace is
     RESOURCE_EXHAUSTED; namespaces already held keep working."""
-    catalog = make_catalog(budget=64 << 20, memory_keep_last=100)
-    catalog.max_namespaces = 3
+    catalog = make_catalog(budget=64 << 20, memory_keep_last=100, max_namespaces=3)
     for i in range(3):
         save(catalog, f"ns-{i}", "s1", {"a": b"1"})
     with pytest.raises(MemoryBudgetExceeded, match=r"max_namespaces = 3") as e:

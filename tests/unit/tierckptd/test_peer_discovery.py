@@ -35,6 +35,8 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.peer_service import add_peer_service
 from tierckptd.rpc.servers import start_servers
 
+from tests.support.daemon_parts import daemon_service
+
 from .conftest import MakeCatalog
 
 # --- hostfile -----------------------------------------------------------------------------
@@ -447,14 +449,13 @@ def test_hello_answers_strangers_and_only_hello(make_catalog: MakeCatalog, tmp_p
         catalog, Restorer(catalog, no_sources), peers=[PeerConfig("node-m", "127.0.0.1:1", "r")]
     )
     strangers: list[str] = []
-    cluster.membership.on_stranger = strangers.append
+    cluster.membership.strangers.add(strangers.append)
     servers = start_servers(
-        catalog,
+        daemon_service(catalog, cluster=cluster),
         Health(),
         f"unix://{tmp_path}/d.sock",
         "127.0.0.1:0",
         register_peer=lambda server: add_peer_service(cluster, server),
-        cluster=cluster,
     )
     address = f"127.0.0.1:{servers.peer_port}"
     try:

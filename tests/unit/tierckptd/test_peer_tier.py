@@ -43,6 +43,7 @@ from tierckptd.rpc.peer_service import PeerService, add_peer_service
 from tierckptd.rpc.servers import start_servers
 from tierckptd.wire import record_from_info
 
+from tests.support.daemon_parts import daemon_service
 from tests.support.raw_rpc import file_entry
 
 from .conftest import MakeCatalog, Save
@@ -77,7 +78,7 @@ def _receive(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes) -> No
 
 
 def test_commit_with_remote_files_then_replicated(catalog: Catalog, save: Save) -> None:
-    catalog.replica_target = 1
+    catalog.peer_marks.set_replica_target(1)
     catalog.begin("run", "s1", 0)
     remote = {"__1_0.distcp": _remote("__1_0.distcp", b"b" * 3000, "node-b")}
     catalog.reserve("run", "s1", 0, 10)
@@ -180,7 +181,7 @@ def test_an_evicted_checkpoint_made_durable_elsewhere_is_listed_again(
     assert not catalog.publish(dataclasses.replace(published))  # a peer: evicted again
     assert catalog.publish(dataclasses.replace(published), durable=True)
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s1", "s2"]
-    assert catalog.is_durable("run", "s1")
+    assert catalog.durability.is_durable("run", "s1")
     save(catalog, "run", "s3", {"__0_0.distcp": b"3" * 10})
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["s1", "s3"]
     # An rm is final: not even the persistent tier's copy lists it again here.
@@ -474,12 +475,11 @@ def peer_port(make_catalog: MakeCatalog, tmp_path: Path) -> Iterator[PeerPort]:
         services.append(add_peer_service(cluster, server, stall_timeout=1.0, max_per_peer=3))
 
     servers = start_servers(
-        catalog,
+        daemon_service(catalog, cluster=cluster),
         Health(),
         f"unix://{tmp_path}/d.sock",
         "127.0.0.1:0",
         register_peer=register,
-        cluster=cluster,
     )
     yield PeerPort(f"127.0.0.1:{servers.peer_port}", services[0], cluster, catalog)
     servers.stop(0)

@@ -33,8 +33,8 @@ def _warmer(catalog: Catalog, clock: FakeClock, max_bytes: int = 0) -> JobQueue[
     wires it on a worker thread."""
     warmer = NextSaveWarmer(catalog, max_bytes=max_bytes)
     queue: JobQueue[str] = JobQueue(warmer.run_pass, clock=clock)
-    catalog.prewarm_next = queue.put
-    catalog.prewarm_pending = lambda: warmer.pending_bytes
+    catalog.events.prewarm_next.add(queue.put)
+    catalog.events.prewarm_pending.answer_with(lambda: warmer.pending_bytes)
     return queue
 
 

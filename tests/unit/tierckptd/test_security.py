@@ -30,6 +30,7 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
 
 from tests.support.certs import Certs, Pair, make_certs
+from tests.support.daemon_parts import daemon_service
 
 TOKEN = "c2VjcmV0LXRva2VuLWZvci10ZXN0cw=="
 
@@ -93,7 +94,7 @@ def start_listener(catalog: Catalog, tmp_path: Path) -> Iterator[StartListener]:
         peer = RecordingPeer()
         health = Health()
         servers = start_servers(
-            catalog,
+            daemon_service(catalog),
             health,
             f"unix://{tmp_path}/d{len(running)}.sock",
             "127.0.0.1:0",

@@ -1,5 +1,6 @@
 """A save whose commit never reached this node is kept until the peers say what became of
-it (catalog/unfinished.py), and a reader's restored copy is not evicted under it.
+it (`peers.unfinished.UnfinishedSaves`, over `Catalog.idle_saves`, `abort_idle` and
+`salvage_orphans`), and a reader's restored copy is not evicted under it.
 
 Files of a multi-node save may be the only copies of a checkpoint its coordinator
 committed: the sweep asks the peers before aborting such a save, and after a restart the
@@ -14,10 +15,10 @@ import os
 from pathlib import Path
 
 from tierckpt.checksum import checksum_bytes
-from tierckptd.catalog import Catalog
+from tierckptd.catalog import UNFINISHED_PATIENCE, Catalog, Resolution
 from tierckptd.catalog.budget import PAGE, pages
-from tierckptd.catalog.unfinished import UNFINISHED_PATIENCE, Resolution
 from tierckptd.model import CheckpointRecord, FileRecord, State
+from tierckptd.peers.unfinished import UnfinishedSaves
 
 from .conftest import FakeClock, MakeCatalog, Save, write_file
 
@@ -69,9 +70,9 @@ def test_the_sweep_adopts_the_coordinators_manifest_instead_of_aborting(
         node.publish(_manifest(checkpoint_id, mine, b"t" * 100))
         return "published"
 
-    node.resolve_unfinished = resolve
+    unfinished = UnfinishedSaves(node, resolve)
     clock.now += ABANDON + 1
-    assert node.sweep() == []
+    assert unfinished.sweep() == []
     assert asked == [(NS, "s1")]
     view = node.get(NS, "s1")
     assert view.state is State.COMMITTED
@@ -84,12 +85,12 @@ def test_an_unanswered_question_keeps_the_save_until_the_patience_is_spent(
     node = _node_b(make_catalog)
     _peer_side_save(node, "s1", os.urandom(2000))
     answers: list[Resolution] = ["unknown"]
-    node.resolve_unfinished = lambda ns, cid: answers[0]
+    unfinished = UnfinishedSaves(node, lambda ns, cid: answers[0])
     clock.now += ABANDON + 1
-    assert node.sweep() == []  # the coordinator may be restarting
+    assert unfinished.sweep() == []  # the coordinator may be restarting
     assert node.holdings(NS, "s1")[1]
     clock.now += UNFINISHED_PATIENCE * ABANDON
-    assert node.sweep() == [(NS, "s1")]
+    assert unfinished.sweep() == [(NS, "s1")]
     assert node.holdings(NS, "s1")[1] == [] and node.used_bytes() == 0
 
 
@@ -98,9 +99,9 @@ def test_every_peer_answering_without_it_aborts_the_save_at_once(
 ) -> None:
     node = _node_b(make_catalog)
     _peer_side_save(node, "s1", os.urandom(2000))
-    node.resolve_unfinished = lambda ns, cid: "absent"
+    unfinished = UnfinishedSaves(node, lambda ns, cid: "absent")
     clock.now += ABANDON + 1
-    assert node.sweep() == [(NS, "s1")]
+    assert unfinished.sweep() == [(NS, "s1")]
 
 
 def test_a_save_without_committed_files_is_aborted_without_asking(
@@ -108,9 +109,11 @@ def test_a_save_without_committed_files_is_aborted_without_asking(
 ) -> None:
     node = _node_b(make_catalog)
     node.begin(NS, "s1", 1)
-    node.resolve_unfinished = lambda ns, cid: (_ for _ in ()).throw(AssertionError("asked"))
+    unfinished = UnfinishedSaves(
+        node, lambda ns, cid: (_ for _ in ()).throw(AssertionError("asked"))
+    )
     clock.now += ABANDON + 1
-    assert node.sweep() == [(NS, "s1")]
+    assert unfinished.sweep() == [(NS, "s1")]
 
 
 def test_after_a_restart_orphan_files_are_installed_when_a_manifest_names_them(
@@ -187,11 +190,11 @@ def test_an_orphan_every_peer_answers_without_is_collected_at_once(
     node.tier.close()
     node = _node_b(make_catalog)
     answers: list[Resolution] = ["unknown"]
-    node.resolve_unfinished = lambda ns, cid: answers[0]
-    node.salvage_orphans()
+    unfinished = UnfinishedSaves(node, lambda ns, cid: answers[0])
+    unfinished.salvage_orphans()
     assert node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 900
     answers[0] = "absent"
-    node.salvage_orphans()
+    unfinished.salvage_orphans()
     assert not node.tier.data_dir(NS, "s1").exists() and node.used_bytes() == 0
 
 
