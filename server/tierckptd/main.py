@@ -71,6 +71,7 @@ from tierckptd.rpc.health import Health
 from tierckptd.rpc.local_access import IsolationUnsupported, open_local_access
 from tierckptd.rpc.peer_service import add_peer_service
 from tierckptd.rpc.servers import AddressInUse, Servers, parse_local, start_servers
+from tierckptd.sagemaker import start_listener  # [listen] sagemaker
 
 __all__ = ["Daemon", "main"]
 
@@ -295,6 +296,8 @@ class Daemon:
                 discovery=discovery,
                 persistent_urls=stores.check if stores.enabled else None,
             )
+            # [listen] sagemaker: the seed client's HTTP API (tierckptd.sagemaker).
+            seed = start_listener(cfg, catalog, cluster, discovery)
         except ConfigError as e:
             print(f"tierckptd: {e}", file=sys.stderr)
             tier.close()
@@ -371,6 +374,8 @@ class Daemon:
                 self.drainer.stop()
             if self.discoverer is not None:
                 self.discoverer.stop()
+            if seed is not None:  # [listen] sagemaker
+                seed.stop()
             cluster.stop()
             self._shutdown(health, servers, sweeper, tier)
         return 0
