@@ -5,7 +5,11 @@ against real tierckptd processes serving its HTTP API (`[listen] sagemaker`).
   bit-exact; the same checkpoint loads through tierckpt's own `TieredStorageReader`
   (the seed's blobs are stock DCP files and a `.metadata` made from its pickle).
 - 2 nodes, ``copies = 1``, each rank's client on its own node: the namespace created on
-  the coordinator's node, data POSTed to the other, the commit finds it there.
+  the coordinator's node, data POSTed to the other, the commit finds it there; that
+  node lost with its memory and replaced, the seed reader restores bit-exact through
+  the replacement.
+- The whole cluster lost: the replacement lists the steps only S3 (moto) holds and the
+  seed reader restores the newest bit-exact through the same API.
 - What must leave nothing behind: a checksum mismatch, a missing ``Shard-Meta``, a path
   trick, a rank out of range, a body the budget cannot take, a step whose data blob is
   missing (never listed); ``cluster/reset`` refused by default.
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
+import time
 from contextlib import ExitStack
 from typing import Any
 
@@ -25,6 +31,7 @@ import xxhash
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.storage_reader import TieredStorageReader
 
+from tests.support import moto_s3
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
@@ -32,6 +39,9 @@ from tests.support.sagemaker_seed import _equal
 from tests.support.seed_client import expected_state, seed_load, seed_save_load, template_state
 
 pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
 
 
 def _sagemaker_node(port: int, **tables: Any) -> DaemonProcess:
@@ -140,6 +150,57 @@ def test_two_nodes_each_rank_on_its_own_node() -> None:
         assert other.status_code == 200 and other.json()["num_ranks"] == 3
         files = {f.name: f.owner_node for f in _checkpoint(nodes[0], "two-nodes", "step_2").files}
         assert files["__1_0.distcp"] == "n1" and files[".metadata"] == "n0"
+        # Node 1 dies with its memory once every file has its copy on the other node; its
+        # empty replacement serves rank 1's reader at once, restoring through the peers.
+        deadline = time.monotonic() + 60
+        while _checkpoint(nodes[0], "two-nodes", "step_2").state != "REPLICATED":
+            assert time.monotonic() < deadline, "step_2 never replicated"
+            time.sleep(0.3)
+        nodes[1].kill9()
+        shutil.rmtree(nodes[1].memory_dir, ignore_errors=True)
+        nodes[1].start()
+        results = run_job(seed_load, 2, api_ports, "two-nodes", None, timeout=120)
+        assert results == [{"step": 2, "exact": True}] * 2
+
+
+def _wait_latest(base: str, namespace: str, want: list[int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    seen: Any = None
+    while time.monotonic() < deadline:
+        seen = requests.get(f"{base}/v1/cp/checkpoints/{namespace}/latest", timeout=30).json()
+        if seen == want:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"latest of {namespace} is {seen}, not {want}")
+
+
+def test_whole_cluster_lost_restores_from_s3_through_the_same_api(s3: moto_s3.S3Bucket) -> None:
+    port = free_ports(1)[0]
+    persistent = {"url": s3.url("tiers"), "storage_options": dict(s3.storage_options), "every": 1}
+    daemon = _sagemaker_node(port, persistent=persistent)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert (
+            run_job(seed_save_load, 2, [port], "lost", [1, 2], None, timeout=180)
+            == [{"step": 2, "exact": True}] * 2
+        )
+        fs = s3.fs()
+        deadline = time.monotonic() + 60
+        while not fs.exists(s3.url("tiers", "lost", "step_2", ".metadata")):
+            assert time.monotonic() < deadline, "step_2 never drained"
+            time.sleep(0.3)
+            fs.invalidate_cache()
+        daemon.kill9()  # the node dies with its memory; its replacement starts empty
+        shutil.rmtree(daemon.memory_dir, ignore_errors=True)
+        daemon.start()
+        _wait_latest(base, "lost", [2, 1])
+        assert requests.get(f"{base}/v1/cp/namespaces/lost").json()["num_ranks"] == 3
+        assert (
+            run_job(seed_load, 2, [port], "lost", None, timeout=120)
+            == [{"step": 2, "exact": True}] * 2
+        )
+    finally:
+        daemon.cleanup()
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> requests.Response:
