@@ -10,7 +10,7 @@ import json
 import pytest
 import xxhash
 from tierckpt.errors import InvalidArgument, InvalidName
-from tierckptd.config import ConfigError, parse_config
+from tierckptd.config import ConfigError, exposure_warnings, parse_config
 from tierckptd.sagemaker.http import status_of
 from tierckptd.sagemaker.protocol import (
     NoRoute,
@@ -104,4 +104,12 @@ def test_listener_address_takes_the_pod_ip_variable(monkeypatch: pytest.MonkeyPa
     assert (
         parse_config({"listen": {"sagemaker": "${POD_IP}:9200"}}).listen.sagemaker
         == "10.0.0.7:9200"
+    )
+
+
+def test_listener_is_warned_about_at_start() -> None:
+    assert not [w for w in exposure_warnings(parse_config({})) if "sagemaker" in w]
+    config = parse_config({"listen": {"sagemaker": "0.0.0.0:9200"}})
+    assert any(
+        "anyone who reaches it" in w and "NetworkPolicy" in w for w in exposure_warnings(config)
     )
