@@ -292,7 +292,7 @@ def _metadata_blob(world_size: int) -> bytes:
 def test_multi_block_blobs_round_trip_byte_exact_and_deletes_are_real(
     node: tuple[DaemonProcess, str],
 ) -> None:
-    """Blobs of several 1 MiB blocks (one recycled from a deleted step's pool segment)
+    """Blobs of several 1 MiB blocks (the second into the pool the deleted step left)
     come back byte for byte with the client's digest; the metadata blob byte-exact."""
     import os as _os
 
@@ -306,7 +306,8 @@ def test_multi_block_blobs_round_trip_byte_exact_and_deletes_are_real(
         "steps_to_retain_per_rank": 3,
     }
     meta = _metadata_blob(1)
-    for step, size in ((1, (3 << 20) + 12345), (2, (2 << 20) + 7)):
+    # 40 MiB: more than the socket buffers hold, so the send waits for the reader.
+    for step, size in ((1, (3 << 20) + 12345), (2, (40 << 20) + 7)):
         data = _os.urandom(size)
         assert _post(f"{ns}/0/{step}", data).status_code == 201
         assert _post(f"{ns}/0/{step}", data).status_code == 409  # one blob per rank and step

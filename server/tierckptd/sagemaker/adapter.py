@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tierckpt.checksum import BlockChecksums
-from tierckpt.errors import CheckpointNotFound
+from tierckpt.errors import CheckpointExists, CheckpointNotFound
 
 from tierckptd.catalog import Catalog
 from tierckptd.model import CheckpointView, FileRecord
@@ -101,6 +101,12 @@ class DaemonAdapter:
         return opened
 
     def open_file(self, namespace: str, checkpoint_id: str, name: str, rank: int, size: int) -> str:
+        if name in self.catalog.local_committed_files(namespace, checkpoint_id):
+            # Before reserving: a blob sent twice is a conflict, never a budget question.
+            raise CheckpointExists(
+                f"{namespace}/{checkpoint_id}: {name} is already stored on node "
+                f"{self.catalog.node_id}; a step's blob is written once"
+            )
         self.catalog.reserve(namespace, checkpoint_id, rank, size)
         path, _ = self.catalog.open_file(namespace, checkpoint_id, name, rank)
         return path

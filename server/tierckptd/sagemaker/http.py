@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 from http import HTTPStatus
@@ -249,24 +248,20 @@ class _Handler(BaseHTTPRequestHandler):
                 f"{target.namespace} has no committed blob of rank {target.rank} at step {target.step}",
             )
             return
-        fd = os.open(blob.path, os.O_RDONLY)
-        try:
+        with open(blob.path, "rb") as f:
             self.send_response(HTTPStatus.OK)
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(blob.size))
             self.send_header("Shard-Meta", shard_meta(blob.digest))
             self.end_headers()
             self.wfile.flush()
-            sent = 0
-            while sent < blob.size:
-                n = os.sendfile(self.connection.fileno(), fd, sent, blob.size - sent)
-                if n == 0:
-                    break
-                sent += n
-            if sent < blob.size:
+            try:  # os.sendfile from the page cache, waiting out a full socket buffer
+                sent = self.connection.sendfile(f, 0, blob.size) if blob.size else 0
+            except OSError as e:  # the status line is out: only the connection can say it
+                sent = -1
+                logger.warning("sagemaker API: sending %s stopped: %s", self.path[:200], e)
+            if sent != blob.size:
                 self.close_connection = True
-        finally:
-            os.close(fd)
 
 
 class _Server(ThreadingHTTPServer):
