@@ -9,6 +9,10 @@ listener), `adapter` (the one narrow door into the daemon: `SeedDaemon`).
 
 from __future__ import annotations
 
+import importlib
+import logging
+import threading
+
 from tierckptd.catalog import Catalog
 from tierckptd.config import Config
 from tierckptd.peers.cluster import Cluster
@@ -18,6 +22,20 @@ from tierckptd.sagemaker.checkpoints import SeedCheckpoints
 from tierckptd.sagemaker.http import SeedListener
 
 __all__ = ["DaemonAdapter", "SeedCheckpoints", "SeedDaemon", "SeedListener", "start_listener"]
+
+logger = logging.getLogger(__name__)
+
+# What converting the first metadata blob imports (torch's DCP types): seconds on a busy
+# node, so imported in the background at start rather than inside a save's 60 s.
+_PRELOAD = ("torch.distributed.checkpoint.filesystem", "tierckpt.dcp_metadata")
+
+
+def _preload() -> None:
+    for name in _PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the first conversion imports it again and reports
+            logger.warning("sagemaker API: cannot preload %s: %.200s", name, e)
 
 
 def start_listener(
@@ -34,4 +52,6 @@ def start_listener(
         DaemonAdapter(catalog, cluster, discovery=discovery),
         allow_reset=config.listen.sagemaker_allow_reset,
     )
-    return SeedListener(config.listen.sagemaker, api).start()
+    listener = SeedListener(config.listen.sagemaker, api).start()
+    threading.Thread(target=_preload, name="tierckptd-sagemaker-preload", daemon=True).start()
+    return listener
