@@ -3,7 +3,8 @@ against real tierckptd processes serving its HTTP API (`[listen] sagemaker`).
 
 - 2 gloo ranks save several steps with the seed writer and load ``step=None``
   bit-exact; the same checkpoint loads through tierckpt's own `TieredStorageReader`
-  (the seed's blobs are stock DCP files and a `.metadata` made from its pickle).
+  (the seed's blobs are stock DCP files and a `.metadata` made from its pickle), and
+  through `tierckpt pull` + stock `FileSystemReader`; `tierckpt ls` lists the steps.
 - 2 nodes, ``copies = 1``, each rank's client on its own node: the namespace created on
   the coordinator's node, data POSTed to the other, the commit finds it there; that
   node lost with its memory and replaced, the seed reader restores bit-exact through
@@ -32,6 +33,7 @@ from tierckpt.daemon_client import DaemonClient
 from tierckpt.storage_reader import TieredStorageReader
 
 from tests.support import moto_s3
+from tests.support.cli import cli, ls_json
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
@@ -110,6 +112,17 @@ def test_seed_client_saves_steps_and_loads_newest_bit_exact_also_through_tierckp
         reader = TieredStorageReader("seed-job", daemon=daemon.address)
         dcp.load(state, storage_reader=reader, checkpoint_id="step_30", no_dist=True)
         assert _equal(state, {**expected_state(0, 30), **expected_state(1, 30)})
+        # `tierckpt pull` + stock FileSystemReader; `tierckpt ls` lists it.
+        dest = daemon.base_dir / "pulled"
+        cli(daemon.address, "pull", "seed-job", "step_30", str(dest))
+        state = {**template_state(0), **template_state(1)}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(dest)), no_dist=True)
+        assert _equal(state, {**expected_state(0, 30), **expected_state(1, 30)})
+        assert {r["id"] for r in ls_json(daemon.address, "seed-job")} == {
+            "step_10",
+            "step_20",
+            "step_30",
+        }
         info = _checkpoint(daemon, "seed-job", "step_30")
         names = sorted(f.name for f in info.files)
         assert names == [".metadata", ".sagemaker_metadata_2", "__0_0.distcp", "__1_0.distcp"]
