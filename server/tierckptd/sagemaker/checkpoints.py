@@ -4,7 +4,8 @@
 - data rank R's blob -> the file ``__R_0.distcp`` of that checkpoint, byte for byte;
 - the metadata blob (rank ``num_ranks - 1``) -> kept byte-exact as
   ``.sagemaker_metadata_<rank>`` and converted (allow-list decoder, never
-  ``pickle.loads``) into the stock DCP ``.metadata`` naming those files.
+  ``pickle.loads``; above 1 MiB in the drain's resource-limited child,
+  `tierckptd.persistent.decode`) into the stock DCP ``.metadata`` naming those files.
 
 A step is committed when its metadata blob arrives and every data file it names is
 held on some node (the cluster commit asks the peers); only committed steps are
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,12 +37,13 @@ from tierckpt.errors import (
     ChecksumMismatch,
     InvalidArgument,
     TierckptError,
+    UnsafeMetadata,
 )
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE
-from tierckpt.sagemaker_import import converted_metadata
 
 from tierckptd.model import CheckpointView, State
+from tierckptd.persistent.decode import decode
 from tierckptd.sagemaker.adapter import SeedDaemon
 from tierckptd.sagemaker.protocol import (
     DEFAULT_STEPS_RETAINED,
@@ -56,6 +59,7 @@ __all__ = ["Blob", "NamespaceConfig", "ResetRefused", "SeedCheckpoints"]
 logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+_DATA_FILE = re.compile(r"__([0-9]{1,7})_0\.distcp")
 ReadInto = Callable[[memoryview], int]
 """Fills a buffer from the request body; the bytes read (0 at its end)."""
 
@@ -233,7 +237,12 @@ class SeedCheckpoints:
         _stream(body, size, _filler(raw))
         what = f"{ns}/{rank}/{step} (metadata)"
         _check_digest(xxhash.xxh3_128_digest(raw), digest, what)
-        stock, items = converted_metadata(bytes(raw), what)  # allow-list decoder
+        # The allow-list decoder, in a resource-limited child above 1 MiB (as the drain's).
+        decoded = decode(bytes(raw), what=what, seed=True)
+        stock = decoded.rewritten
+        items = {_rank_of_data_file(path, what) for path in decoded.files}
+        if stock is None:  # decode() returns the rewrite whenever `seed` is set
+            raise UnsafeMetadata(f"{what}: the decoder returned no converted .metadata")
         bad = sorted(r for r in items if r >= rank)
         if bad:
             raise InvalidArgument(
@@ -297,6 +306,13 @@ class SeedCheckpoints:
         if data_file(rank) not in names and metadata_file(rank) not in names:
             raise CheckpointNotFound(f"{namespace} step {step} has no blob of rank {rank}")
         return self.daemon.remove(namespace, cid)
+
+
+def _rank_of_data_file(path: str, what: str) -> int:
+    match = _DATA_FILE.fullmatch(path)
+    if match is None:
+        raise UnsafeMetadata(f"{what}: an item names {path[:64]!r}, not a rank's blob")
+    return int(match.group(1))
 
 
 def _metadata_rank_of(view: CheckpointView) -> int | None:

@@ -113,3 +113,32 @@ def test_listener_is_warned_about_at_start() -> None:
     assert any(
         "anyone who reaches it" in w and "NetworkPolicy" in w for w in exposure_warnings(config)
     )
+
+
+@pytest.mark.parametrize("in_child", [False, True])
+def test_seed_metadata_converts_in_the_limited_child_as_in_process(
+    in_child: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The metadata blob goes through the drain's decoder (`persistent.decode`): above
+    1 MiB in the resource-limited child; the result is the in-process conversion's, and
+    a pickle that is not the client's metadata is refused there too."""
+    import pickle
+
+    from tierckpt.errors import UnsafeMetadata
+    from tierckpt.sagemaker_import import converted_metadata
+    from tierckptd.persistent import decode
+
+    from tests.integration.test_sagemaker_http import _metadata_blob
+
+    monkeypatch.setattr(decode, "IN_PROCESS_BYTES", 0 if in_child else 1 << 20)
+    raw = _metadata_blob(2)
+    found = decode.decode(raw, what="m", seed=True)
+    stock, items = converted_metadata(raw, "m")
+    assert found.rewritten == stock
+    assert (
+        sorted(found.files)
+        == ["__0_0.distcp", "__1_0.distcp"]
+        == [f"__{r}_0.distcp" for r in sorted(items)]
+    )
+    with pytest.raises(UnsafeMetadata):
+        decode.decode(pickle.dumps({"not": "metadata"}), what="evil", seed=True)
