@@ -55,9 +55,9 @@ class SeedDaemon(Protocol):
         CheckpointIncomplete."""
         ...
 
-    def committed(self, namespace: str) -> list[CheckpointView]:
-        """The namespace's committed checkpoints in every tier (the persistent tier's
-        included), oldest first."""
+    def committed(self, namespace: str, *, relist: bool = True) -> list[CheckpointView]:
+        """The namespace's committed checkpoints in every tier, oldest first; `relist`:
+        ask the persistent tier for ones this node has not learnt yet (bounded wait)."""
         ...
 
     def lookup(self, namespace: str, checkpoint_id: str) -> CheckpointView | None:
@@ -140,8 +140,8 @@ class DaemonAdapter:
     def commit(self, namespace: str, checkpoint_id: str, required: list[str]) -> CheckpointView:
         return self.cluster.commit(namespace, checkpoint_id, required, durable=False, holders=[])
 
-    def committed(self, namespace: str) -> list[CheckpointView]:
-        if self.discovery is not None:
+    def committed(self, namespace: str, *, relist: bool = True) -> list[CheckpointView]:
+        if relist and self.discovery is not None:
             self.discovery.refresh(namespace)
         return self.catalog.list_checkpoints(namespace)
 

@@ -104,17 +104,19 @@ class SeedCheckpoints:
         self._configs: dict[str, NamespaceConfig] = {}
 
     # ---- namespaces --------------------------------------------------------------------
-    def namespace(self, namespace: str) -> NamespaceConfig | None:
-        """Its config: created here, else learnt from a committed step that any node (or
-        the persistent tier) holds, so every node answers for the job."""
+    def namespace(self, namespace: str, *, relist: bool = True) -> NamespaceConfig | None:
+        """Its config: created here, else learnt from a committed step that any node (or,
+        with `relist`, the persistent tier) holds, so every node answers for the job."""
         with self._lock:
             config = self._configs.get(namespace)
         if config is not None:
             return config
-        for view in reversed(self.daemon.committed(namespace)):
+        for view in reversed(self.daemon.committed(namespace, relist=relist)):
             rank = _metadata_rank_of(view)
             if rank is not None:
-                return NamespaceConfig(rank + 1, DEFAULT_STEPS_RETAINED)
+                learnt = NamespaceConfig(rank + 1, DEFAULT_STEPS_RETAINED)
+                with self._lock:  # kept: the coordinator's metadata POST needs it next
+                    return self._configs.setdefault(namespace, learnt)
         return None
 
     def create_namespace(
@@ -182,7 +184,7 @@ class SeedCheckpoints:
     ) -> None:
         """Store one blob (acknowledged once verified against `digest` and sealed); the
         metadata rank's commits the step."""
-        config = self.namespace(namespace)
+        config = self.namespace(namespace, relist=False)  # no S3 listing on the save path
         if config is not None and rank >= config.num_ranks:
             raise InvalidArgument(
                 f"rank {rank} is out of range for namespace {namespace}: it has "
