@@ -50,7 +50,13 @@ from tierckpt.dcp_metadata import (
 from tierckpt.errors import CheckpointIncomplete, CheckpointNotFound, UnsafeMetadata
 from tierckpt.names import METADATA_FILE, check_namespace
 
-__all__ = ["ImportedStep", "import_sagemaker", "seed_steps", "step_checkpoint_id"]
+__all__ = [
+    "ImportedStep",
+    "converted_metadata",
+    "import_sagemaker",
+    "seed_steps",
+    "step_checkpoint_id",
+]
 
 SEED_DATA = "checkpoint.pt"
 SEED_METADATA = "metadata.metadata"
@@ -124,7 +130,7 @@ def seed_steps(fs: Any, root: str) -> dict[int, set[int]]:
     return steps
 
 
-def _converted_metadata(raw: bytes, what: str) -> tuple[bytes, dict[int, list[tuple[int, int]]]]:
+def converted_metadata(raw: bytes, what: str) -> tuple[bytes, dict[int, list[tuple[int, int]]]]:
     """The stock-DCP `.metadata` for the seed's pickle, and each rank's items."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -238,7 +244,7 @@ def _import_step(
             "never committed it, or it was saved to memory only)"
         )
     what = f"{ns}/rank_{md_rank}/{cid}/{SEED_METADATA}"
-    metadata, items = _converted_metadata(_read_capped(src_fs, md_path, what), what)
+    metadata, items = converted_metadata(_read_capped(src_fs, md_path, what), what)
     committed = _mtime(src_fs, md_path)
     book = f"{dst_root}/{BOOKKEEPING_DIR}/{ns}/{cid}"
     files: list[dict[str, Any]] = []

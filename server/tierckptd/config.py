@@ -114,6 +114,12 @@ class ListenConfig:
     local: str = "unix:///run/tierckpt/tierckptd.sock"
     # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
     peer: str = "127.0.0.1:7070"
+    # SageMaker HyperPod's checkpointing HTTP API for its unmodified client
+    # (`tierckptd.sagemaker`): "HOST:PORT", "" = off. It takes no credentials: loopback,
+    # or the pod IP behind a NetworkPolicy; refused with local_isolation = "uid".
+    sagemaker: str = ""
+    # Let POST /v1/cp/cluster/reset delete every namespace the API serves, cluster-wide.
+    sagemaker_allow_reset: bool = False
 
 
 @dataclass(frozen=True)
@@ -470,6 +476,12 @@ def _validate(config: Config) -> None:
             f'[security] local_isolation = "uid" needs [listen] local to be a unix socket '
             f"(the caller's uid cannot be proven over TCP), got {config.listen.local!r}"
         )
+    if config.security.local_isolation and config.listen.sagemaker:
+        raise ConfigError(
+            f"[listen] sagemaker = {config.listen.sagemaker!r} cannot be combined with "
+            '[security] local_isolation = "uid": the SageMaker client sends no credentials, '
+            "so its API could not keep one uid out of another's namespaces; turn one of them off"
+        )
     check_membership(config)
     check_exposure(config)
 
@@ -478,7 +490,7 @@ def _validate(config: Config) -> None:
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # Only these values may name ${ENV} variables: a DaemonSet binds them to the pod IP.
-_EXPANDED = (("listen", "peer"), ("metrics", "listen"))
+_EXPANDED = (("listen", "peer"), ("listen", "sagemaker"), ("metrics", "listen"))
 
 
 def _expand_addresses(data: dict[str, Any]) -> dict[str, Any]:

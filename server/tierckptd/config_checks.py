@@ -150,6 +150,15 @@ def exposure_warnings(config: Config) -> list[str]:
             f"authentication: {where} can list, load and delete every namespace; a unix "
             "socket's file mode limits who can"
         )
+    seed = config.listen.sagemaker
+    if seed:
+        where = "any local process" if is_loopback_address(seed) else "anyone who reaches it"
+        warnings.append(
+            f"[listen] sagemaker = {seed!r} serves SageMaker's checkpointing API without "
+            f"authentication (its client sends none): {where} can read, overwrite and "
+            "delete the namespaces it serves; beyond loopback, limit it with a "
+            "NetworkPolicy or a firewall"
+        )
     return warnings
 
 

@@ -74,6 +74,7 @@ from tierckptd.rpc.health import Health, probe
 from tierckptd.rpc.local_access import IsolationUnsupported, LocalAccess, open_local_access
 from tierckptd.rpc.peer_service import add_peer_service
 from tierckptd.rpc.servers import AddressInUse, Servers, parse_local, start_servers
+from tierckptd.sagemaker import DaemonAdapter, SeedListener, start_listener
 
 __all__ = ["BuildFailed", "Parts", "build", "listen_for_signals", "main", "run"]
 
@@ -123,6 +124,7 @@ class Parts:
     sweeper: Sweeper
     warmer: Warmer | None
     scrubber: Scrubber | None
+    seed: SeedListener | None  # [listen] sagemaker: the seed client's HTTP API
 
 
 def _ask_owner(client: PeerClient, namespace: str) -> tuple[int, str] | None:
@@ -353,6 +355,15 @@ def _build_on(
         register_peer=lambda server: add_peer_service(cluster, server, mutual_tls=mutual_tls),
         peer_security=peer_security,
     )
+    # The seed client's HTTP API: the same commit, marks and restore chain as DaemonService.
+    seed_daemon = DaemonAdapter(
+        catalog, commits=commits, marks=cluster, restorer=restorer, discovery=discovery
+    )
+    try:
+        seed = start_listener(cfg, seed_daemon)
+    except BaseException:
+        servers.stop(0)
+        raise
     return Parts(
         config=cfg,
         tier=tier,
@@ -372,6 +383,7 @@ def _build_on(
         sweeper=Sweeper(unfinished),
         warmer=_warmer(cfg, catalog),
         scrubber=_scrubber(cfg, catalog, tier, cluster),
+        seed=seed,
     )
 
 
@@ -544,6 +556,8 @@ def _stop(parts: Parts, discoverer: Discoverer | None) -> None:
         parts.drainer.stop()
     if discoverer is not None:
         discoverer.stop()
+    if parts.seed is not None:
+        parts.seed.stop()
     parts.cluster.stop()
     parts.health.shutting_down()
     sd_notify("STOPPING=1")

@@ -136,18 +136,22 @@ def decode(
     what: str,
     mappings: Mapping[str, Mapping[int, tuple[int, int]]] | None = None,
     limits: Limits | None = None,
+    seed: bool = False,
 ) -> Decoded:
     """Decode `metadata` in a child process under `limits` (default: `Limits.for_size`).
 
     Raises:
         UnsafeMetadata: not plain DCP metadata, or the child hit a limit (named).
         ValueError: `mappings` does not match the file (a rewrite only).
+
+    `seed`: `metadata` is the SageMaker client's pickle; `rewritten` is the stock
+    `.metadata` converted from it and `files` its rows (`tierckptd.sagemaker`).
         DecoderUnavailable: the child could not run or missed its wall-clock deadline.
     """
     size = len(metadata)
     if size > MAX_METADATA_BYTES:
         raise _refused(what, f"{size} bytes, more than the {MAX_METADATA_BYTES} allowed")
-    key = hashlib.blake2b(metadata, digest_size=32).digest() + what.encode()
+    key = hashlib.blake2b(metadata, digest_size=32).digest() + what.encode() + bytes([seed])
     if mappings is None:
         with _cache_lock:
             found = _cache.get(key)
@@ -162,14 +166,14 @@ def decode(
     )
     if size <= IN_PROCESS_BYTES:
         # Small enough that the in-process bounds are small too: no child, no torch import.
-        body, rewritten = decode_body(metadata, what, wire)
+        body, rewritten = decode_body(metadata, what, wire, seed=seed)
         out, err, rc = json.dumps(body).encode() + b"\n" + rewritten, b"", 0
     else:
-        header = json.dumps({"what": what, "mappings": wire}).encode()
+        header = json.dumps({"what": what, "mappings": wire, "seed": seed}).encode()
         request = len(header).to_bytes(8, "little") + header + metadata
         with _LIMITER:
             out, err, rc = _run(request, limits, what)
-    decoded = _parse(out, err, rc, what, size, limits, mappings is not None)
+    decoded = _parse(out, err, rc, what, size, limits, mappings is not None or seed)
     if mappings is None:
         with _cache_lock:
             _cache[key] = decoded

@@ -26,8 +26,9 @@ Exit status 0 either way.
 
 It imports torch only when the pickle names a global (`tierckpt.dcp_metadata`): a bomb
 of plain containers is refused without it. Only the standard library, `tierckpt` and
-torch are imported, no other module of the daemon (this package's ``__init__`` files
-import nothing).
+torch are imported (with ``"seed": true`` in the header, the SageMaker client's pickle
+converted to a stock `.metadata`: also `tierckpt.sagemaker_import` and its fsspec), no
+other module of the daemon (this package's ``__init__`` files import nothing).
 """
 
 from __future__ import annotations
@@ -73,11 +74,17 @@ def main(argv: list[str]) -> int:
         import torch.distributed.checkpoint.metadata  # noqa: F401
     import tierckpt.dcp_metadata  # noqa: F401
 
+    if header.get("seed"):  # the SageMaker client's metadata, converted (tierckptd.sagemaker)
+        import tierckpt.sagemaker_import  # noqa: F401
+        import torch.distributed.checkpoint.filesystem  # noqa: F401, F811 (the stock entries)
+
     limit = _address_space() + allowance
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # before anything is decoded
     out = sys.stdout.buffer
     try:
-        body, rewritten = decode_body(raw, header["what"], header.get("mappings"))
+        body, rewritten = decode_body(
+            raw, header["what"], header.get("mappings"), seed=bool(header.get("seed"))
+        )
     except MemoryError:
         body, rewritten = {"error": {"kind": "memory", "message": ""}}, b""
     out.write(json.dumps(body).encode() + b"\n")
@@ -87,14 +94,20 @@ def main(argv: list[str]) -> int:
 
 
 def decode_body(
-    raw: bytes, what: str, mappings: dict[str, list[list[int]]] | None
+    raw: bytes, what: str, mappings: dict[str, list[list[int]]] | None, *, seed: bool = False
 ) -> tuple[dict[str, object], bytes]:
     """The decode itself (in the child, or in the daemon for a small file): a JSON-able
-    body of rows or an error, and the rewritten `.metadata` bytes when `mappings` is given."""
+    body of rows or an error, and the rewritten `.metadata` bytes when `mappings` is given.
+    `seed`: `raw` is the SageMaker client's metadata pickle; the rewritten bytes are the
+    stock `.metadata` converted from it (`tierckpt.sagemaker_import.converted_metadata`)."""
     from tierckpt.dcp_metadata import OUT_OF_MEMORY, dump_metadata, load_metadata
     from tierckpt.errors import UnsafeMetadata
 
     try:
+        if seed:
+            from tierckpt.sagemaker_import import converted_metadata
+
+            raw, _ = converted_metadata(raw, what)
         md = load_metadata(raw, what=what)
     except UnsafeMetadata as e:
         message = str(e)
@@ -117,6 +130,9 @@ def decode_body(
     body: dict[str, object] = {
         "files": [[path, sorted(items), path in transformed] for path, items in files.items()]
     }
+    if seed:
+        body["rewritten"] = len(raw)
+        return body, raw
     if mappings is None:
         return body, b""
     try:

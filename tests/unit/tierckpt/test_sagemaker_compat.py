@@ -28,7 +28,7 @@ from tierckpt.compat.sagemaker import (
     step_from,
 )
 from tierckpt.errors import CheckpointNotFound, UnsafeMetadata
-from tierckpt.sagemaker_import import _converted_metadata, import_sagemaker, seed_steps
+from tierckpt.sagemaker_import import converted_metadata, import_sagemaker, seed_steps
 
 from tests.support import sagemaker_seed
 
@@ -194,7 +194,7 @@ def _seed_metadata(module: str) -> bytes:
     ],
 )
 def test_seed_metadata_converts_without_the_seed(module: str) -> None:
-    body, items = _converted_metadata(_seed_metadata(module), "m")
+    body, items = converted_metadata(_seed_metadata(module), "m")
     assert list(items) == [0]
     assert not any(m.startswith("amzn_sagemaker_checkpointing") for m in sys.modules)
     from tierckpt.dcp_metadata import load_metadata
@@ -210,13 +210,13 @@ class _Evil:
 
 def test_a_hostile_metadata_is_refused_unrun() -> None:
     with pytest.raises(UnsafeMetadata):
-        _converted_metadata(pickle.dumps(_Evil()), "evil")
+        converted_metadata(pickle.dumps(_Evil()), "evil")
     with pytest.raises(UnsafeMetadata, match="storage info"):
         # A stock DCP `.metadata` is not the seed's: its items are _StorageInfo.
         fs = fsspec.filesystem("memory")
         path = "/stock-h7"
         dcp.save({"a": torch.ones(2)}, checkpoint_id=f"memory://{path}", no_dist=True)
-        _converted_metadata(bytes(fs.cat_file(f"{path}/.metadata")), "stock")
+        converted_metadata(bytes(fs.cat_file(f"{path}/.metadata")), "stock")
 
 
 def test_file_url_import_loads_with_stock_dcp(tmp_path: Path) -> None:
