@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import pickle
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -66,7 +67,16 @@ class _MemoryTierFileSystem(FileSystemBase):
 
     def __init__(self, client: DaemonClient, target: Callable[[str], SaveTarget]) -> None:
         self.client = client
-        self.target = target
+        # Weak: the writer holds this file system, so a strong bound method would make a
+        # cycle that keeps the writer (and its daemon channel's socket) alive until the
+        # cyclic GC runs; a long-lived rank making a writer per save would pile sockets up.
+        self._target = weakref.WeakMethod(target)
+
+    def target(self, checkpoint_id: str) -> SaveTarget:
+        of = self._target()
+        if of is None:
+            raise RuntimeError("the TieredStorageWriter of this file system is gone")
+        return of(checkpoint_id)
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
@@ -320,4 +330,9 @@ class TieredStorageWriter(FileSystemWriter):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["state_dict_cache"] = None  # the staged tensors travel as the request, not with us
+        del state["fs"]  # holds a weak reference to us: rebuilt on arrival
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.fs = _MemoryTierFileSystem(self.client, self._target_of)  # type: ignore[assignment]

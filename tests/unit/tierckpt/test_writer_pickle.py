@@ -3,10 +3,12 @@ their configuration, validate names; an unreachable daemon fails fast and says s
 
 from __future__ import annotations
 
+import gc
 import pickle
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,20 @@ def test_writer_pickles_without_a_daemon() -> None:
     assert copy.fs.client is copy.client
     copy.reset("step-1")
     assert copy.fs.target("step-1") == SaveTarget("ns", "step-1", 0)
+
+
+def test_a_dropped_writer_is_freed_at_once_with_its_daemon_channel() -> None:
+    """A rank that makes a writer per save must not pile up daemon sockets until the
+    cyclic GC runs: the writer and its file system form no reference cycle."""
+    gc.disable()
+    try:
+        writer = TieredStorageWriter("ns", daemon=ADDRESS)
+        gone = weakref.ref(writer)
+        client = weakref.ref(writer.client)
+        del writer
+        assert gone() is None and client() is None
+    finally:
+        gc.enable()
 
 
 def test_writer_pickle_keeps_the_checkpoint_id_and_drops_the_staging_cache() -> None:
