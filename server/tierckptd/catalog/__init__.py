@@ -284,25 +284,25 @@ class Catalog:
         (`set_cluster_writers`) once they were asked; else of its VOUCHED ones."""
         return self._writers_by_namespace(namespace).get(namespace, set())
 
+    def _coordinators(self, trust: Trust, namespace: str = "") -> dict[str, set[str]]:
+        """The coordinators of the committed checkpoints of `trust`, per namespace (of
+        `namespace` only, or of every one)."""
+        found: dict[str, set[str]] = {}
+        for r in self._records.values():
+            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
+                continue
+            if r.trust is trust and (coordinator := coordinator_of(r.files)):
+                found.setdefault(r.namespace, set()).add(coordinator)
+        return found
+
     def _proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
         """The coordinators of the PROVEN checkpoints of `namespace` (or of every one)."""
-        proven: dict[str, set[str]] = {}
-        for r in self._records.values():
-            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
-                continue
-            if r.trust is Trust.PROVEN and (coordinator := coordinator_of(r.files)):
-                proven.setdefault(r.namespace, set()).add(coordinator)
-        return proven
+        return self._coordinators(Trust.PROVEN, namespace)
 
     def _writers_by_namespace(self, namespace: str = "") -> dict[str, set[str]]:
-        """`_writers` of `namespace`, or of every namespace (""), in one pass."""
+        """`_writers` of `namespace`, or of every namespace ("")."""
         proven = self._proven_writers(namespace)
-        vouched: dict[str, set[str]] = {}
-        for r in self._records.values():
-            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
-                continue
-            if r.trust is Trust.VOUCHED and (coordinator := coordinator_of(r.files)):
-                vouched.setdefault(r.namespace, set()).add(coordinator)
+        vouched = self._coordinators(Trust.VOUCHED, namespace)
         cluster = {
             ns: set(w)
             for ns, w in self._cluster_writers.items()
