@@ -239,8 +239,10 @@ class SeedCheckpoints:
         _stream(body, size, _filler(raw))
         what = f"{ns}/{rank}/{step} (metadata)"
         _check_digest(xxhash.xxh3_128_digest(raw), digest, what)
+        blob = bytes(raw)  # one immutable copy: decoded, and kept byte-exact for the client
+        del raw
         # The allow-list decoder, in a resource-limited child above 1 MiB (as the drain's).
-        decoded = decode(bytes(raw), what=what, seed=True)
+        decoded = decode(blob, what=what, seed=True)
         stock = decoded.rewritten
         items = {_rank_of_data_file(path, what) for path in decoded.files}
         if stock is None:  # decode() returns the rewrite whenever `seed` is set
@@ -254,7 +256,7 @@ class SeedCheckpoints:
         cid = checkpoint_id_of(step)
         self.daemon.begin(ns, cid, rank)
         try:
-            for name, data in ((metadata_file(rank), bytes(raw)), (METADATA_FILE, stock)):
+            for name, data in ((metadata_file(rank), blob), (METADATA_FILE, stock)):
                 path = self.daemon.open_file(ns, cid, name, rank, len(data))
                 _write_file(path, data)
                 self.daemon.commit_file(ns, cid, name, rank, len(data), checksums_of(data))
