@@ -1,0 +1,135 @@
+"""Lightning 2.6 through `TierCheckpointIO`: a real `Trainer` on CPU against a real
+tierckptd, killed with SIGKILL mid-run and resumed with ``ckpt_path="last"``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tierckpt.lightning import TierCheckpointIO
+
+from tests.support.cli import ls_ids
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+NS = "lightning-run"
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fit(daemon: Any, ckpts: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "tests.support.lightning_job", "--daemon", daemon.address]
+    command += ["--namespace", NS, "--dir", str(ckpts), "--out", str(out), *args]
+    return subprocess.run(
+        command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+
+
+def _differences(actual: Any, expected: Any, path: str = "") -> list[str]:
+    """Every place where `actual` is not bit-exact `expected` (dicts, sequences, tensors)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return [f"{path}: {type(actual).__name__}, not a tensor"]
+        same = actual.dtype == expected.dtype and actual.shape == expected.shape
+        return [] if same and torch.equal(actual, expected) else [f"{path}: tensor differs"]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or actual.keys() != expected.keys():
+            keys = actual.keys() if isinstance(actual, dict) else type(actual).__name__
+            return [f"{path}: keys {keys} != {expected.keys()}"]
+        return [d for k in expected for d in _differences(actual[k], expected[k], f"{path}.{k}")]
+    if isinstance(expected, list | tuple):
+        if type(actual) is not type(expected) or len(actual) != len(expected):
+            return [f"{path}: {actual!r} != {expected!r}"]
+        return [
+            d
+            for i, (a, e) in enumerate(zip(actual, expected, strict=True))
+            for d in _differences(a, e, f"{path}[{i}]")
+        ]
+    return [] if actual == expected else [f"{path}: {actual!r} != {expected!r}"]
+
+
+def _assert_exact(actual: Any, expected: Any, what: str) -> None:
+    bad = _differences(actual, expected)
+    assert not bad, f"{what}: not bit-exact:\n  " + "\n  ".join(bad[:20])
+
+
+def _saved(out: Path, step: int) -> dict[str, Any]:
+    loaded = torch.load(out / f"saved-step-{step}.pt", weights_only=False)
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def test_fit_killed_then_resumed_from_last_is_bit_exact_and_keeps_top_k(
+    daemon: Any, tmp_path: Path
+) -> None:
+    ckpts, out = tmp_path / "checkpoints", tmp_path / "out"
+
+    # A fit that dies by SIGKILL after step 7: its last checkpoint is step 6.
+    killed = _fit(daemon, ckpts, out, "--max-steps", "20", "--kill-at", "7")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # Retention ran through the tiers: step 2 was removed when step 6 made the top 2.
+    assert sorted(ls_ids(daemon.address, NS)) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=6.ckpt",
+        "last.ckpt",
+    ]
+    # The folder holds pointer files naming the same checkpoints.
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(ls_ids(daemon.address, NS))
+    assert (ckpts / "last.ckpt").read_text() == f"tierckpt://{NS}/last.ckpt\n"
+
+    # The whole dict Lightning saved comes back bit-exact (loops, callbacks, optimizer).
+    plugin = TierCheckpointIO(NS, daemon=daemon.address)
+    expected = _saved(out, 6)
+    _assert_exact(plugin.load_checkpoint(ckpts / "last.ckpt"), expected, "last.ckpt")
+    _assert_exact(
+        plugin.load_checkpoint(f"tierckpt://{NS}/epoch=0-step=4.ckpt"), _saved(out, 4), "step 4"
+    )
+
+    # A new process resumes with ckpt_path="last" and trains on to step 12.
+    resumed = _fit(daemon, ckpts, out, "--max-steps", "12", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "finished at step 12" in resumed.stdout, resumed.stdout[-2000:]
+    restored = torch.load(out / "restored.pt", weights_only=False)
+    assert restored["global_step"] == 6 and restored["epoch"] == expected["epoch"]
+    _assert_exact(restored["state_dict"], expected["state_dict"], "model after resume")
+    _assert_exact(
+        restored["optimizer_states"], expected["optimizer_states"], "optimizer after resume"
+    )
+    _assert_exact(restored["lr_schedulers"], expected["lr_schedulers"], "LR scheduler")
+    # The resumed ModelCheckpoint knew the top 2 it restored: steps 4 and 6 were retired
+    # as 8, 10 and 12 were saved, and last.ckpt was replaced in place.
+    assert sorted(ls_ids(daemon.address, NS)) == [
+        "epoch=0-step=10.ckpt",
+        "epoch=0-step=12.ckpt",
+        "last.ckpt",
+    ]
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(ls_ids(daemon.address, NS))
+    last = plugin.load_checkpoint(f"tierckpt://{NS}/latest")
+    assert last["global_step"] == 12
+    _assert_exact(last, _saved(out, 12), "newest checkpoint")
+    plugin.teardown()
+
+
+def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
+    daemon: Any, tmp_path: Path
+) -> None:
+    plugin = TierCheckpointIO(NS, daemon=daemon.address)
+    state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 3, "note": "x"}
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    plugin.save_checkpoint(state, path)
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(path.name)  # what ModelCheckpoint(save_last="link") makes
+    _assert_exact(plugin.load_checkpoint(link), state, "through the link")
+    plugin.remove_checkpoint(link)
+    assert not link.exists() and path.exists()
+    assert ls_ids(daemon.address, NS) == ["epoch=0-step=3.ckpt"]
+    plugin.remove_checkpoint(path)
+    assert not path.exists() and ls_ids(daemon.address, NS) == []
+    plugin.teardown()
