@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 import torch
 from tierckpt.lightning import TierCheckpointIO
+from tierckpt.storage_reader import TieredStorageReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from tests.support import lightning_job
 from tests.support.cli import ls_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -116,6 +119,21 @@ def test_fit_killed_then_resumed_from_last_is_bit_exact_and_keeps_top_k(
     _assert_exact(last, _saved(out, 12), "newest checkpoint")
     plugin.teardown()
 
+    # The pointer folder is lost (another node): the URL resumes, here in this process.
+    moved = lightning_job.fit(
+        daemon.address,
+        NS,
+        tmp_path / "moved",
+        tmp_path / "moved-out",
+        14,
+        ckpt_path=f"tierckpt://{NS}/last.ckpt",
+    )
+    assert moved.global_step == 14
+    restored = torch.load(tmp_path / "moved-out" / "restored.pt", weights_only=False)
+    assert restored["global_step"] == 12
+    _assert_exact(restored["state_dict"], last["state_dict"], "model resumed from the URL")
+    _assert_exact(restored["optimizer_states"], last["optimizer_states"], "optimizer from the URL")
+
 
 def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
     daemon: Any, tmp_path: Path
@@ -124,6 +142,13 @@ def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
     state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 3, "note": "x"}
     path = tmp_path / "epoch=0-step=3.ckpt"
     plugin.save_checkpoint(state, path)
+    # The tensor is a DCP tensor of the checkpoint, not pickled bytes.
+    reader = TieredStorageReader(NS, daemon=daemon.address)
+    reader.reset(path.name)
+    items = reader.read_metadata().state_dict_metadata
+    reader.client.close()
+    tensors = [v for v in items.values() if isinstance(v, TensorStorageMetadata)]
+    assert [(t.size, t.properties.dtype) for t in tensors] == [(torch.Size([6]), torch.float32)]
     link = tmp_path / "last.ckpt"
     link.symlink_to(path.name)  # what ModelCheckpoint(save_last="link") makes
     _assert_exact(plugin.load_checkpoint(link), state, "through the link")

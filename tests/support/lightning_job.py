@@ -75,6 +75,43 @@ class Record(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fit(
+    daemon: str,
+    namespace: str,
+    ckpts: Path,
+    out: Path,
+    max_steps: int,
+    *,
+    kill_at: int | None = None,
+    ckpt_path: str | None = None,
+) -> pl.Trainer:
+    """Fit `TinyModule` to `max_steps` through the plugin; `ckpt_path` as `Trainer.fit`'s."""
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(7)
+    data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    checkpoints = ModelCheckpoint(
+        dirpath=ckpts,
+        monitor="step",
+        mode="max",
+        save_top_k=TOP_K,
+        every_n_train_steps=EVERY,
+        save_last=True,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        plugins=[TierCheckpointIO(namespace, daemon=daemon)],
+        callbacks=[checkpoints, Record(out, kill_at)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    trainer.fit(TinyModule(), DataLoader(data, batch_size=4, shuffle=True), ckpt_path=ckpt_path)
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--daemon", required=True)
@@ -85,32 +122,13 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    pl.seed_everything(7)
-    data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-    checkpoints = ModelCheckpoint(
-        dirpath=args.dir,
-        monitor="step",
-        mode="max",
-        save_top_k=TOP_K,
-        every_n_train_steps=EVERY,
-        save_last=True,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=args.max_steps,
-        plugins=[TierCheckpointIO(args.namespace, daemon=args.daemon)],
-        callbacks=[checkpoints, Record(args.out, args.kill_at)],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=args.out,
-    )
-    trainer.fit(
-        TinyModule(),
-        DataLoader(data, batch_size=4, shuffle=True),
+    trainer = fit(
+        args.daemon,
+        args.namespace,
+        args.dir,
+        args.out,
+        args.max_steps,
+        kill_at=args.kill_at,
         ckpt_path="last" if args.resume else None,
     )
     print(f"finished at step {trainer.global_step}", flush=True)
