@@ -202,14 +202,7 @@ class TierCheckpointIO(CheckpointIO):
             pointer = _read_pointer(local)
             if pointer is not None:
                 return self._parse(pointer)
-        name = local.name
-        try:
-            return self.namespace, check_new_checkpoint_id(name)
-        except InvalidName as e:
-            raise InvalidName(
-                f"Lightning checkpoint path {str(path)[:200]!r}: its file name is the tierckpt "
-                f"checkpoint id in namespace {self.namespace!r}: {e}"
-            ) from e
+        return self.namespace, self._id_of(path)
 
     @staticmethod
     def _parse(url: str) -> tuple[str, str]:
@@ -238,7 +231,7 @@ class TierCheckpointIO(CheckpointIO):
         if _is_url(path):
             namespace, checkpoint_id = self._parse(str(path))
         else:
-            namespace, checkpoint_id = self.namespace, self._resolve_new(path)
+            namespace, checkpoint_id = self.namespace, self._id_of(path)
         state = _split(checkpoint)
         if not self._save(state, namespace, checkpoint_id):
             logger.info(
@@ -253,7 +246,8 @@ class TierCheckpointIO(CheckpointIO):
         if not _is_url(path):
             self._write_pointer(Path(path), f"{POINTER_PREFIX}{namespace}/{checkpoint_id}")
 
-    def _resolve_new(self, path: str | os.PathLike[str]) -> str:
+    def _id_of(self, path: str | os.PathLike[str]) -> str:
+        """The checkpoint id a local path's file name is (validated)."""
         name = Path(path).name
         try:
             return check_new_checkpoint_id(name)
@@ -312,7 +306,7 @@ class TierCheckpointIO(CheckpointIO):
                 if not isinstance(loaded, dict):
                     raise ValueError(f"{str(path)[:200]!r} holds no Lightning checkpoint dict")
                 return loaded
-        namespace, checkpoint_id = self._resolve_load(path)
+        namespace, checkpoint_id = self._resolve(path)
         reader = TieredStorageReader(namespace, daemon=self.daemon, io_threads=self.io_threads)
         try:
             reader.reset(None if checkpoint_id == LATEST else checkpoint_id)
@@ -344,13 +338,6 @@ class TierCheckpointIO(CheckpointIO):
                 for k, v in state.items()
             }
         return _join(state, weights_only is not False)
-
-    def _resolve_load(self, path: str | os.PathLike[str]) -> tuple[str, str]:
-        if _is_url(path):
-            parsed = parse_path(str(path))
-            if parsed.depth == 2:
-                return parsed.namespace, parsed.checkpoint_id
-        return self._resolve(path)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the pointer at `path`, then its checkpoint from every tier. A symlink

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tierckpt import InvalidName
 from tierckpt.lightning import TierCheckpointIO
 from tierckpt.storage_reader import TieredStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -151,6 +152,9 @@ def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
     assert [(t.size, t.properties.dtype) for t in tensors] == [(torch.Size([6]), torch.float32)]
     link = tmp_path / "last.ckpt"
     link.symlink_to(path.name)  # what ModelCheckpoint(save_last="link") makes
+    assert plugin.url(link) == plugin.url(path) == f"tierckpt://{NS}/{path.name}"
+    with pytest.raises(InvalidName, match="file name becomes the tierckpt checkpoint id"):
+        plugin.save_checkpoint(state, tmp_path / "step 3.ckpt")
     _assert_exact(plugin.load_checkpoint(link), state, "through the link")
     plugin.remove_checkpoint(link)
     assert not link.exists() and path.exists()
