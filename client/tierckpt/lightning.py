@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch import _weights_only_unpickler  # the unpickler torch.load(weights_only=True) uses
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -90,6 +91,38 @@ def _split(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _tensor_of(tensors: dict[int, torch.Tensor], pid: Any) -> torch.Tensor:
+    if type(pid) is not int or pid not in tensors:
+        raise pickle.UnpicklingError(f"checkpoint references tensor {pid!r}, which it lacks")
+    return tensors[pid]
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """pickle's unpickler with `_TensorPickler`'s references resolved (weights_only=False)."""
+
+    def __init__(self, file: io.BytesIO, tensors: dict[int, torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return _tensor_of(self.tensors, pid)
+
+
+class _WeightsOnlyTensorUnpickler(_weights_only_unpickler.Unpickler):
+    """What `torch.load(weights_only=True)` unpickles with, `_TensorPickler`'s references
+    resolved; torch's allow-list (`torch.serialization.add_safe_globals`) applies."""
+
+    def __init__(self, file: io.BytesIO, tensors: dict[int, torch.Tensor]) -> None:
+        super().__init__(file, encoding="utf-8")
+        self.tensors = tensors
+
+    def load(self) -> Any:
+        return super().load()  # type: ignore[no-untyped-call]
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return _tensor_of(self.tensors, pid)
+
+
 def _join(state: dict[str, Any], weights_only: bool) -> dict[str, Any]:
     """The Lightning checkpoint `_split` saved, its tensors put back in place."""
     rest = state[_REST_KEY]
@@ -102,21 +135,8 @@ def _join(state: dict[str, Any], weights_only: bool) -> dict[str, Any]:
         for key, value in state.items()
         if key.startswith(_TENSOR_KEY)
     }
-
-    def tensor(pid: Any) -> torch.Tensor:
-        if type(pid) is not int or pid not in tensors:
-            raise pickle.UnpicklingError(f"checkpoint references tensor {pid!r}, which it lacks")
-        return tensors[pid]
-
-    unpickler: Any
-    if weights_only:
-        from torch import _weights_only_unpickler  # what torch.load(weights_only=True) uses
-
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(rest), encoding="utf-8")
-    else:
-        unpickler = pickle.Unpickler(io.BytesIO(rest))
-    unpickler.persistent_load = tensor
-    loaded = unpickler.load()
+    kind = _WeightsOnlyTensorUnpickler if weights_only else _TensorUnpickler
+    loaded = kind(io.BytesIO(rest), tensors).load()
     if not isinstance(loaded, dict):
         raise ValueError(f"checkpoint holds a {type(loaded).__name__}, not a Lightning dict")
     return loaded
