@@ -4,9 +4,11 @@ tierckptd, killed with SIGKILL mid-run and resumed with ``ckpt_path="last"``."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -161,4 +163,11 @@ def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
     assert ls_ids(daemon.address, NS) == ["epoch=0-step=3.ckpt"]
     plugin.remove_checkpoint(path)
     assert not path.exists() and ls_ids(daemon.address, NS) == []
+
+    # The non-tensor part is unpickled as Lightning asks: weights-only by default.
+    odd = {"state_dict": {"w": torch.ones(2)}, "extra": Fraction(1, 3)}
+    plugin.save_checkpoint(odd, tmp_path / "odd.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="Fraction"):
+        plugin.load_checkpoint(tmp_path / "odd.ckpt")
+    _assert_exact(plugin.load_checkpoint(tmp_path / "odd.ckpt", weights_only=False), odd, "odd")
     plugin.teardown()
