@@ -184,9 +184,10 @@ class TierCheckpointIO(CheckpointIO):
     Use it with a local ``ModelCheckpoint`` folder; the folder holds pointer files only:
     ``Trainer(plugins=[TierCheckpointIO("run7")], callbacks=[ModelCheckpoint(dirpath=...,
     save_last=True)])`` and ``trainer.fit(model, ckpt_path="last")``. Saving a file name
-    that exists (``last.ckpt`` every time) removes the older checkpoint first; a crash in
-    between leaves the top-k checkpoint of the same step (or use ``save_last="link"``,
-    which saves nothing twice). Only the global-zero rank saves (Lightning's strategies
+    that exists (``last.ckpt`` every time) removes the older checkpoint first, as
+    committed ids are immutable; a crash in between leaves ``last.ckpt`` naming nothing,
+    so resume from the top-k checkpoint of that step (``save_last="link"`` saves nothing
+    twice and has no such window). Only the global-zero rank saves (Lightning's strategies
     call it there), so the save runs DCP without collectives; every rank may load.
     """
 
