@@ -2,8 +2,9 @@
 so the unmodified ``amzn-sagemaker-checkpointing`` client saves into tierckpt's tiers.
 
 Modules: `protocol` (routes, names, Shard-Meta, validated where they enter),
-`checkpoints` (the seed's blobs as tierckpt checkpoints, the commit), `http` (the
-listener), `adapter` (the one narrow door into the daemon: `SeedDaemon`).
+`checkpoints` (the seed's blobs as tierckpt checkpoints, the commit), `retention` (a
+namespace's `steps_retained` window), `http` (the listener), `adapter` (the one narrow
+door into the daemon: `SeedDaemon`).
 `start_listener` is what main.py calls.
 """
 
