@@ -48,6 +48,8 @@ def start_listener(config: Config, daemon: SeedDaemon) -> SeedListener | None:
         daemon,
         allow_reset=config.listen.sagemaker_allow_reset,
     )
-    listener = SeedListener(config.listen.sagemaker, api).start()
+    listener = SeedListener(config.listen.sagemaker, api)  # bound before any thread starts
+    api.start()
+    listener.start()
     threading.Thread(target=_preload, name="tierckptd-sagemaker-preload", daemon=True).start()
     return listener

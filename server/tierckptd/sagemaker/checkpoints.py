@@ -12,7 +12,9 @@ held on some node (the cluster commit asks the peers); only committed steps are
 listed or served, so ``latest`` never names a step whose data is missing, and the
 persistent tier's steps are listed and restored like any other. Each step also carries
 an empty ``.sagemaker_steps_retained_<k>``: the namespace's window travels with its
-manifest to every node, and the committing node applies it (`retention`).
+manifest to every node, and the committing node applies it (`retention`) in the
+background once the step's metadata POST is answered: its removals (peer marks, S3)
+never hold up a save's acknowledgement.
 
 A blob sent again for a step that holds it already (a retry, a restarted job saving the
 same step) is acknowledged when its bytes are the stored ones; other bytes are refused
@@ -49,6 +51,7 @@ from tierckpt.errors import (
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE
 
+from tierckptd.jobs import JobQueue
 from tierckptd.model import CheckpointView, State
 from tierckptd.persistent.decode import decode
 from tierckptd.sagemaker.adapter import SeedDaemon
@@ -64,7 +67,7 @@ from tierckptd.sagemaker.protocol import (
 )
 from tierckptd.sagemaker.retention import apply_window
 
-__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "SeedCheckpoints"]
+__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "Retain", "SeedCheckpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,14 @@ class NamespaceConfig:
 
 
 @dataclass(frozen=True)
+class Retain:
+    """Apply a namespace's `steps_retained` window (queued once per namespace and value)."""
+
+    namespace: str
+    steps_retained: int
+
+
+@dataclass(frozen=True)
 class Blob:
     """A committed blob to send: its local, verified file and the client's digest."""
 
@@ -113,6 +124,17 @@ class SeedCheckpoints:
         self._lock = threading.Lock()
         self._configs: dict[str, NamespaceConfig] = {}
         self._retaining = threading.Lock()
+        self.retention: JobQueue[Retain] = JobQueue(
+            self._retain_job, name="tierckptd-sagemaker-retention"
+        )
+
+    def start(self) -> SeedCheckpoints:
+        """Start the retention worker."""
+        self.retention.start()
+        return self
+
+    def stop(self) -> None:
+        self.retention.stop()
 
     # ---- namespaces --------------------------------------------------------------------
     def namespace(self, namespace: str, *, relist: bool = True) -> NamespaceConfig | None:
@@ -362,7 +384,10 @@ class SeedCheckpoints:
         except BaseException:
             self.daemon.abort(ns, cid)  # the step cannot commit: nothing of it stays here
             raise
-        self.retain(ns, steps_retained)
+        self.retention.put(Retain(ns, steps_retained))
+
+    def _retain_job(self, job: Retain) -> None:
+        self.retain(job.namespace, job.steps_retained)
 
     def retain(self, namespace: str, steps_retained: int) -> list[str]:
         """Apply the namespace's window to its committed steps in memory (`retention`);

@@ -300,7 +300,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class SeedListener:
-    """The bound listener and its accept thread; `stop()` closes both."""
+    """The bound listener and its accept thread; `stop()` closes both, and stops the
+    API's retention worker."""
 
     def __init__(self, address: str, api: SeedCheckpoints) -> None:
         host, port = parse_address(address)
@@ -323,3 +324,4 @@ class SeedListener:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._server.api.stop()
