@@ -70,3 +70,21 @@ def test_routes_bench_quick_prints_every_ratio(tmp_path: Path) -> None:
     for route, figures in record["routes"].items():
         assert len(figures["save_s"]) == 4 and len(figures["load_s"]) == 1, route
         assert _finite_positive(list(record["ratios"][route].values())), route
+
+
+@pytest.mark.timeout(240)
+def test_sagemaker_api_bench_quick_prints_every_ratio(tmp_path: Path) -> None:
+    """The seed client through tierckptd and the native route each save, load bit-exact
+    and get a ratio; the stand-in column (it needs the seed's sdist: tests download
+    nothing) is skipped with its reason printed."""
+    out = tmp_path / "sagemaker_api.json"
+    proc = run_bench(
+        "bench_sagemaker_api.py", "--quick", "--no-standin", "--out", str(out), timeout=230
+    )
+    assert proc.returncode == 0, tail(proc)
+    assert "stand-in column skipped: --no-standin" in proc.stdout
+    record = json.loads(out.read_text())
+    assert set(record["routes"]) == {"seed -> tierckptd", "native"}
+    assert record["nbytes"] == 16 << 20 and record["standin_skipped"] == "--no-standin"
+    ratio = record["ratios"]["native"]
+    assert _finite_positive([ratio["steady_save"], ratio["load"]])

@@ -38,7 +38,13 @@ from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
 from tests.support.sagemaker_seed import _equal
-from tests.support.seed_client import expected_state, seed_load, seed_save_load, template_state
+from tests.support.seed_client import (
+    expected_state,
+    seed_load,
+    seed_save_load,
+    seed_save_retained,
+    template_state,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -125,37 +131,49 @@ def test_seed_client_saves_steps_and_loads_newest_bit_exact_also_through_tierckp
         }
         info = _checkpoint(daemon, "seed-job", "step_30")
         names = sorted(f.name for f in info.files)
-        assert names == [".metadata", ".sagemaker_metadata_2", "__0_0.distcp", "__1_0.distcp"]
+        assert names == [
+            ".metadata",
+            ".sagemaker_metadata_2",
+            ".sagemaker_steps_retained_3",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     finally:
         daemon.cleanup()
 
 
-def test_two_nodes_each_rank_on_its_own_node() -> None:
+def _two_nodes(stack: ExitStack) -> tuple[list[DaemonProcess], list[int]]:
+    """Two started nodes, peers of each other, `copies = 1`; and their API ports."""
     peer_ports, api_ports = free_ports(2), free_ports(2)
+    nodes = []
+    for i in range(2):
+        j = 1 - i
+        config = {
+            "node": {"id": f"n{i}", "failure_domain": f"rack{i}"},
+            "listen": {
+                "peer": f"127.0.0.1:{peer_ports[i]}",
+                "sagemaker": f"127.0.0.1:{api_ports[i]}",
+            },
+            "replication": {"copies": 1, "heal_interval": 1.0},
+            "peers": [
+                {
+                    "id": f"n{j}",
+                    "address": f"127.0.0.1:{peer_ports[j]}",
+                    "failure_domain": f"rack{j}",
+                }
+            ],
+        }
+        daemon = DaemonProcess(config, name=f"n{i}", start=False)
+        stack.callback(daemon.cleanup)
+        nodes.append(daemon)
+    for daemon in nodes:
+        daemon.start()
+    return nodes, api_ports
+
+
+def test_two_nodes_each_rank_on_its_own_node() -> None:
     with ExitStack() as stack:
-        nodes = []
-        for i in range(2):
-            j = 1 - i
-            config = {
-                "node": {"id": f"n{i}", "failure_domain": f"rack{i}"},
-                "listen": {
-                    "peer": f"127.0.0.1:{peer_ports[i]}",
-                    "sagemaker": f"127.0.0.1:{api_ports[i]}",
-                },
-                "replication": {"copies": 1, "heal_interval": 1.0},
-                "peers": [
-                    {
-                        "id": f"n{j}",
-                        "address": f"127.0.0.1:{peer_ports[j]}",
-                        "failure_domain": f"rack{j}",
-                    }
-                ],
-            }
-            daemon = DaemonProcess(config, name=f"n{i}", start=False)
-            stack.callback(daemon.cleanup)
-            nodes.append(daemon)
-        for daemon in nodes:
-            daemon.start()
+        nodes, api_ports = _two_nodes(stack)
         results = run_job(seed_save_load, 2, api_ports, "two-nodes", [1, 2], None, timeout=180)
         assert results == [{"step": 2, "exact": True}] * 2
         # Any node answers for the job: the namespace was created on node 0 only.
@@ -174,6 +192,31 @@ def test_two_nodes_each_rank_on_its_own_node() -> None:
         nodes[1].start()
         results = run_job(seed_load, 2, api_ports, "two-nodes", None, timeout=120)
         assert results == [{"step": 2, "exact": True}] * 2
+
+
+def test_steps_retained_keeps_the_newest_steps_on_every_node() -> None:
+    """The namespace is created through node 0 with steps_retained=2 (the daemons'
+    own `memory_keep_last` is unlimited); 5 steps saved, each rank through its own node:
+    both nodes list only the 2 newest, and node 1 reports the window it never saw."""
+    with ExitStack() as stack:
+        nodes, api_ports = _two_nodes(stack)
+        results = run_job(seed_save_retained, 2, api_ports, "kept", [1, 2, 3, 4, 5], 2, timeout=240)
+        assert results == [{"step": 5, "exact": True}] * 2
+        for daemon, port in zip(nodes, api_ports, strict=True):
+            base = f"http://127.0.0.1:{port}"
+            _wait_latest(base, "kept", [5, 4])
+            deadline = time.monotonic() + 30
+            while (ids := {r["id"] for r in ls_json(daemon.address, "kept")}) != {
+                "step_4",
+                "step_5",
+            }:
+                assert time.monotonic() < deadline, f"{daemon.name} lists {sorted(ids)}"
+                time.sleep(0.3)
+            config = requests.get(f"{base}/v1/cp/namespaces/kept", timeout=30).json()
+            assert config == {"num_ranks": 3, "steps_to_retain_per_rank": 2}
+        # The evicted steps are gone, not just unlisted: a GET of one is a 404 anywhere.
+        base = f"http://127.0.0.1:{api_ports[1]}"
+        assert requests.get(f"{base}/v1/cp/checkpoints/kept/0/3", timeout=30).status_code == 404
 
 
 def _wait_latest(base: str, namespace: str, want: list[int], timeout: float = 60.0) -> None:
@@ -323,8 +366,15 @@ def test_multi_block_blobs_round_trip_byte_exact_and_deletes_are_real(
     for step, size in ((1, (3 << 20) + 12345), (2, (40 << 20) + 7)):
         data = _os.urandom(size)
         assert _post(f"{ns}/0/{step}", data).status_code == 201
-        assert _post(f"{ns}/0/{step}", data).status_code == 409  # one blob per rank and step
+        assert _post(f"{ns}/0/{step}", data).status_code == 201  # a retry: same bytes
         assert _post(f"{ns}/1/{step}", meta).status_code == 201
+        # Committed: the same bytes again are acknowledged; other bytes refused (409),
+        # the body read off so the client gets the answer, and the step unchanged.
+        assert _post(f"{ns}/1/{step}", meta).status_code == 201
+        assert _post(f"{ns}/0/{step}", data).status_code == 201
+        other = _post(f"{ns}/0/{step}", data[:-1] + bytes([data[-1] ^ 1]))
+        assert other.status_code == 409
+        assert f"step {step} is committed" in other.text and "tierckpt rm raw" in other.text
         got = requests.get(f"{ns}/0/{step}")
         assert got.status_code == 200 and got.content == data
         assert got.headers["Shard-Meta"] == _shard_meta(data)
@@ -335,6 +385,17 @@ def test_multi_block_blobs_round_trip_byte_exact_and_deletes_are_real(
             assert requests.get(f"{ns}/0/1").status_code == 404
             assert requests.delete(f"{ns}/0/1").status_code == 404
     assert requests.get(f"{ns}/latest", params={"limit": 3}).json() == [2]
+
+    # An unfinished save (its metadata never came) holding other bytes: refused, and the
+    # way out the answer names (`tierckpt rm`) lets the restarted job save that step.
+    first, second = _os.urandom(5000), _os.urandom(5000)
+    assert _post(f"{ns}/0/3", first).status_code == 201
+    refused = _post(f"{ns}/0/3", second)
+    assert refused.status_code == 409 and "unfinished save of step 3" in refused.text
+    cli(daemon.address, "rm", "raw", "step_3")
+    assert _post(f"{ns}/0/3", second).status_code == 201
+    assert _post(f"{ns}/1/3", meta).status_code == 201
+    assert requests.get(f"{ns}/0/3").content == second
     assert requests.delete(f"{base}/v1/cp/namespaces/raw").ok
     assert requests.get(f"{ns}/latest").json() == []
     assert _held(daemon, "raw") == []

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["expected_state", "seed_save_load", "template_state"]
+__all__ = ["expected_state", "seed_save_load", "seed_save_retained", "template_state"]
 
 
 def expected_state(rank: int, step: int) -> dict[str, Any]:
@@ -80,3 +80,27 @@ def seed_save_load(
 def seed_load(ctx: Any, ports: list[int], namespace: str, load_step: int | None) -> dict[str, Any]:
     """Only the load of `seed_save_load`."""
     return seed_save_load(ctx, ports, namespace, [], load_step)
+
+
+def seed_save_retained(
+    ctx: Any, ports: list[int], namespace: str, steps: list[int], steps_retained: int
+) -> dict[str, Any]:
+    """Rank 0 creates the namespace with the client's own `InMemoryCheckpointClient`
+    and `steps_retained` (the writer always asks for 3 and offers no knob), then every
+    rank saves `steps` with the seed writer and loads the newest."""
+    import torch.distributed as dist
+    from amzn_sagemaker_checkpointing.storage.clients.inmemory.inmemory_client import (
+        InMemoryCheckpointClient,
+    )
+
+    _point_at(ports[ctx.rank % len(ports)])
+    if ctx.rank == 0:
+        client = InMemoryCheckpointClient(
+            namespace, rank="0", world_size=str(ctx.world_size), steps_retained=steps_retained
+        )
+        try:
+            client.get_or_create_namespace()
+        finally:
+            client.close()
+    dist.barrier()
+    return seed_save_load(ctx, ports, namespace, steps, None)

@@ -16,7 +16,7 @@ from tierckpt.errors import CheckpointExists, CheckpointNotFound
 
 from tierckptd.catalog import Catalog
 from tierckptd.commit import CommitCoordinator
-from tierckptd.model import CheckpointView, FileRecord
+from tierckptd.model import CheckpointView, FileRecord, State
 from tierckptd.rpc.daemon_service import ClusterMarks, Discovery, LocalCopy
 
 __all__ = ["DaemonAdapter", "SeedDaemon"]
@@ -77,6 +77,22 @@ class SeedDaemon(Protocol):
         """Namespaces this node holds checkpoints of."""
         ...
 
+    def state(self, namespace: str, checkpoint_id: str) -> State | None:
+        """This node's state of a save (WRITING, COMMITTED) or None when unknown here."""
+        ...
+
+    def held_file(
+        self, namespace: str, checkpoint_id: str, name: str
+    ) -> tuple[FileRecord, str] | None:
+        """This node's sealed copy of one file of a save, writing or committed: (record,
+        path); None when this node holds none."""
+        ...
+
+    def memory_held(self, namespace: str) -> set[str]:
+        """Ids of the namespace's committed checkpoints memory retention must keep here
+        (due for the persistent tier and not durable there yet: invariant 6)."""
+        ...
+
 
 class DaemonAdapter:
     """`SeedDaemon` on the daemon's catalog, commit coordinator, cluster marks and
@@ -105,7 +121,8 @@ class DaemonAdapter:
 
     def open_file(self, namespace: str, checkpoint_id: str, name: str, rank: int, size: int) -> str:
         if name in self.catalog.local_committed_files(namespace, checkpoint_id):
-            # Before reserving: a blob sent twice is a conflict, never a budget question.
+            # Before reserving: a blob sent twice is a conflict, never a budget question
+            # (`SeedCheckpoints.put` answers an identical one before it gets here).
             raise CheckpointExists(
                 f"{namespace}/{checkpoint_id}: {name} is already stored on node "
                 f"{self.catalog.node_id}; a step's blob is written once"
@@ -170,3 +187,17 @@ class DaemonAdapter:
 
     def namespaces(self) -> set[str]:
         return set(self.catalog.status().namespaces)
+
+    def state(self, namespace: str, checkpoint_id: str) -> State | None:
+        return self.catalog.holdings(namespace, checkpoint_id)[0]
+
+    def held_file(
+        self, namespace: str, checkpoint_id: str, name: str
+    ) -> tuple[FileRecord, str] | None:
+        f = self.catalog.local_committed_files(namespace, checkpoint_id).get(name)
+        if f is None:
+            return None
+        return f, str(self.catalog.tier.file_path(namespace, checkpoint_id, name))
+
+    def memory_held(self, namespace: str) -> set[str]:
+        return {cid for ns, cid in self.catalog.due_not_durable() if ns == namespace}

@@ -10,7 +10,15 @@
 A step is committed when its metadata blob arrives and every data file it names is
 held on some node (the cluster commit asks the peers); only committed steps are
 listed or served, so ``latest`` never names a step whose data is missing, and the
-persistent tier's steps are listed and restored like any other.
+persistent tier's steps are listed and restored like any other. Each step also carries
+an empty ``.sagemaker_steps_retained_<k>``: the namespace's window travels with its
+manifest to every node, and the committing node applies it (`retention`) in the
+background once the step's metadata POST is answered: its removals (peer marks, S3)
+never hold up a save's acknowledgement.
+
+A blob sent again for a step that holds it already (a retry, a restarted job saving the
+same step) is acknowledged when its bytes are the stored ones; other bytes are refused
+(409, naming the step and how to free it): a step is written once.
 
 Blob bodies go from the socket into the memory-tier file in 1 MiB chunks (one buffer,
 reused), hashed on the way for the client's xxh3-128 and for the daemon's block
@@ -32,6 +40,7 @@ import xxhash
 from tierckpt.checksum import DEFAULT_BLOCK_SIZE, BlockChecksums, checksum_bytes
 from tierckpt.dcp_metadata import MAX_METADATA_BYTES
 from tierckpt.errors import (
+    CheckpointExists,
     CheckpointIncomplete,
     CheckpointNotFound,
     ChecksumMismatch,
@@ -42,6 +51,7 @@ from tierckpt.errors import (
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE
 
+from tierckptd.jobs import JobQueue
 from tierckptd.model import CheckpointView, State
 from tierckptd.persistent.decode import decode
 from tierckptd.sagemaker.adapter import SeedDaemon
@@ -51,10 +61,13 @@ from tierckptd.sagemaker.protocol import (
     data_file,
     metadata_file,
     metadata_rank,
+    retention_file,
+    retention_of,
     step_of,
 )
+from tierckptd.sagemaker.retention import apply_window
 
-__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "SeedCheckpoints"]
+__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "Retain", "SeedCheckpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +99,14 @@ class NamespaceConfig:
 
 
 @dataclass(frozen=True)
+class Retain:
+    """Apply a namespace's `steps_retained` window (queued once per namespace and value)."""
+
+    namespace: str
+    steps_retained: int
+
+
+@dataclass(frozen=True)
 class Blob:
     """A committed blob to send: its local, verified file and the client's digest."""
 
@@ -102,6 +123,18 @@ class SeedCheckpoints:
         self.allow_reset = allow_reset
         self._lock = threading.Lock()
         self._configs: dict[str, NamespaceConfig] = {}
+        self._retaining = threading.Lock()
+        self.retention: JobQueue[Retain] = JobQueue(
+            self._retain_job, name="tierckptd-sagemaker-retention"
+        )
+
+    def start(self) -> SeedCheckpoints:
+        """Start the retention worker."""
+        self.retention.start()
+        return self
+
+    def stop(self) -> None:
+        self.retention.stop()
 
     # ---- namespaces --------------------------------------------------------------------
     def namespace(self, namespace: str, *, relist: bool = True) -> NamespaceConfig | None:
@@ -114,7 +147,8 @@ class SeedCheckpoints:
         for view in reversed(self.daemon.committed(namespace, relist=relist)):
             rank = _metadata_rank_of(view)
             if rank is not None:
-                learnt = NamespaceConfig(rank + 1, DEFAULT_STEPS_RETAINED)
+                kept = next(filter(None, map(retention_of, (f.name for f in view.files))), None)
+                learnt = NamespaceConfig(rank + 1, kept or DEFAULT_STEPS_RETAINED)
                 with self._lock:  # kept: the coordinator's metadata POST needs it next
                     return self._configs.setdefault(namespace, learnt)
         return None
@@ -191,12 +225,85 @@ class SeedCheckpoints:
                 f"{config.num_ranks} ranks (data 0..{config.num_ranks - 2}, metadata "
                 f"{config.num_ranks - 1})"
             )
+        stored = self._stored_digest(namespace, rank, step)
+        if stored is not None:
+            self._put_again(namespace, rank, step, size, digest, body, stored)
         # A node that has not seen the namespace (the coordinator created it on its own
         # node) takes data blobs: only the coordinator, which created it, sends metadata.
-        if config is not None and rank == config.num_ranks - 1:
-            self._put_metadata(namespace, rank, step, size, digest, body)
+        elif config is not None and rank == config.num_ranks - 1:
+            self._put_metadata(namespace, rank, step, size, digest, body, config.steps_retained)
         else:
             self._put_data(namespace, rank, step, size, digest, body)
+
+    def _stored_digest(self, ns: str, rank: int, step: int) -> bytes | None:
+        """The xxh3-128 of rank `rank`'s blob this step already holds (committed: from
+        any tier; an unfinished save: this node's sealed copy), verified; None if none.
+
+        Raises:
+            CheckpointExists: the step is committed without a blob of that rank.
+        """
+        cid = checkpoint_id_of(step)
+        state = self.daemon.state(ns, cid)
+        if state is State.COMMITTED:
+            blob = self.get(ns, rank, step)
+            if blob is None:
+                raise CheckpointExists(
+                    f"{ns} step {step} is committed without a blob of rank {rank}; a step "
+                    f"is written once: save a new step, or remove step {step} first "
+                    f"(`tierckpt rm {ns} {cid}`)"
+                )
+            return blob.digest
+        if state is not State.WRITING:
+            return None
+        for name in (data_file(rank), metadata_file(rank)):
+            held = self.daemon.held_file(ns, cid, name)
+            checksums = held[0].checksums if held is not None else None
+            if held is None or checksums is None:
+                continue
+            try:
+                return _verified_digest(held[1], held[0].size, checksums, f"{ns}/{cid}/{name}")
+            except FileNotFoundError:
+                return None  # the unfinished save was collected meanwhile
+        return None
+
+    def _put_again(
+        self,
+        ns: str,
+        rank: int,
+        step: int,
+        size: int,
+        digest: bytes,
+        body: ReadInto,
+        stored: bytes,
+    ) -> None:
+        """A blob the step holds already: the body is read (so the client gets the
+        answer, not a reset connection) and checked; the same bytes are acknowledged,
+        other bytes refused."""
+        whole = xxhash.xxh3_128()
+        _stream(body, size, whole.update)
+        what = f"{ns}/{rank}/{step}"
+        _check_digest(whole.digest(), digest, what)
+        if digest == stored:
+            logger.info("sagemaker API: %s sent again with the stored bytes: acknowledged", what)
+            return
+        cid = checkpoint_id_of(step)
+        if self.daemon.state(ns, cid) is State.COMMITTED:
+            how = (
+                f"step {step} is committed and a committed step is written once: save "
+                f"under a new step, or remove step {step} on every node first "
+                f"(DELETE /v1/cp/checkpoints/{ns}/{rank}/{step}, or `tierckpt rm {ns} {cid}`) "
+                "and save it again"
+            )
+        else:
+            how = (
+                f"an unfinished save of step {step} (its metadata blob never arrived) holds "
+                f"it on this node: `tierckpt rm {ns} {cid}` drops that save, as the daemon "
+                "does once it has been idle for [memory] abandon_after"
+            )
+        raise CheckpointExists(
+            f"{ns} step {step}: rank {rank}'s blob is already stored with other bytes "
+            f"(xxh3-128 {stored.hex()}, this body's {digest.hex()}); nothing was changed; " + how
+        )
 
     def _put_data(
         self, ns: str, rank: int, step: int, size: int, digest: bytes, body: ReadInto
@@ -228,7 +335,14 @@ class SeedCheckpoints:
             raise
 
     def _put_metadata(
-        self, ns: str, rank: int, step: int, size: int, digest: bytes, body: ReadInto
+        self,
+        ns: str,
+        rank: int,
+        step: int,
+        size: int,
+        digest: bytes,
+        body: ReadInto,
+        steps_retained: int,
     ) -> None:
         if size > MAX_METADATA_BYTES:
             raise BodyTooLarge(
@@ -256,16 +370,38 @@ class SeedCheckpoints:
         cid = checkpoint_id_of(step)
         self.daemon.begin(ns, cid, rank)
         try:
-            for name, data in ((metadata_file(rank), blob), (METADATA_FILE, stock)):
+            own = (
+                (metadata_file(rank), blob),
+                (METADATA_FILE, stock),
+                (retention_file(steps_retained), b""),
+            )
+            for name, data in own:
                 path = self.daemon.open_file(ns, cid, name, rank, len(data))
                 _write_file(path, data)
                 self.daemon.commit_file(ns, cid, name, rank, len(data), checksums_of(data))
-            required = [data_file(r) for r in sorted(items)]
-            required += [metadata_file(rank), METADATA_FILE]
+            required = [data_file(r) for r in sorted(items)] + [name for name, _ in own]
             self.daemon.commit(ns, cid, required)
         except BaseException:
             self.daemon.abort(ns, cid)  # the step cannot commit: nothing of it stays here
             raise
+        self.retention.put(Retain(ns, steps_retained))
+
+    def _retain_job(self, job: Retain) -> None:
+        self.retain(job.namespace, job.steps_retained)
+
+    def retain(self, namespace: str, steps_retained: int) -> list[str]:
+        """Apply the namespace's window to its committed steps in memory (`retention`);
+        the ids removed. One pass at a time: two commits never remove the same step."""
+        with self._retaining:
+            steps = [
+                v
+                for v in self.daemon.committed(namespace, relist=False)
+                if step_of(v.checkpoint_id) is not None
+                and _metadata_rank_of(v) is not None
+                and "foreign" not in v.tiers
+                and ("memory" in v.tiers or "peer" in v.tiers or v.state is State.LOST)
+            ]
+            return apply_window(self.daemon, namespace, steps, steps_retained)
 
     # ---- loads -------------------------------------------------------------------------
     def latest(self, namespace: str, limit: int) -> list[int]:

@@ -49,6 +49,7 @@ from tierckptd.sagemaker.protocol import (
     DEFAULT_STEPS_RETAINED,
     MAX_LIMIT,
     MAX_RANK,
+    MAX_STEPS_RETAINED,
     NoRoute,
     Route,
     Target,
@@ -199,7 +200,9 @@ class _Handler(BaseHTTPRequestHandler):
             num_ranks = query_int(target.query, "num_ranks", -1, 2, MAX_RANK)
             if num_ranks < 0:
                 raise InvalidArgument("query parameter num_ranks is required")
-            kept = query_int(target.query, "steps_retained", DEFAULT_STEPS_RETAINED, 1, 1 << 20)
+            kept = query_int(
+                target.query, "steps_retained", DEFAULT_STEPS_RETAINED, 1, MAX_STEPS_RETAINED
+            )
             self._json(api.create_namespace(target.namespace, num_ranks, kept).to_json())
         elif route is Route.NAMESPACE and method == "DELETE":
             removed = api.delete_namespace(target.namespace)
@@ -297,7 +300,8 @@ class _Server(ThreadingHTTPServer):
 
 
 class SeedListener:
-    """The bound listener and its accept thread; `stop()` closes both."""
+    """The bound listener and its accept thread; `stop()` closes both, and stops the
+    API's retention worker."""
 
     def __init__(self, address: str, api: SeedCheckpoints) -> None:
         host, port = parse_address(address)
@@ -320,3 +324,4 @@ class SeedListener:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._server.api.stop()
