@@ -35,13 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.support import moto_s3
 from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
-from tests.support.dcp_files import (
-    SavedCheckpoint,
-    assert_state_equal,
-    load_target,
-    save_checkpoint,
-)
-from tests.support.legacy_dcp import LegacyTensorProperties, save_legacy_checkpoint
+from tests.support.dcp_files import assert_state_equal, load_target, make_state, save_checkpoint
+from tests.support.legacy_dcp import LegacyTensorProperties, legacy_properties
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, raw_save
 
@@ -155,32 +150,37 @@ def test_the_reader_refuses_a_hostile_metadata(
     assert not marker.exists()
 
 
-def _load_through_the_reader(address: str, saved: SavedCheckpoint) -> None:
-    target = load_target(saved.state)
+def _load_every_way(address: str, state: dict[str, Any]) -> None:
+    """Through the tierckpt reader and through a stock ``tierckpt://`` load (fsspec)."""
+    target = load_target(state)
     dcp.load(target, storage_reader=TieredStorageReader("legacy", daemon=address))
-    assert_state_equal(actual=target, expected=saved.state, what="legacy checkpoint")
+    assert_state_equal(actual=target, expected=state, what="through TieredStorageReader")
+    target = load_target(state)
+    dcp.load(target, checkpoint_id="tierckpt://legacy/step-1")
+    assert_state_equal(actual=target, expected=state, what="through tierckpt://")
 
 
-def test_a_legacy_sharded_tensor_checkpoint_drains_restores_and_loads(
+def test_a_legacy_sharded_tensor_checkpoint_saves_drains_restores_and_loads(
     drainer_node: tuple[DaemonProcess, DaemonClient, str],
     s3: moto_s3.S3Bucket,
-    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """DCP's compatibility contract through real daemons: a checkpoint whose `.metadata`
-    names the legacy sharded-tensor TensorProperties (torch < 2.2) drains (decoded and
+    """DCP's compatibility contract (torch's test_sharded_tensor_dependency) through real
+    daemons: a stock save whose `.metadata` names the legacy sharded-tensor
+    TensorProperties (as torch < 2.2 wrote it) commits, drains (decoded and
     zstd-rewritten by the daemon's allow-list decoder), loads through the client, and
     loads again once every memory copy is gone and only S3 holds it."""
     daemon, client, _ = drainer_node
-    saved = save_legacy_checkpoint(tmp_path / "legacy")
-    raw_save(client, "legacy", "step-1", saved.files())
+    monkeypatch.setenv("TIERCKPT_DAEMON", daemon.address)
+    state = make_state(seed=3)
+    with legacy_properties():
+        dcp.save(state, checkpoint_id="tierckpt://legacy/step-1")
     wait_for(lambda: "persistent" in tiers(client, "legacy", "step-1"), what="durable")
     assert "drain-failed" not in tiers(client, "legacy", "step-1")
-    drained = s3.fs().cat_file(f"{s3.name}/legacy/step-1/.metadata")
-    tensors = [
-        e for e in load_metadata(drained).state_dict_metadata.values() if hasattr(e, "properties")
-    ]
+    drained = load_metadata(s3.fs().cat_file(f"{s3.name}/legacy/step-1/.metadata"))
+    tensors = [e for e in drained.state_dict_metadata.values() if hasattr(e, "properties")]
     assert tensors and all(type(e.properties) is LegacyTensorProperties for e in tensors)
-    _load_through_the_reader(daemon.address, saved)
+    _load_every_way(daemon.address, state)
 
     daemon.kill9()
     shutil.rmtree(daemon.memory_dir, ignore_errors=True)
@@ -188,7 +188,7 @@ def test_a_legacy_sharded_tensor_checkpoint_drains_restores_and_loads(
     restarted = DaemonClient(daemon.address, timeout_s=30)
     try:
         assert tiers(restarted, "legacy", "step-1") == ("persistent",)
-        _load_through_the_reader(daemon.address, saved)
+        _load_every_way(daemon.address, state)
     finally:
         restarted.close()
 

@@ -9,6 +9,8 @@ bytes are what ``FileSystemWriter.finish`` pickles, not a hand-made imitation.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -20,15 +22,27 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 
 from tests.support.dcp_files import SavedCheckpoint, make_state
 
-__all__ = ["LEGACY_MODULE", "LegacyTensorProperties", "save_legacy_checkpoint"]
+__all__ = [
+    "LEGACY_MODULE",
+    "LegacyTensorProperties",
+    "legacy_properties",
+    "save_legacy_checkpoint",
+]
 
 LEGACY_MODULE = "torch.distributed._shard.sharded_tensor.metadata"
+
+
+@contextmanager
+def legacy_properties() -> Iterator[None]:
+    """Within it, a stock ``dcp.save`` (to any storage writer) records legacy properties."""
+    with patch("torch.distributed.checkpoint.metadata.TensorProperties", LegacyTensorProperties):
+        yield
 
 
 def save_legacy_checkpoint(directory: Path, state: dict[str, Any] | None = None) -> SavedCheckpoint:
     """A one-rank checkpoint in `directory` whose tensors' properties are legacy ones."""
     state = make_state() if state is None else state
-    with patch("torch.distributed.checkpoint.metadata.TensorProperties", LegacyTensorProperties):
+    with legacy_properties():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)))
     raw = (directory / ".metadata").read_bytes()
     assert LEGACY_MODULE.encode() in raw and b"MEM_FORMAT_ENCODING" in raw
