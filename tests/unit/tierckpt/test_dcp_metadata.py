@@ -351,3 +351,23 @@ def test_the_sharded_tensor_classes_dcp_never_writes_stay_refused() -> None:
     entry = TensorStorageMetadata(StorageMeta(), size, [])  # type: ignore[arg-type]
     why = _refused_inside_metadata(state_dict_metadata={"w": entry})
     assert "has no TensorProperties" in why
+
+
+def test_every_class_of_dcps_metadata_types_resolves_and_nothing_beside_it() -> None:
+    """Read from DCP's types: every class `torch.distributed.checkpoint.metadata` exports
+    (a new one in a later torch fails here until it is reviewed), the enum its
+    TensorProperties pickles, the file system's `_StorageInfo` and the legacy pair resolve;
+    DCP's planner and storage types, which never reach `.metadata`, do not."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    exported = [getattr(dcp_metadata, name) for name in dcp_metadata.__all__]
+    classes = [c for c in exported if isinstance(c, type)]
+    admitted = [*classes, _MEM_FORMAT_ENCODING, _StorageInfo, LegacyTensorProperties]
+    admitted.append(MEM_FORMAT_ENCODING)
+    md = load_metadata(pickle.dumps(dataclasses.replace(_good(), planner_data=admitted)))
+    assert md.planner_data == admitted
+    for other in (WriteItem, SavePlan, WriteResult, ShardMetadata, ShardedTensorMetadata):
+        with pytest.raises(UnsafeMetadata, match=other.__name__):
+            load_metadata(pickle.dumps(dataclasses.replace(_good(), planner_data=other)))
