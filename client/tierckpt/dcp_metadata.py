@@ -3,11 +3,26 @@
 `.metadata` is a pickle (DCP's format), and its bytes come from ranks, peers and buckets,
 none of which the daemon or a training process may trust: ``pickle.loads`` on it runs
 whatever ``__reduce__`` the writer chose. `load_metadata` resolves only the globals a
-real DCP `.metadata` refers to (torch 2.6 to 2.13, with or without the zstd stream
-extension; found with ``pickletools.dis`` on ``dcp.save`` output): DCP's metadata
-dataclasses, ``torch.Size``, dtypes and layouts, ``pathlib`` paths (``storage_meta``'s
-checkpoint id) and a few builtin containers. Every one of them is inert to construct. No
-callable that reaches the filesystem, the interpreter or torch storages is admitted.
+real DCP `.metadata` refers to (`_ALLOWED`, each entry with its reason): DCP's metadata
+dataclasses, the legacy sharded-tensor ``TensorProperties`` older checkpoints carry,
+``torch.Size``, dtypes and layouts, ``pathlib`` paths (``storage_meta``'s checkpoint id)
+and a few builtin containers. Every one of them is inert to construct. No callable that
+reaches the filesystem, the interpreter or torch storages is admitted.
+
+The list was read from DCP's own types, not found by trial: what ``FileSystemWriter``
+(and ``FsspecWriter``, which shares it) pickles into `.metadata` is one `Metadata`
+whose fields hold only the classes of ``torch.distributed.checkpoint.metadata``,
+``filesystem._StorageInfo`` and what those classes' fields and ``__getstate__`` hold.
+Checked against torch 2.13.0 (installed) and torch's published sources of 2.6 (same
+classes; 2.7 added ``Metadata.version``, 2.8 ``_StorageInfo.transform_descriptors``:
+fields, no new class) and of 2.1, whose DCP imported ``TensorProperties`` from
+``torch.distributed._shard.sharded_tensor.metadata``: a checkpoint it wrote names that
+class and its ``MEM_FORMAT_ENCODING``, and DCP still loads it (torch's
+``test_compatibility.py::test_sharded_tensor_dependency``). Deliberately not admitted:
+``ShardMetadata`` / ``ShardedTensorMetadata`` (``torch.distributed._shard``), which DCP
+never writes (it turns a ShardedTensor into `ChunkStorageMetadata` chunks) and whose
+placement builds a ``_remote_device``; the planner's ``WriteItem``/``SavePlan`` and
+``storage.WriteResult``, exchanged between ranks but never stored in `.metadata`.
 
 What the allow-list alone would not stop:
 
@@ -109,22 +124,30 @@ _MAX_INT = 2**63 - 1
 _SHOWN = 64  # characters of a refused name or value that go into an error message
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_LEGACY_METADATA = "torch.distributed._shard.sharded_tensor.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 _ALLOWED: dict[str, frozenset[str]] = {
+    # DCP's metadata types (2.2+: TensorProperties and its encoding live here).
     _DCP_METADATA: frozenset(
         {
-            "Metadata",
-            "MetadataIndex",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
+            "Metadata",  # the root object FileSystemWriter.finish pickles
+            "MetadataIndex",  # the keys of Metadata.storage_data
+            "TensorStorageMetadata",  # a tensor's entry in state_dict_metadata
+            "BytesStorageMetadata",  # a non-tensor (torch.save'd) entry
+            "ChunkStorageMetadata",  # TensorStorageMetadata.chunks
+            "TensorProperties",  # TensorStorageMetadata.properties
+            "StorageMeta",  # Metadata.storage_meta (2.4+)
+            "_MEM_FORMAT_ENCODING",  # TensorProperties.__getstate__ (memory_format)
         }
     ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch": frozenset({"Size"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # how a torch.layout pickles
+    # Before 2.2, DCP's TensorProperties was sharded_tensor's: checkpoints of those
+    # versions name it and its encoding, and DCP guarantees they still load.
+    _LEGACY_METADATA: frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
+    # The values of Metadata.storage_data (FileSystemWriter and FsspecWriter).
+    _FILESYSTEM: frozenset({"_StorageInfo"}),
+    "torch": frozenset({"Size"}),  # sizes, chunk offsets and sizes, MetadataIndex.offset
+    # dtypes and memory formats pickle as torch.<name> (see find_class); a layout as:
+    "torch.serialization": frozenset({"_get_layout"}),
     # StorageMeta.checkpoint_id may be a path (FileSystemWriter passes one).
     "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
     "pathlib._local": frozenset({"PosixPath", "PurePosixPath"}),  # Python 3.13+
@@ -133,10 +156,16 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
 }
 
+_ENUMS = frozenset(
+    {(_DCP_METADATA, "_MEM_FORMAT_ENCODING"), (_LEGACY_METADATA, "MEM_FORMAT_ENCODING")}
+)
+"""Admitted globals a REDUCE hands a member of (never a fresh object a BUILD may fill)."""
+
 # Fresh objects a BUILD may fill, and containers SETITEM/APPENDS/ADDITEMS may fill.
 _FRESH = frozenset(
-    {(_DCP_METADATA, name) for name in _ALLOWED[_DCP_METADATA] - {"_MEM_FORMAT_ENCODING"}}
-    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    {(module, name) for module in (_DCP_METADATA, _LEGACY_METADATA) for name in _ALLOWED[module]}
+    - _ENUMS
+    | {(_FILESYSTEM, "_StorageInfo")}
     | {(module, name) for module in ("pathlib", "pathlib._local") for name in _ALLOWED[module]}
 )
 _CONTAINERS = frozenset({("collections", "OrderedDict"), ("builtins", "set")})
@@ -262,6 +291,7 @@ def _guarded(with_torch: bool) -> tuple[Any, ...]:
     the enum members a `REDUCE` hands out (process-wide singletons); torch's only when
     `with_torch` (importing it)."""
     if with_torch:
+        import torch.distributed._shard.sharded_tensor.metadata  # noqa: F401
         import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules
         import torch.distributed.checkpoint.metadata  # noqa: F401
 
@@ -315,6 +345,9 @@ def _check_shape(md: object, what: str) -> None:
     if type(md).__module__ != _DCP_METADATA:  # before importing torch (a bomb never does)
         raise _refuse(what, f"it holds a {type(md).__name__}, not a Metadata")
     import torch
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        TensorProperties as LegacyTensorProperties,
+    )
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -335,7 +368,7 @@ def _check_shape(md: object, what: str) -> None:
         if type(fqn) is not str:
             raise _refuse(what, f"state_dict_metadata key {_shown(fqn)} is not a str")
         if type(entry) is TensorStorageMetadata:
-            if type(entry.properties) is not TensorProperties:
+            if type(entry.properties) not in (TensorProperties, LegacyTensorProperties):
                 raise _refuse(what, f"{_shown(fqn)} has no TensorProperties")
             if type(entry.size) is not torch.Size or not isinstance(entry.chunks, list):
                 raise _refuse(what, f"{_shown(fqn)} has a malformed size or chunk list")

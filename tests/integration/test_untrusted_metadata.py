@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shlex
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import grpc
 import pytest
 import torch.distributed.checkpoint as dcp
 from tierckpt.daemon_client import DaemonClient
+from tierckpt.dcp_metadata import load_metadata
 from tierckpt.errors import UnsafeMetadata
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
@@ -33,7 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.support import moto_s3
 from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
-from tests.support.dcp_files import save_checkpoint
+from tests.support.dcp_files import assert_state_equal, load_target, make_state, save_checkpoint
+from tests.support.legacy_dcp import LegacyTensorProperties, legacy_properties
 from tests.support.ports import free_ports
 from tests.support.raw_rpc import file_entry, raw_save
 
@@ -145,6 +148,49 @@ def test_the_reader_refuses_a_hostile_metadata(
     with pytest.raises(CheckpointException, match=r"refused.*posix\.system"):
         dcp.load({"x": 1}, storage_reader=TieredStorageReader("victim-job", daemon=daemon.address))
     assert not marker.exists()
+
+
+def _load_every_way(address: str, state: dict[str, Any]) -> None:
+    """Through the tierckpt reader and through a stock ``tierckpt://`` load (fsspec)."""
+    target = load_target(state)
+    dcp.load(target, storage_reader=TieredStorageReader("legacy", daemon=address))
+    assert_state_equal(actual=target, expected=state, what="through TieredStorageReader")
+    target = load_target(state)
+    dcp.load(target, checkpoint_id="tierckpt://legacy/step-1")
+    assert_state_equal(actual=target, expected=state, what="through tierckpt://")
+
+
+def test_a_legacy_sharded_tensor_checkpoint_saves_drains_restores_and_loads(
+    drainer_node: tuple[DaemonProcess, DaemonClient, str],
+    s3: moto_s3.S3Bucket,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DCP's compatibility contract (torch's test_sharded_tensor_dependency) through real
+    daemons: a stock save whose `.metadata` names the legacy sharded-tensor
+    TensorProperties (as torch < 2.2 wrote it) commits, drains (decoded and
+    zstd-rewritten by the daemon's allow-list decoder), loads through the client, and
+    loads again once every memory copy is gone and only S3 holds it."""
+    daemon, client, _ = drainer_node
+    monkeypatch.setenv("TIERCKPT_DAEMON", daemon.address)
+    state = make_state(seed=3)
+    with legacy_properties():
+        dcp.save(state, checkpoint_id="tierckpt://legacy/step-1")
+    wait_for(lambda: "persistent" in tiers(client, "legacy", "step-1"), what="durable")
+    assert "drain-failed" not in tiers(client, "legacy", "step-1")
+    drained = load_metadata(s3.fs().cat_file(f"{s3.name}/legacy/step-1/.metadata"))
+    tensors = [e for e in drained.state_dict_metadata.values() if hasattr(e, "properties")]
+    assert tensors and all(type(e.properties) is LegacyTensorProperties for e in tensors)
+    _load_every_way(daemon.address, state)
+
+    daemon.kill9()
+    shutil.rmtree(daemon.memory_dir, ignore_errors=True)
+    daemon.start()
+    restarted = DaemonClient(daemon.address, timeout_s=30)
+    try:
+        assert tiers(restarted, "legacy", "step-1") == ("persistent",)
+        _load_every_way(daemon.address, state)
+    finally:
+        restarted.close()
 
 
 class Mallory(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]

@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
     header = json.loads(stdin.read(header_length))
     raw = stdin.read()
     if b"torch" in raw:  # the classes it names; a bomb of plain containers never does
+        import torch.distributed._shard.sharded_tensor.metadata  # noqa: F401 (legacy DCP)
         import torch.distributed.checkpoint.filesystem  # noqa: F401
         import torch.distributed.checkpoint.metadata  # noqa: F401
     import tierckpt.dcp_metadata  # noqa: F401

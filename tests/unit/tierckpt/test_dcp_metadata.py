@@ -16,17 +16,26 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tierckpt.dcp_metadata import dump_metadata, load_metadata
 from tierckpt.errors import InvalidArgument, UnsafeMetadata
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import (
+    MEM_FORMAT_ENCODING,
+    ShardedTensorMetadata,
+)
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.serialization import _get_layout
 
 from tests.support.dcp_files import make_state, save_two_rank_checkpoint
+from tests.support.legacy_dcp import LEGACY_MODULE, LegacyTensorProperties, save_legacy_checkpoint
 
 _DTYPES = [
     "float32", "float16", "bfloat16", "float64", "int8", "int16", "int32", "int64",
@@ -243,6 +252,7 @@ def test_build_onto_admitted_globals_is_undone_and_refused() -> None:
     md_module = "torch.distributed.checkpoint.metadata"
     hash_before = MetadataIndex.__hash__
     member = _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
+    legacy_member = MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST
     payloads = {
         "new class attribute": (
             b"\x80\x04" + _global(md_module, "Metadata") + b"N}" + _str("evil") + _str("x")
@@ -254,6 +264,14 @@ def test_build_onto_admitted_globals_is_undone_and_refused() -> None:
         ),
         "enum member": (
             b"\x80\x04" + _global(md_module, "_MEM_FORMAT_ENCODING") + b"K\x01\x85R}"
+            + _str("_value_") + b"K\x07sb."
+        ),
+        "legacy class attribute": (
+            b"\x80\x04" + _global(LEGACY_MODULE, "TensorProperties") + b"N}" + _str("evil")
+            + _str("x") + b"s\x86b."
+        ),
+        "legacy enum member": (
+            b"\x80\x04" + _global(LEGACY_MODULE, "MEM_FORMAT_ENCODING") + b"K\x01\x85R}"
             + _str("_value_") + b"K\x07sb."
         ),
         "layout cache": (
@@ -268,6 +286,88 @@ def test_build_onto_admitted_globals_is_undone_and_refused() -> None:
         assert not hasattr(Metadata, "evil"), what
         assert MetadataIndex.__hash__ is hash_before, what
         assert member._value_ == 1 and _MEM_FORMAT_ENCODING(1) is member, what
+        assert not hasattr(LegacyTensorProperties, "evil"), what
+        assert legacy_member._value_ == 1 and MEM_FORMAT_ENCODING(1) is legacy_member, what
         assert vars(_get_layout)["cache"] is cache_before, what
     props = TensorProperties(dtype=torch.float32, memory_format=torch.channels_last)
     assert pickle.loads(pickle.dumps(props)).memory_format == torch.channels_last
+
+
+# ---- the legacy sharded-tensor metadata (torch < 2.2 checkpoints) ---------------------
+
+
+def test_a_legacy_sharded_tensor_metadata_loads_like_pickle(tmp_path: Path) -> None:
+    """DCP's compatibility contract: a `.metadata` naming sharded_tensor's TensorProperties
+    (written by a stock save, as torch's own test writes it) loads, and re-pickles as such."""
+    raw = save_legacy_checkpoint(tmp_path).metadata
+    md = load_metadata(raw, what="ns/legacy/.metadata")
+    assert md == pickle.loads(raw)
+    tensors = [e for e in md.state_dict_metadata.values() if type(e) is TensorStorageMetadata]
+    assert tensors and all(type(e.properties) is LegacyTensorProperties for e in tensors)
+    assert load_metadata(dump_metadata(md)) == md  # what rewrite_metadata re-pickles
+
+
+@pytest.mark.parametrize(
+    "memory_format", [torch.contiguous_format, torch.channels_last, torch.preserve_format]
+)
+def test_legacy_properties_keep_their_fields(memory_format: torch.memory_format) -> None:
+    props = LegacyTensorProperties(
+        dtype=torch.bfloat16, requires_grad=True, memory_format=memory_format, pin_memory=True
+    )
+    size = torch.Size([2, 3])
+    md = dataclasses.replace(
+        _good(),
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                props, size, [ChunkStorageMetadata(torch.Size([0, 0]), size)]
+            )
+        },
+    )
+    got = load_metadata(pickle.dumps(md)).state_dict_metadata["w"]
+    assert got == md.state_dict_metadata["w"]
+    assert got.properties.memory_format == memory_format  # type: ignore[union-attr]
+
+
+def _refused_inside_metadata(**fields: Any) -> str:
+    with pytest.raises(UnsafeMetadata) as refused:
+        load_metadata(pickle.dumps(dataclasses.replace(_good(), **fields)))
+    return str(refused.value)
+
+
+def test_the_sharded_tensor_classes_dcp_never_writes_stay_refused() -> None:
+    """Only the two legacy classes DCP pickled are admitted: the rest of the sharded-tensor
+    metadata (its module's ShardedTensorMetadata, ShardMetadata and its remote device)
+    is still refused, wherever it sits."""
+    shard = ShardMetadata([0], [4])
+    assert "ShardedTensorMetadata" in _refused_inside_metadata(
+        planner_data=ShardedTensorMetadata([], torch.Size([4]))
+    )
+    assert "ShardMetadata" in _refused_inside_metadata(planner_data={"w": shard})
+    assert "ShardMetadata" in _refused_inside_metadata(storage_meta=shard)
+    placed = ShardMetadata([0], [4], "rank:0/cpu")
+    assert "_remote_device" in _refused_inside_metadata(planner_data=[placed])
+    # An admitted class in the wrong place is the wrong shape.
+    size = torch.Size([4])
+    entry = TensorStorageMetadata(StorageMeta(), size, [])  # type: ignore[arg-type]
+    why = _refused_inside_metadata(state_dict_metadata={"w": entry})
+    assert "has no TensorProperties" in why
+
+
+def test_every_class_of_dcps_metadata_types_resolves_and_nothing_beside_it() -> None:
+    """Read from DCP's types: every class `torch.distributed.checkpoint.metadata` exports
+    (a new one in a later torch fails here until it is reviewed), the enum its
+    TensorProperties pickles, the file system's `_StorageInfo` and the legacy pair resolve;
+    DCP's planner and storage types, which never reach `.metadata`, do not."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    exported = [getattr(dcp_metadata, name) for name in dcp_metadata.__all__]
+    classes = [c for c in exported if isinstance(c, type)]
+    admitted = [*classes, _MEM_FORMAT_ENCODING, _StorageInfo, LegacyTensorProperties]
+    admitted.append(MEM_FORMAT_ENCODING)
+    md = load_metadata(pickle.dumps(dataclasses.replace(_good(), planner_data=admitted)))
+    assert md.planner_data == admitted
+    for other in (WriteItem, SavePlan, WriteResult, ShardMetadata, ShardedTensorMetadata):
+        with pytest.raises(UnsafeMetadata, match=other.__name__):
+            load_metadata(pickle.dumps(dataclasses.replace(_good(), planner_data=other)))

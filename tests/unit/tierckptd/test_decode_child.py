@@ -8,14 +8,18 @@ the limit; a real `.metadata` comes back exactly as torch's own reader sees it.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from pathlib import Path
 
 import pytest
 from tierckpt.errors import InvalidArgument, UnsafeMetadata
 from tierckptd.persistent import decode
 from tierckptd.persistent.format import ZSTD_DESCRIPTOR, data_files, rewrite_metadata
+from torch.distributed._shard.metadata import ShardMetadata
 
 from tests.support.large_metadata import large_metadata_bytes
+from tests.support.legacy_dcp import LegacyTensorProperties, save_legacy_checkpoint
 from tests.unit.tierckpt.test_metadata_bounds import bombs
 
 
@@ -93,3 +97,33 @@ def test_the_limits_scale_with_the_size() -> None:
     assert big.memory - small.memory == decode.MEMORY_PER_BYTE * (255 << 20)
     assert small.cpu_s == decode.BASE_CPU_S + 1 and big.cpu_s == decode.BASE_CPU_S + 256
     assert big.wall_s > big.cpu_s
+
+
+@pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "child"])
+def test_a_legacy_sharded_tensor_metadata_is_decoded_and_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_child: bool
+) -> None:
+    """A `.metadata` of torch < 2.2 (sharded_tensor's TensorProperties) drains like any
+    other: the daemon's rows are torch's own, and the zstd rewrite keeps the legacy
+    properties; a class outside the allow-list beside them is still refused."""
+    monkeypatch.setattr(decode, "IN_PROCESS_BYTES", 0 if in_child else 1 << 20)
+    raw = save_legacy_checkpoint(tmp_path / "legacy").metadata
+    what = f"ns/legacy-{in_child}/.metadata"
+    files = data_files(raw, what=what)
+    assert {path: f.items for path, f in files.items()} == rows(raw)
+    mappings = {
+        path: {offset: (offset + 1, length + 2) for offset, length in items}
+        for path, items in rows(raw).items()
+    }
+    rewritten = pickle.loads(rewrite_metadata(raw, mappings, what=what))
+    original = pickle.loads(raw)
+    assert rewritten.state_dict_metadata == original.state_dict_metadata
+    tensors = [e for e in rewritten.state_dict_metadata.values() if hasattr(e, "properties")]
+    assert tensors and all(type(e.properties) is LegacyTensorProperties for e in tensors)
+    assert all(
+        i.transform_descriptors == [ZSTD_DESCRIPTOR] for i in rewritten.storage_data.values()
+    )
+
+    planted = dataclasses.replace(original, planner_data=ShardMetadata([0], [4]))
+    with pytest.raises(UnsafeMetadata, match=r"legacy-planted.*ShardMetadata"):
+        data_files(pickle.dumps(planted), what=f"ns/legacy-planted-{in_child}/.metadata")
