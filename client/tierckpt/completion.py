@@ -205,13 +205,13 @@ def _future_of(target: Any) -> concurrent.futures.Future[Any] | None:
 
 
 def checkpoint_ref(
-    target: Any, *, daemon: str | None = None, timeout: float = 0.0
+    target: Any, *, daemon: str | None = None, timeout: float | None = None
 ) -> CheckpointRef:
     """The checkpoint `target` names: a `CheckpointRef`, a ``tierckpt://NS/ID`` or
     ``NS/ID`` string, a TieredStorageWriter (its latest save, on its daemon), or an
-    async_save future (waited for up to `timeout` s: its result names the checkpoint,
-    asked of the daemon this process's writer saved it through; a failed save raises its
-    error here).
+    async_save future (waited for up to `timeout` s, None: until done; its result names
+    the checkpoint, asked of the daemon this process's writer saved it through; a failed
+    save raises its error here).
 
     Raises:
         TierTimeout: the future did not finish within `timeout` (tier "memory").
@@ -224,10 +224,11 @@ def checkpoint_ref(
     future = _future_of(target)
     if future is not None:
         try:
-            metadata = future.result(timeout=max(timeout, 0.0))
+            metadata = future.result(timeout=None if timeout is None else max(timeout, 0.0))
         except concurrent.futures.TimeoutError:
             raise TierTimeout(
-                f"{TIER_TIMEOUT_PREFIX}memory tier: the async save did not finish within {timeout:.1f} s "
+                f"{TIER_TIMEOUT_PREFIX}memory tier: the async save did not finish within "
+                f"{timeout or 0.0:.1f} s "
                 "(nothing is committed yet)",
                 tier=Tier.MEMORY.value,
             ) from None
@@ -268,7 +269,7 @@ def tier_state(target: Any, *, daemon: str | None = None) -> TierState:
     Raises:
         CheckpointNotFound: it is not committed (yet) or was removed.
     """
-    ref = checkpoint_ref(target, daemon=daemon, timeout=float("inf"))
+    ref = checkpoint_ref(target, daemon=daemon)
     client = DaemonClient(ref.daemon)
     try:
         return _state(client, _resolved(ref, client))
