@@ -22,10 +22,12 @@ from tierckpt import Tier, TieredStorageWriter, TierTimeout
 from tierckpt.fsspec_fs import TierckptFileSystem
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tests.support import moto_s3
-from tests.support.backends import Tiered
+from tests.support import jobs, moto_s3
+from tests.support.backends import Nodes, Tiered
 from tests.support.cli import cli, cli_json, ls_json
 from tests.support.cluster import local_cluster
+from tests.support.completion_jobs import async_save_and_wait
+from tests.support.dist_job import run_job
 from tests.support.state_dicts import assert_state_equal, plain_tensor_state, snapshot
 
 pytestmark = pytest.mark.integration
@@ -80,6 +82,41 @@ def test_replicated_wait_returns_once_a_buddy_holds_every_file(tmp_path: Path) -
         target = plain_tensor_state(99, NBYTES)
         Tiered(NS, buddy.address).load(target, "step-000001")
         assert_state_equal(actual=target, expected=expected, what="load from the buddy")
+
+
+@pytest.mark.timeout(300)
+def test_gloo_ranks_wait_on_their_process_async_save_futures_for_a_buddy(tmp_path: Path) -> None:
+    """2 gloo ranks, one per node, DCP's PROCESS executor: each rank waits on its own
+    future (the save's `.metadata` travels back from DCP's child process and names the
+    checkpoint; the rank's writer names the daemon). When both waits are over, node 0
+    dies with its RAM and both ranks load bit-exact through node 1 alone."""
+    with local_cluster(2, namespace=NS, copies=1) as c:
+        results = run_job(
+            async_save_and_wait,
+            2,
+            Nodes(NS, c.addresses, 1),
+            "step-000010",
+            str(tmp_path),
+            31,
+            "process",
+            "replicated",
+            2,
+            timeout=240,
+        )
+        assert [r["checkpoint_id"] for r in results] == ["step-000010"] * 2
+        assert all(r["levels"]["replicated"] >= 2 for r in results), results
+        written = {p.name for p in c.nodes[0].data_dir(NS, "step-000010").iterdir()}
+        assert written <= {p.name for p in c.nodes[1].data_dir(NS, "step-000010").iterdir()}
+        c.lose(0)
+        loaded = run_job(
+            jobs.load_and_verify,
+            2,
+            Tiered(NS, c.nodes[1].address),
+            "step-000010",
+            str(tmp_path / "step-000010"),
+            timeout=180,
+        )
+        assert [r["world"] for r in loaded] == [2, 2]
 
 
 def test_timeouts_name_the_tier_and_the_cli_and_fsspec_show_the_state(
