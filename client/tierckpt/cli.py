@@ -7,6 +7,7 @@ Every command takes ``--json`` for scripts. Exit status: 0 ok, 1 a tierckpt erro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -149,7 +150,7 @@ def _cmd_wait(client: DaemonClient, args: argparse.Namespace) -> int:
     started = time.monotonic()
     state = wait_for(ref, args.tier, copies=args.copies, timeout=args.timeout)
     elapsed = time.monotonic() - started
-    payload = {**state.__dict__, "tier": args.tier, "seconds": elapsed}
+    payload = {**dataclasses.asdict(state), "tier": args.tier, "seconds": elapsed}
     text = (
         f"{state.namespace}/{state.checkpoint_id} reached the {args.tier} tier "
         f"after {elapsed:.1f} s ({_levels_text(state)})"

@@ -90,8 +90,11 @@ class CheckpointRef:
 class TierState:
     """How far one checkpoint has got, as its daemon answered.
 
-    `copies` is the fewest nodes holding any one of its files (0 when it lists none);
-    `missing` names the file with the fewest copies, which a replicated wait reports."""
+    `copies` is the fewest nodes holding any one of its files (0 when it lists none): the
+    node that took the file plus the nodes the daemon lists as holding a verified copy
+    (the replica lists travel in the checkpoint's manifests, so a node other than the
+    owner counts a buddy's copy once that manifest reached it). `fewest_copies_file` names
+    the file with the fewest, which a replicated wait's timeout reports."""
 
     namespace: str
     checkpoint_id: str
