@@ -22,8 +22,8 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
   with the allow-list decoder before DCP unpickles it.
 - ``ls``/``info``/``exists``: a namespace lists its committed checkpoints (oldest commit
   first) as directories (with ``state``, ``tiers`` and ``levels``: the tiers it reached,
-  `tierckpt.completion.TierState.levels`), a checkpoint its files; a save in progress is invisible until
-  its commit, so "isfile(step/.metadata)" means committed (and not LOST: a checkpoint
+  `tierckpt.completion.TierState.levels`), a checkpoint its files; a save in progress is
+  invisible until its commit, so "isfile(step/.metadata)" means committed (and not LOST: a checkpoint
   with a file on no tier is listed with its state, but `info`/`isfile` of its files
   answer not found). ``rm(ckpt, recursive=True)``
   is ``tierckpt rm``; ``rm`` of a file of a save in progress (DCP's error cleanup)
