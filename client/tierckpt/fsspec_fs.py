@@ -23,11 +23,10 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
 - ``ls``/``info``/``exists``: a namespace lists its committed checkpoints (oldest commit
   first) as directories (with ``state``, ``tiers`` and ``levels``: the tiers it reached,
   `tierckpt.completion.TierState.levels`), a checkpoint its files; a save in progress is
-  invisible until its commit, so "isfile(step/.metadata)" means committed (and not LOST: a checkpoint
-  with a file on no tier is listed with its state, but `info`/`isfile` of its files
-  answer not found). ``rm(ckpt, recursive=True)``
-  is ``tierckpt rm``; ``rm`` of a file of a save in progress (DCP's error cleanup)
-  aborts that save.
+  invisible until its commit, so "isfile(step/.metadata)" means committed (and not LOST:
+  a checkpoint with a file on no tier is listed with its state, but `info`/`isfile` of
+  its files answer not found). ``rm(ckpt, recursive=True)`` is ``tierckpt rm``; ``rm``
+  of a file of a save in progress (DCP's error cleanup) aborts that save.
 - ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
   ``.metadata`` is opened (so a load reads one checkpoint); it cannot be written.
 
