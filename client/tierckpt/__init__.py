@@ -11,6 +11,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
+from tierckpt.completion import CheckpointRef, Tier, TierState, tier_state, wait_for
 from tierckpt.errors import (
     CheckpointExists,
     CheckpointIncomplete,
@@ -26,6 +27,7 @@ from tierckpt.errors import (
     NotAJobNode,
     PermissionDenied,
     TierckptError,
+    TierTimeout,
     TierUnavailable,
     UnsafeMetadata,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointIncomplete",
     "CheckpointLost",
     "CheckpointNotFound",
+    "CheckpointRef",
     "ChecksumMismatch",
     "DaemonTimeout",
     "DaemonUnavailable",
@@ -55,6 +58,9 @@ __all__ = [
     "NoPersistentTier",
     "NotAJobNode",
     "PermissionDenied",
+    "Tier",
+    "TierState",
+    "TierTimeout",
     "TierUnavailable",
     "TierckptError",
     "TieredStorageReader",
@@ -63,6 +69,8 @@ __all__ = [
     "__version__",
     "release_staging",
     "staging_stats",
+    "tier_state",
+    "wait_for",
 ]
 
 

@@ -7,6 +7,7 @@ Every command takes ``--json`` for scripts. Exit status: 0 ok, 1 a tierckpt erro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierckpt import __version__
+from tierckpt.completion import (
+    DEFAULT_COPIES,
+    CheckpointRef,
+    Tier,
+    TierState,
+    checkpoint_ref,
+    wait_for,
+)
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry, PeerMarks
 from tierckpt.errors import ChecksumMismatch, TierckptError
 from tierckpt.freshness import TIERS
@@ -64,16 +73,89 @@ def _lost_note(c: CheckpointInfo, shown: int = 5) -> str:
     return f"{c.checkpoint_id} is LOST: no copy of {files} is left on any tier; it cannot be loaded"
 
 
+def _row_json(c: CheckpointInfo) -> dict[str, Any]:
+    """A checkpoint's `--json` row: its record and the tiers it reached (`levels`:
+    memory, replicated as the fewest nodes holding any one file, durable)."""
+    return {**c.to_json(), "levels": TierState.of(c).levels()}
+
+
 def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
     rows = client.list_checkpoints(check_namespace(args.namespace), include_uncommitted=args.all)
-    lines = [f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5}  {'CREATED':<19}  TIERS"]
+    lines = [
+        f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5} {'COPIES':>6}  {'CREATED':<19}  TIERS"
+    ]
     lines += [
-        f"{c.checkpoint_id:<24} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5}  "
+        f"{c.checkpoint_id:<24} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5} "
+        f"{TierState.of(c).levels()['replicated']:>6}  "
         f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
         for c in rows
     ]
     lines += [_lost_note(c) for c in rows if c.state == "LOST"]
-    _emit(args, [c.to_json() for c in rows], "\n".join(lines))
+    _emit(args, [_row_json(c) for c in rows], "\n".join(lines))
+    return 0
+
+
+def _ref_of(args: argparse.Namespace) -> CheckpointRef:
+    """`NS ID`, `NS/ID` or `tierckpt://NS/ID` as one checkpoint on the CLI's daemon."""
+    text = f"{args.target}/{args.id}" if args.id else args.target
+    return checkpoint_ref(text, daemon=args.daemon)
+
+
+def _levels_text(state: TierState) -> str:
+    levels = state.levels()
+    return (
+        f"memory {'yes' if levels['memory'] else 'no'}, "
+        f"replicated to {levels['replicated']} node(s), "
+        f"durable {'yes' if levels['durable'] else 'no'}"
+    )
+
+
+def _cmd_info(client: DaemonClient, args: argparse.Namespace) -> int:
+    ref = _ref_of(args)
+    c = client.get_checkpoint(ref.namespace, ref.checkpoint_id)
+    state = TierState.of(c)
+    lines = [
+        f"{c.namespace}/{c.checkpoint_id}: {c.state}, {format_size(c.size_bytes)} in "
+        f"{c.file_count} files, committed {_when(c.committed_unix)}, tiers "
+        f"{','.join(c.tiers) or '-'}{', pinned' if c.pinned else ''}",
+        f"reached: {_levels_text(state)}",
+        f"{'FILE':<24} {'BYTES':>12} {'RANK':>5}  HOLDERS",
+    ]
+    lines += [
+        f"{f.name:<24} {format_size(f.size):>12} {f.rank:>5}  "
+        f"{','.join(dict.fromkeys(n for n in (f.owner_node, *f.replica_nodes) if n)) or '-'}"
+        for f in c.files
+    ]
+    if c.state == "LOST":
+        lines.append(_lost_note(c))
+    payload = {
+        **_row_json(c),
+        "file_list": [
+            {
+                "name": f.name,
+                "bytes": f.size,
+                "rank": f.rank,
+                "owner": f.owner_node,
+                "replicas": list(f.replica_nodes),
+            }
+            for f in c.files
+        ],
+    }
+    _emit(args, payload, "\n".join(lines))
+    return 0
+
+
+def _cmd_wait(client: DaemonClient, args: argparse.Namespace) -> int:
+    ref = _ref_of(args)
+    started = time.monotonic()
+    state = wait_for(ref, args.tier, copies=args.copies, timeout=args.timeout)
+    elapsed = time.monotonic() - started
+    payload = {**dataclasses.asdict(state), "tier": args.tier, "seconds": elapsed}
+    text = (
+        f"{state.namespace}/{state.checkpoint_id} reached the {args.tier} tier "
+        f"after {elapsed:.1f} s ({_levels_text(state)})"
+    )
+    _emit(args, payload, text)
     return 0
 
 
@@ -330,6 +412,26 @@ def _parser() -> argparse.ArgumentParser:
         pin = add(name, help_text)
         pin.add_argument("namespace")
         pin.add_argument("id")
+    info = add("info", "one checkpoint: its state, the tiers it reached, and who holds each file")
+    info.add_argument("target", help="NAMESPACE/ID, tierckpt://NAMESPACE/ID or NAMESPACE")
+    info.add_argument("id", nargs="?", help="the checkpoint id, when TARGET is the namespace")
+    wait = add(
+        "wait",
+        "wait until a checkpoint reaches a tier (exit 1 with the reason on a timeout): "
+        "run retention or advance 'latest' only after this",
+    )
+    wait.add_argument("target", help="NAMESPACE/ID, tierckpt://NAMESPACE/ID or NAMESPACE")
+    wait.add_argument("id", nargs="?", help="the checkpoint id, when TARGET is the namespace")
+    wait.add_argument(
+        "--tier", choices=[t.value for t in Tier], default=Tier.MEMORY.value, help="default: memory"
+    )
+    wait.add_argument(
+        "--copies",
+        type=int,
+        default=DEFAULT_COPIES,
+        help=f"nodes that must hold every file, for --tier replicated (default {DEFAULT_COPIES})",
+    )
+    wait.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
     verify = add("verify", "re-read a checkpoint and check every block checksum")
     verify.add_argument("namespace")
     verify.add_argument("id")
@@ -351,6 +453,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _COMMANDS = {
     "ls": _cmd_ls,
+    "info": _cmd_info,
+    "wait": _cmd_wait,
     "pin": _cmd_pin,
     "unpin": _cmd_pin,
     "status": _cmd_status,

@@ -31,6 +31,7 @@ __all__ = [
     "NoPersistentTier",
     "NotAJobNode",
     "PermissionDenied",
+    "TierTimeout",
     "TierUnavailable",
     "TierckptError",
     "UnsafeMetadata",
@@ -193,6 +194,25 @@ class DaemonTimeout(TierckptError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class TierTimeout(TierckptError, TimeoutError):
+    """A wait for a checkpoint to reach a tier (`tierckpt.wait_for`, `tierckpt wait`)
+    ran out of time: `tier` ("memory", "replicated", "durable") names the tier, the
+    message what was still missing. Nothing is wrong with the checkpoint by itself: it
+    may reach the tier later (a drain that is not due yet, a buddy that is down); do not
+    advance "latest" or run retention on the strength of it. Raised by the client; shares
+    DEADLINE_EXCEEDED with `DaemonTimeout`, its message starts with `TIER_TIMEOUT_PREFIX`."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "tier-timeout"
+
+    def __init__(self, message: str = "", *, tier: str = "") -> None:
+        super().__init__(message)
+        self.tier = tier  # in __dict__: pickled with the message
+
+
+TIER_TIMEOUT_PREFIX = "tier timeout: "
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TierckptError]] = {
     cls.code: cls
     for cls in (
@@ -220,6 +240,7 @@ _PREFIXES: dict[type[TierckptError], str] = {
     NoPersistentTier: NO_PERSISTENT_TIER_PREFIX,
     NotAJobNode: NOT_A_JOB_NODE_PREFIX,
     CheckpointLost: CHECKPOINT_LOST_PREFIX,
+    TierTimeout: TIER_TIMEOUT_PREFIX,
 }
 _BY_REASON: dict[str, type[TierckptError]] = {cls.reason: cls for cls in _PREFIXES}
 

@@ -21,12 +21,12 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
   local by the daemon from a peer or the persistent tier first. ``.metadata`` is checked
   with the allow-list decoder before DCP unpickles it.
 - ``ls``/``info``/``exists``: a namespace lists its committed checkpoints (oldest commit
-  first) as directories, a checkpoint its files; a save in progress is invisible until
-  its commit, so "isfile(step/.metadata)" means committed (and not LOST: a checkpoint
-  with a file on no tier is listed with its state, but `info`/`isfile` of its files
-  answer not found). ``rm(ckpt, recursive=True)``
-  is ``tierckpt rm``; ``rm`` of a file of a save in progress (DCP's error cleanup)
-  aborts that save.
+  first) as directories (with ``state``, ``tiers`` and ``levels``: the tiers it reached,
+  `tierckpt.completion.TierState.levels`), a checkpoint its files; a save in progress is
+  invisible until its commit, so "isfile(step/.metadata)" means committed (and not LOST:
+  a checkpoint with a file on no tier is listed with its state, but `info`/`isfile` of
+  its files answer not found). ``rm(ckpt, recursive=True)`` is ``tierckpt rm``; ``rm``
+  of a file of a save in progress (DCP's error cleanup) aborts that save.
 - ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
   ``.metadata`` is opened (so a load reads one checkpoint); it cannot be written.
 
@@ -48,6 +48,7 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
+from tierckpt.completion import TierState
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.dcp_metadata import load_metadata
 from tierckpt.endpoint import resolve_daemon_address
@@ -366,6 +367,8 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             "files": info.file_count,
             "tiers": list(info.tiers),
             "pinned": info.pinned,
+            # the tiers it reached, as `tierckpt info` and `tierckpt.tier_state` say
+            "levels": TierState.of(info).levels(),
         }
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:

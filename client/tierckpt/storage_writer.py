@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from tierckpt.completion import note_writer
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import CheckpointIncomplete, MemoryBudgetExceeded
 from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget, abort_quietly, reserve
@@ -186,6 +187,7 @@ class TieredStorageWriter(FileSystemWriter):
         self._node_id = ""
         self._holder_nodes: tuple[str, ...] = ()
         self.client = DaemonClient(daemon)
+        note_writer(namespace, self.client.address)  # where waits on its futures ask
         self.fs = _MemoryTierFileSystem(self.client, self._target_of)  # type: ignore[assignment]
 
     # --- identity ----------------------------------------------------------------------
@@ -221,6 +223,14 @@ class TieredStorageWriter(FileSystemWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return is_checkpoint_id(checkpoint_id)
 
+    def storage_meta(self) -> StorageMeta | None:
+        """Names the save as ``tierckpt://NAMESPACE/ID`` (a bare id names no namespace): the
+        `Metadata` a save returns, an async_save future's result included, then says which
+        checkpoint to wait on (`tierckpt.wait_for`), as DCP's fsspec writer's URL does."""
+        checkpoint_id = self._checkpoint_id
+        named = f"tierckpt://{self.namespace}/{checkpoint_id}" if checkpoint_id else None
+        return StorageMeta(checkpoint_id=named, save_id=self.save_id)
+
     # --- DCP protocol -----------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -235,6 +245,7 @@ class TieredStorageWriter(FileSystemWriter):
         self._rank = rank
         # Fails fast (before planning) on a reused id or an unreachable daemon.
         self._node_id = self.client.begin_checkpoint(self.namespace, self._require_id(), rank)
+        note_writer(self.namespace, self.client.address, self._require_id())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # FileSystemWriter's version checks a directory; the daemon already did.

@@ -24,6 +24,7 @@ PREFIXED = {
     errors.NoPersistentTier: errors.NO_PERSISTENT_TIER_PREFIX,
     errors.NotAJobNode: errors.NOT_A_JOB_NODE_PREFIX,
     errors.CheckpointLost: errors.CHECKPOINT_LOST_PREFIX,
+    errors.TierTimeout: errors.TIER_TIMEOUT_PREFIX,
 }
 
 
@@ -36,7 +37,7 @@ def _subclasses(cls: type) -> set[type]:
 def test_error_list_is_complete() -> None:
     # A new subclass must be exported (and therefore covered by the tests below).
     assert _subclasses(TierckptError) - set(REFINEMENTS) == set(MAPPED)
-    assert len(MAPPED) == 13
+    assert len(MAPPED) == 14
     for refined, base in REFINEMENTS.items():
         assert issubclass(refined, base) and refined.code == base.code
     for cls in ALL_ERRORS:
@@ -85,6 +86,7 @@ def test_errors_pickle_inside_a_dcp_checkpoint_exception() -> None:
         (errors.TierUnavailable, ConnectionError),
         (errors.NoPersistentTier, RuntimeError),
         (errors.DaemonTimeout, TimeoutError),
+        (errors.TierTimeout, TimeoutError),
         (errors.PermissionDenied, PermissionError),
         (errors.UnsafeMetadata, ValueError),
     ],
