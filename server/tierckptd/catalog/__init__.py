@@ -1057,15 +1057,43 @@ class Catalog:
             path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
             return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
 
-    def start_incoming(
-        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
-    ) -> Path | None:
-        """Make room for a copy of a file arriving from a peer; None if already held.
+    def land(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        write: Callable[[Path], None],
+        *,
+        what: str,
+        restored: bool = False,
+    ) -> FileRecord | None:
+        """Land a copy of a committed file arriving from another tier, in one call (the
+        memory tier's `incoming.install_copy` is the caller): room made, `write(tmp)` run
+        outside the lock to fill and verify the copy, then the copy installed, or dropped
+        if `write` raised. The bytes count as reserved from before the first one is written
+        until the copy is installed or dropped; a copy that does not fit the budget is
+        refused (RESOURCE_EXHAUSTED) before `write` runs. `restored` (a reader's copy)
+        exempts the checkpoint from memory retention for `LANDED_GRACE` s: the reader opens
+        the file next. Returns the record as held here now, or None when the file was
+        already held (nothing taken, `write` not called); CheckpointNotFound when the
+        checkpoint was deleted or evicted while the copy arrived."""
+        tmp = self._stage_copy(namespace, checkpoint_id, name, restored)
+        if tmp is None:
+            return None
+        ok = False
+        try:
+            write(tmp)
+            ok = True
+        finally:
+            held = self._install_copy(namespace, checkpoint_id, name, tmp, ok, restored)
+        if held is None:
+            raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
+        return held
 
-        The bytes count as reserved until `finish_incoming`; a copy that does not fit the
-        budget is refused (RESOURCE_EXHAUSTED) before any byte is written. `restored`: a
-        reader's copy (see `finish_incoming`).
-        """
+    def _stage_copy(
+        self, namespace: str, checkpoint_id: str, name: str, restored: bool
+    ) -> Path | None:
+        """`land`'s first step: the staging file, its bytes reserved; None if already held."""
         with self._lock:
             self.pool.wait_for(name)  # a segment being preallocated for this very file
             rec = self._committed(namespace, checkpoint_id)
@@ -1100,19 +1128,11 @@ class Catalog:
             self._budget.start_incoming(ikey, max(f.size, seg.size if seg is not None else 0))
             return path
 
-    def finish_incoming(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        name: str,
-        tmp: Path,
-        ok: bool,
-        *,
-        restored: bool = False,
+    def _install_copy(
+        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool, restored: bool
     ) -> FileRecord | None:
-        """Install (ok) or drop a received copy; its record as held here now, or None.
-        `restored` (a reader's copy) exempts the checkpoint from memory retention for
-        `LANDED_GRACE` s: the reader opens the file next."""
+        """`land`'s last step: install (ok) or drop the staged copy, its reservation
+        released; its record as held here now, or None."""
         with self._lock:
             self._budget.finish_incoming((namespace, checkpoint_id, name))
             rec = self._records.get((namespace, checkpoint_id))
