@@ -15,7 +15,8 @@ arriving from other tiers, unfinished saves, adoption). Its named collaborators 
 state and share its lock: `budget.Budget` (C, R, P and the one admission check),
 `memory.pool.WarmPool` (the warm pool), `durability.DurabilityLedger` (durable, retired,
 drain-failed, per-namespace URLs and the due rule), `peer_marks.PeerMarks` (health
-labels, tombstones, clock skew, replica target). Pure helpers: `views.view_of`,
+labels, tombstones, clock skew, replica target), `writers.NamespaceWriters` (which nodes
+write each namespace here, and what the peers stated). Pure helpers: `views.view_of`,
 `retention` (policy), and in memory/: `adoption.adopt`, `verify.verify_files`.
 
 Lock order (outermost first; never take an earlier one while holding a later one):
@@ -48,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Literal
 
 from tierckpt.checksum import ALGORITHM, DIGEST_SIZE, BlockChecksums
@@ -71,7 +73,8 @@ from tierckptd.catalog.peer_marks import DELETE_SKEW, PeerMarks
 from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, assign
 from tierckptd.catalog.retention import evictions_by_coordinator
 from tierckptd.catalog.sweeper import Sweeper
-from tierckptd.catalog.views import Health, all_lost, found, view_of
+from tierckptd.catalog.views import Health, all_lost, found, listing, view_of
+from tierckptd.catalog.writers import NamespaceWriters
 from tierckptd.memory.adoption import Adopted, adopt
 from tierckptd.memory.manifest import to_json as manifest_to_json
 from tierckptd.memory.manifest import write_manifest
@@ -116,12 +119,6 @@ Resolution = Literal["published", "absent", "unknown"]
 # An unfinished save with committed files whose fate some peer could not tell is kept
 # this many abandon_after periods (its coordinator may be restarting) before collection.
 UNFINISHED_PATIENCE = 4
-
-
-def listing(names: list[str], shown: int = 5) -> str:
-    """Names for a message, bounded: "a, b, c and 199,997 more" (each cut to 64 chars)."""
-    head = ", ".join(n[:64] for n in names[:shown]) or "none"
-    return head + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
 
 
 def _key_name(key: Key) -> str:
@@ -224,12 +221,7 @@ class Catalog:
         self.peer_marks = PeerMarks(self._lock, node_id)
         self._records: dict[Key, CheckpointRecord] = {}
         self._next_sequence = 1
-        # The writers the cluster states for a namespace this node has no PROVEN
-        # checkpoint of (`set_cluster_writers`, audit 3 H2): they replace trust on first
-        # use. An empty set: the peers agreed on none (no newest from peers). Beside it,
-        # what each peer stated, for the messages.
-        self._cluster_writers: dict[str, frozenset[str]] = {}
-        self._stated: dict[str, dict[str, frozenset[str]]] = {}
+        self.writers = NamespaceWriters(self._lock, MappingProxyType(self._records), node_id)
         self._landed: dict[Key, float] = {}  # when a reader's copy arrived (`_landing`)
         # Adoption's unfinished data dirs (`keep_orphans`) and since when.
         self._orphans: dict[Key, dict[str, int]] = {}
@@ -278,98 +270,18 @@ class Catalog:
         """Shown LOST (`views.is_lost`): never the newest, never loaded."""
         return self.peer_marks.is_lost(rec.key, self.durability.durable(rec.key))
 
-    def _writers(self, namespace: str) -> set[str]:
-        """The nodes that write `namespace` here (`model.Trust`): the coordinators of its
-        PROVEN checkpoints; while it has none, the writers a majority of the peers stated
-        (`set_cluster_writers`) once they were asked; else of its VOUCHED ones."""
-        return self._writers_by_namespace(namespace).get(namespace, set())
-
-    def _coordinators(self, trust: Trust, namespace: str = "") -> dict[str, set[str]]:
-        """The coordinators of the committed checkpoints of `trust`, per namespace (of
-        `namespace` only, or of every one)."""
-        found: dict[str, set[str]] = {}
-        for r in self._records.values():
-            if (namespace and r.namespace != namespace) or r.state is not State.COMMITTED:
-                continue
-            if r.trust is trust and (coordinator := coordinator_of(r.files)):
-                found.setdefault(r.namespace, set()).add(coordinator)
-        return found
-
-    def _proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
-        """The coordinators of the PROVEN checkpoints of `namespace` (or of every one)."""
-        return self._coordinators(Trust.PROVEN, namespace)
-
-    def _writers_by_namespace(self, namespace: str = "") -> dict[str, set[str]]:
-        """`_writers` of `namespace`, or of every namespace ("")."""
-        proven = self._proven_writers(namespace)
-        vouched = self._coordinators(Trust.VOUCHED, namespace)
-        cluster = {
-            ns: set(w)
-            for ns, w in self._cluster_writers.items()
-            if not namespace or ns == namespace
-        }
-        return {
-            ns: proven.get(ns) or (cluster[ns] if ns in cluster else vouched.get(ns, set()))
-            for ns in {*proven, *vouched, *cluster}
-        }
-
-    def writers(self, namespace: str) -> set[str]:
-        """The nodes that write `namespace` here (`_writers`)."""
-        with self._lock:
-            return self._writers(namespace)
-
-    def bound_namespaces(self) -> set[str]:
-        """The namespaces this node has writers of (`_writers`): its binding, kept."""
-        with self._lock:
-            return {ns for ns, w in self._writers_by_namespace().items() if w}
-
-    def proven_writers(self, namespace: str = "") -> dict[str, set[str]]:
-        """This node's own binding (what it states to peers): per namespace, the
-        coordinators of the checkpoints it committed, took part in, or found durable."""
-        with self._lock:
-            return self._proven_writers(namespace)
-
-    def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
-        """What this node states to peers as a namespace's writers, and whether the
-        statement is only vouched: its PROVEN writers where it has any (False), else the
-        ones it uses itself (True: what its peers agreed on, or the coordinators of the
-        copies it holds). A node that only holds a job's replicas thus still vouches for
-        its coordinator, so the replacement of that job's only writer finds the newest;
-        a vouched statement counts only where no peer states proven writers."""
-        with self._lock:
-            proven = self._proven_writers(namespace)
-            return {
-                ns: (proven[ns], False) if ns in proven else (nodes, True)
-                for ns, nodes in self._writers_by_namespace(namespace).items()
-                if nodes
-            }
-
-    def set_cluster_writers(
-        self, namespace: str, writers: set[str], stated: dict[str, frozenset[str]]
-    ) -> bool:
-        """The writers of `namespace` a majority of the peers stated (`stated`: what each
-        said), for a node that had no binding of it (`bound_namespaces`, asked before the
-        peers were): they replace trust on first use, and any VOUCHED one a peer's publish
-        made meanwhile. Returns False (nothing set) when this node has PROVEN writers."""
-        with self._lock:
-            if self._proven_writers(namespace):
-                return False
-            self._cluster_writers[namespace] = frozenset(writers)
-            self._stated[namespace] = dict(stated)
-            return True
-
     def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
         """The committed checkpoints of `recs` that may be the namespace's newest: not
         LOST, and coordinated by a writer of the namespace (one no memory tier holds any
         more, with no coordinator left, unless it arrived FOREIGN)."""
-        writers = self._writers(namespace)
+        writers = self.writers.of(namespace)
         return [
             r
             for r in recs
             if r.namespace == namespace
             and r.state is State.COMMITTED
             and not self._is_lost(r)
-            and not self._foreign(r, writers)
+            and not self.writers.foreign(r, writers)
         ]
 
     def _newest(self, namespace: str) -> CheckpointRecord | None:
@@ -404,12 +316,16 @@ class Catalog:
                 listing([r.checkpoint_id for r in skipped]),
                 listing(sorted({coordinator_of(r.files) or "none" for r in skipped})),
                 namespace,
-                listing(sorted(self._writers(namespace))),
+                listing(sorted(self.writers.of(namespace))),
             )
 
     def _not_found(self, namespace: str, checkpoint_id: str) -> CheckpointNotFound:
         newest = self._newest(namespace)
-        if not checkpoint_id and newest is None and (unbound := self._unbound(namespace)):
+        if (
+            not checkpoint_id
+            and newest is None
+            and (unbound := self.writers.unbound(namespace, self._is_lost))
+        ):
             return unbound
         lost = [r for r in self._records.values() if r.namespace == namespace]
         if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
@@ -426,40 +342,6 @@ class Catalog:
         )
         verb = "not found" if checkpoint_id else "found"
         return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
-
-    def _unbound(self, namespace: str) -> CheckpointNotFound | None:
-        """Why a namespace has no newest when its peers agreed on no writer of it (a node
-        with no binding of its own: `set_cluster_writers`), naming the candidates."""
-        agreed = self._cluster_writers.get(namespace)
-        if self._proven_writers(namespace) or agreed is None or agreed:
-            return None  # a binding of its own, never asked, or the peers agreed on writers
-        candidates = sorted(
-            (r for r in self._records.values() if r.namespace == namespace),
-            key=lambda r: r.order,
-            reverse=True,
-        )
-        committed = [r for r in candidates if r.state is State.COMMITTED]
-        if not committed:
-            return None
-        stated = self._stated.get(namespace, {})
-        said = "; ".join(
-            f"{node} says {listing(sorted(w)) if w else 'none'}"
-            for node, w in sorted(stated.items())
-        )
-        return CheckpointNotFound(
-            f"no newest checkpoint of {namespace} on node {self.node_id}: this node took no "
-            f"part in {namespace} and its peers agree on no writer of it (a writer needs a "
-            f"majority of the {len(stated)} peers that state one, and a node never vouches "
-            f"for itself alone: {said or 'none stated'}); candidates: "
-            + listing(
-                [
-                    f"{r.checkpoint_id} (by {coordinator_of(r.files) or 'none'}"
-                    + (", LOST)" if self._is_lost(r) else ")")
-                    for r in committed
-                ]
-            )
-            + "; load one by its id"
-        )
 
     def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
         key = self._ref(namespace, checkpoint_id)
@@ -481,16 +363,6 @@ class Catalog:
             raise self._not_found(namespace, checkpoint_id)
         return rec
 
-    def _foreign(self, rec: CheckpointRecord, writers: set[str] | None = None) -> bool:
-        """Whether `rec` is never its namespace's newest here for its coordinator (not a
-        writer of the namespace: `model.Trust`); `writers` of its namespace if known."""
-        if rec.state is not State.COMMITTED:
-            return False
-        coordinator = coordinator_of(rec.files)
-        if not coordinator:
-            return rec.trust is Trust.FOREIGN
-        return coordinator not in (writers if writers is not None else self._writers(rec.namespace))
-
     def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
         health = self.peer_marks.health(rec.key)
         return view_of(
@@ -501,7 +373,7 @@ class Catalog:
             lost=health.lost,
             durable=self.durability.durable(rec.key),
             drain_failed=self.durability.failed(rec.key),
-            foreign=self._foreign(rec, writers),
+            foreign=self.writers.foreign(rec, writers),
             paths={
                 f.name: str(self.tier.file_path(rec.namespace, rec.checkpoint_id, f.name))
                 for f in rec.files.values()
@@ -954,7 +826,7 @@ class Catalog:
                 created_unix=min(published.created_unix, now),
                 committed_unix=min(published.committed_unix, now),
                 pinned=self.events.pin_marks(key[0]).get(key[1], published.pinned),  # a cluster pin
-                trust=Trust.PROVEN if durable or took_part else self._trust_of(published),
+                trust=Trust.PROVEN if durable or took_part else self.writers.trust_of(published),
             )
             by = coordinator_of(new.files)
             charge = _manifest_estimate(new) if by != self.node_id else 0
@@ -983,23 +855,11 @@ class Catalog:
                 if new.trust is not Trust.FOREIGN
                 else f"; listed, never the newest of {key[0]}: its coordinator "
                 f"{coordinator_of(new.files)} does not write {key[0]} here (writers: "
-                f"{listing(sorted(self._writers(key[0])))})",
+                f"{listing(sorted(self.writers.of(key[0])))})",
             )
             self._notify_committed(new)
             self._apply_retention(key[0])
             return True
-
-    def _trust_of(self, published: CheckpointRecord) -> Trust:
-        """A peer's manifest this node took no part in (call under the lock): VOUCHED when
-        its coordinator writes the namespace here, or the namespace has no writer yet and
-        the peers were not asked about it (trust on first use: a coordinator publishing
-        its own save), else FOREIGN (`model.Trust`). Once the peers stated the writers
-        (`set_cluster_writers`), those decide, an empty agreement included."""
-        writers = self._writers(published.namespace)
-        asked = published.namespace in self._cluster_writers
-        if (not writers and not asked) or coordinator_of(published.files) in writers:
-            return Trust.VOUCHED
-        return Trust.FOREIGN
 
     def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
         """Refuse a manifest that describes a file committed here with other bytes."""
@@ -1057,15 +917,43 @@ class Catalog:
             path = str(self.tier.file_path(namespace, checkpoint_id, name)) if f.held else ""
             return dataclasses.replace(f, replica_nodes=list(f.replica_nodes)), path
 
-    def start_incoming(
-        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
-    ) -> Path | None:
-        """Make room for a copy of a file arriving from a peer; None if already held.
+    def land(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        write: Callable[[Path], None],
+        *,
+        what: str,
+        restored: bool = False,
+    ) -> FileRecord | None:
+        """Land a copy of a committed file arriving from another tier, in one call (the
+        memory tier's `incoming.install_copy` is the caller): room made, `write(tmp)` run
+        outside the lock to fill and verify the copy, then the copy installed, or dropped
+        if `write` raised. The bytes count as reserved from before the first one is written
+        until the copy is installed or dropped; a copy that does not fit the budget is
+        refused (RESOURCE_EXHAUSTED) before `write` runs. `restored` (a reader's copy)
+        exempts the checkpoint from memory retention for `LANDED_GRACE` s: the reader opens
+        the file next. Returns the record as held here now, or None when the file was
+        already held (nothing taken, `write` not called); CheckpointNotFound when the
+        checkpoint was deleted or evicted while the copy arrived."""
+        tmp = self._stage_copy(namespace, checkpoint_id, name, restored)
+        if tmp is None:
+            return None
+        ok = False
+        try:
+            write(tmp)
+            ok = True
+        finally:
+            held = self._install_copy(namespace, checkpoint_id, name, tmp, ok, restored)
+        if held is None:
+            raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
+        return held
 
-        The bytes count as reserved until `finish_incoming`; a copy that does not fit the
-        budget is refused (RESOURCE_EXHAUSTED) before any byte is written. `restored`: a
-        reader's copy (see `finish_incoming`).
-        """
+    def _stage_copy(
+        self, namespace: str, checkpoint_id: str, name: str, restored: bool
+    ) -> Path | None:
+        """`land`'s first step: the staging file, its bytes reserved; None if already held."""
         with self._lock:
             self.pool.wait_for(name)  # a segment being preallocated for this very file
             rec = self._committed(namespace, checkpoint_id)
@@ -1100,19 +988,11 @@ class Catalog:
             self._budget.start_incoming(ikey, max(f.size, seg.size if seg is not None else 0))
             return path
 
-    def finish_incoming(
-        self,
-        namespace: str,
-        checkpoint_id: str,
-        name: str,
-        tmp: Path,
-        ok: bool,
-        *,
-        restored: bool = False,
+    def _install_copy(
+        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool, restored: bool
     ) -> FileRecord | None:
-        """Install (ok) or drop a received copy; its record as held here now, or None.
-        `restored` (a reader's copy) exempts the checkpoint from memory retention for
-        `LANDED_GRACE` s: the reader opens the file next."""
+        """`land`'s last step: install (ok) or drop the staged copy, its reservation
+        released; its record as held here now, or None."""
         with self._lock:
             self._budget.finish_incoming((namespace, checkpoint_id, name))
             rec = self._records.get((namespace, checkpoint_id))
@@ -1790,7 +1670,7 @@ class Catalog:
                 and (include_uncommitted or r.state is State.COMMITTED)
             ]
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
-            writers = self._writers_by_namespace(namespace)
+            writers = self.writers.by_namespace(namespace)
             return [self._view(r, writers.get(r.namespace, set())) for r in recs]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
@@ -1865,7 +1745,9 @@ class Catalog:
         tier, records = self.tier, adopted.records
         charged = {key: self._manifest_size(key) for key in records}  # every manifest (M6)
         with self._lock:
-            self._records = records
+            # The same dict, filled: the namespace binding reads it (`writers`).
+            self._records.clear()
+            self._records.update(records)
             self._budget.reset(adopted.quarantined_bytes + adopted.orphan_bytes)
             self.keep_orphans(adopted.orphans)
             for rec in records.values():

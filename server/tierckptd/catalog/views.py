@@ -18,10 +18,26 @@ from tierckpt.freshness import Freshness, newest_by_tier
 
 from tierckptd.model import CheckpointRecord, CheckpointView, State
 
-__all__ = ["LOST", "UNDER", "Health", "all_lost", "found", "freshness", "is_lost", "view_of"]
+__all__ = [
+    "LOST",
+    "UNDER",
+    "Health",
+    "all_lost",
+    "found",
+    "freshness",
+    "is_lost",
+    "listing",
+    "view_of",
+]
 
 LOST = "lost"
 UNDER = "under-replicated"
+
+
+def listing(names: list[str], shown: int = 5) -> str:
+    """Names for a message, bounded: "a, b, c and 199,997 more" (each cut to 64 chars)."""
+    head = ", ".join(n[:64] for n in names[:shown]) or "none"
+    return head + (f" and {len(names) - shown:,} more" if len(names) > shown else "")
 
 
 class Health(NamedTuple):

@@ -1,15 +1,16 @@
 """Copies of committed files arriving from another tier (a peer's stream, the persistent
 tier) and the plan of what a node that came back empty preallocates for them.
 
-`install_copy` is the one way a copy enters the memory tier: budget-checked, written into
-a warm segment when one fits, every block verified as it arrives, installed only when
-complete.
+`install_copy` is the one way a copy enters the memory tier, and one call for its callers
+(the restorer, a peer's push), which never touch catalog state: budget-checked, written
+into a warm segment when one fits, every block verified as it arrives, installed only when
+complete, through one call to the catalog (`Landing.land`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -23,21 +24,19 @@ __all__ = ["IncomingFile", "Landing", "install_copy", "restore_plan"]
 
 class Landing(Protocol):
     """Where a copy lands: the catalog's side of `install_copy` (memory/ never imports
-    catalog/, so it names only what it calls): room made for the copy before its first
-    byte, then the copy installed (or dropped) in one step."""
+    catalog/, so it names only what it calls), one call: room made for the copy before its
+    first byte, `write(tmp)` run to fill it, then the copy installed (or dropped when
+    `write` raised). None when the file was already held; CheckpointNotFound when it went
+    while the copy arrived."""
 
-    def start_incoming(
-        self, namespace: str, checkpoint_id: str, name: str, *, restored: bool = False
-    ) -> Path | None: ...
-
-    def finish_incoming(
+    def land(
         self,
         namespace: str,
         checkpoint_id: str,
         name: str,
-        tmp: Path,
-        ok: bool,
+        write: Callable[[Path], None],
         *,
+        what: str,
         restored: bool = False,
     ) -> FileRecord | None: ...
 
@@ -104,26 +103,20 @@ def install_copy(
     verified against `f`'s checksums, installed only when complete. `restored`: a reader
     asked for it (kept a while even outside memory retention). Returns the record as held
     now, or None when the file was already held (nothing taken)."""
-    if f.checksums is None:
+    checksums = f.checksums
+    if checksums is None:
         raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
-    tmp = catalog.start_incoming(namespace, checkpoint_id, f.name, restored=restored)
-    if tmp is None:
-        return None
-    ok = False
-    try:
-        incoming = IncomingFile(tmp, f.size, f.checksums, f"copy of {what}")
+
+    def write(tmp: Path) -> None:
+        incoming = IncomingFile(tmp, f.size, checksums, f"copy of {what}")
         try:
             for offset, data in pieces:
                 incoming.write(offset, data)
             incoming.finish()
         finally:
             incoming.close()
-        ok = True
-    finally:
-        held = catalog.finish_incoming(namespace, checkpoint_id, f.name, tmp, ok, restored=restored)
-    if held is None:
-        raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
-    return held
+
+    return catalog.land(namespace, checkpoint_id, f.name, write, what=what, restored=restored)
 
 
 def restore_plan(node_id: str, adopted: Iterable[CheckpointRecord]) -> list[tuple[int, str]]:

@@ -404,7 +404,7 @@ class Cluster:
 
     def stated_writers(self, namespace: str = "") -> dict[str, tuple[set[str], bool]]:
         """What this node states to peers as the writers of each namespace."""
-        return self.catalog.stated_writers(namespace)
+        return self.catalog.writers.stated_writers(namespace)
 
     def serve(
         self, namespace: str, checkpoint_id: str, name: str, offset: int = 0, length: int = 0

@@ -273,7 +273,7 @@ class Committer:
 
         # Every peer at once (the fan-out pool): one slow or dead peer's deadline no longer
         # adds to every other's, so a cluster that starts together is ready in seconds.
-        bound = self.catalog.bound_namespaces()  # before any peer is heard
+        bound = self.catalog.writers.bound_namespaces()  # before any peer is heard
         pulled = self.client.each(self.client.list_manifests, on_error=unanswered, parallel=True)
         stated = self._bind_namespaces(pulled, bound)
         for node, got in pulled.items():
@@ -339,7 +339,7 @@ class Committer:
         for namespace in sorted((listed | set(stated)) - bound):
             said = stated.get(namespace, {})
             agreed = quorum(said)
-            if not self.catalog.set_cluster_writers(namespace, agreed, said):
+            if not self.catalog.writers.set_cluster_writers(namespace, agreed, said):
                 continue
             if agreed:
                 logger.info(
@@ -379,7 +379,7 @@ class Committer:
             return True
         if not coordinator or coordinator in pulled:
             return False  # no coordinator to confirm, or its own manifest is the one taken
-        if coordinator == self.node_id and self.catalog.proven_writers(rec.namespace):
+        if coordinator == self.node_id and self.catalog.writers.proven_writers(rec.namespace):
             return False  # this node keeps its own binding: it knows what it coordinated
         witnesses = [v for v, w in stated.items() if coordinator in w and v != coordinator]
         same = sum(

@@ -16,6 +16,7 @@ from tierckpt.errors import (
 )
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.budget import PAGE, pages
+from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, FileRecord, State
 
 from tests.support.catalog_files import write_file
@@ -398,7 +399,7 @@ def test_only_the_saves_own_calls_keep_it_alive(catalog: Catalog, save, clock) -
 def test_a_received_copy_is_held_only_once_its_manifest_is_written(
     catalog: Catalog, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    # Audit M3 (finish_incoming): a manifest write that fails leaves the copy not held,
+    # Audit M3 (a copy's install): a manifest write that fails leaves the copy not held,
     # in memory and on disk, and no stray file.
     from tierckptd.memory import manifest as manifest_module
 
@@ -408,9 +409,6 @@ def test_a_received_copy_is_held_only_once_its_manifest_is_written(
         "run", "s1", State.COMMITTED, 1.0, "node-x", 1.0, 1, files={remote.name: remote}
     )
     assert catalog.publish(rec)
-    tmp = catalog.start_incoming("run", "s1", remote.name)
-    assert tmp is not None
-    tmp.write_bytes(data)
 
     def full(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -418,14 +416,12 @@ def test_a_received_copy_is_held_only_once_its_manifest_is_written(
     with monkeypatch.context() as m:
         m.setattr(manifest_module.os, "write", full)
         with pytest.raises(MemoryBudgetExceeded, match="is full"):
-            catalog.finish_incoming("run", "s1", remote.name, tmp, True)
+            install_copy(catalog, "run", "s1", remote, [(0, data)], what=remote.name)
     f, path = catalog.file_view("run", "s1", remote.name)
     assert not f.held and path == ""
     assert list(catalog.tier.data_dir("run", "s1").iterdir()) == []
-    tmp = catalog.start_incoming("run", "s1", remote.name)
-    assert tmp is not None
-    tmp.write_bytes(data)
-    assert catalog.finish_incoming("run", "s1", remote.name, tmp, True)
+    assert catalog.reserved_bytes() == 0
+    assert install_copy(catalog, "run", "s1", remote, [(0, data)], what=remote.name)
     f, path = catalog.file_view("run", "s1", remote.name)
     assert f.held and Path(path).read_bytes() == data
     assert os.stat(path).st_mode & 0o777 == 0o440

@@ -29,7 +29,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.catalog import Catalog
 from tierckptd.catalog.budget import PAGE, pages
 from tierckptd.config import PeerConfig
-from tierckptd.memory.incoming import IncomingFile, restore_plan
+from tierckptd.memory.incoming import IncomingFile, install_copy, restore_plan
 from tierckptd.memory.manifest import read_manifest
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
@@ -61,20 +61,9 @@ def _remote(name: str, data: bytes, owner: str) -> FileRecord:
 
 
 def _receive(catalog: Catalog, ns: str, ckpt: str, name: str, data: bytes) -> None:
-    tmp = catalog.start_incoming(ns, ckpt, name)
-    assert tmp is not None
     f, _ = catalog.file_view(ns, ckpt, name)
-    assert f.checksums is not None
-    incoming = IncomingFile(tmp, f.size, f.checksums, name)
-    ok = False
-    try:
-        for off in range(0, len(data), 1024):
-            incoming.write(off, data[off : off + 1024])
-        incoming.finish()
-        ok = True
-    finally:
-        incoming.close()
-        catalog.finish_incoming(ns, ckpt, name, tmp, ok)
+    pieces = ((off, data[off : off + 1024]) for off in range(0, len(data), 1024))
+    assert install_copy(catalog, ns, ckpt, f, pieces, what=name) is not None
 
 
 def test_commit_with_remote_files_then_replicated(catalog: Catalog, save: Save) -> None:
@@ -119,21 +108,15 @@ def test_publish_adopts_our_writing_files_and_a_receiver_verifies(
     assert view.sequence == 7 and view.local_paths["__1_0.distcp"]
     assert not view.local_paths["__0_0.distcp"]
     # A corrupt block is refused before the copy is installed.
-    tmp = catalog.start_incoming("run", "s2", "__0_0.distcp")
-    assert tmp is not None
     f, _ = catalog.file_view("run", "s2", "__0_0.distcp")
-    assert f.checksums is not None
-    bad = IncomingFile(tmp, f.size, f.checksums, "copy")
     with pytest.raises(ChecksumMismatch):
-        bad.write(0, b"\0" * 1024)
-    bad.close()
-    assert not catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
+        install_copy(catalog, "run", "s2", f, [(0, b"\0" * 1024)], what="copy")
+    tmp = catalog.tier.incoming_path("run", "s2", "__0_0.distcp")
     assert not tmp.exists() and catalog.reserved_bytes() == 0
+    assert not catalog.file_view("run", "s2", "__0_0.distcp")[0].held
     with pytest.raises(InvalidArgument):
-        again = catalog.start_incoming("run", "s2", "__0_0.distcp")
-        assert again is not None
-        IncomingFile(again, f.size, f.checksums, "c").write(5, b"x")
-    catalog.finish_incoming("run", "s2", "__0_0.distcp", tmp, False)
+        install_copy(catalog, "run", "s2", f, [(5, b"x")], what="c")
+    assert not tmp.exists() and catalog.reserved_bytes() == 0
     _receive(catalog, "run", "s2", "__0_0.distcp", data)
     view = catalog.get("run", "s2")
     assert Path(view.local_paths["__0_0.distcp"]).read_bytes() == data
@@ -154,8 +137,16 @@ def test_incoming_copy_respects_the_budget(make_catalog: MakeCatalog) -> None:
         "run", "s3", State.COMMITTED, 1.0, "node-x", 2.0, 1, files={big.name: big}
     )
     assert catalog.publish(rec)
+    written: list[int] = []
+
+    def pieces() -> Iterator[tuple[int, bytes]]:
+        written.append(0)
+        yield 0, b"z" * 8192
+
     with pytest.raises(MemoryBudgetExceeded, match="memory.budget"):
-        catalog.start_incoming("run", "s3", "__0_0.distcp")
+        install_copy(catalog, "run", "s3", big, pieces(), what="big")
+    assert written == [], "refused before its first byte"
+    assert catalog.reserved_bytes() == 0
 
 
 def test_deleted_checkpoint_is_not_taken_back(catalog: Catalog, save: Save) -> None:
@@ -238,12 +229,15 @@ def test_prewarm_stops_at_the_budget(make_catalog: MakeCatalog) -> None:
 def test_prewarm_skips_a_file_whose_copy_is_already_arriving(catalog: Catalog) -> None:
     remote = _remote("__0_0.distcp", b"r" * 5000, "node-x")
     assert catalog.publish(_record("s6", 4.0, [remote]))
-    tmp = catalog.start_incoming("run", "s6", "__0_0.distcp")
-    assert tmp is not None
-    try:
-        assert catalog.prewarm_segments([(5000, "__0_0.distcp"), (3000, "x")], "test") == 3000
-    finally:
-        catalog.finish_incoming("run", "s6", "__0_0.distcp", tmp, False)
+    prewarmed: list[int] = []
+
+    def pieces() -> Iterator[tuple[int, bytes]]:
+        # The copy is arriving (staged, its bytes reserved) while the prewarm runs.
+        prewarmed.append(catalog.prewarm_segments([(5000, "__0_0.distcp"), (3000, "x")], "test"))
+        yield 0, b"r" * 5000
+
+    assert install_copy(catalog, "run", "s6", remote, pieces(), what="copy") is not None
+    assert prewarmed == [3000]
 
 
 def test_incoming_copy_waits_for_the_segment_being_preallocated_for_it(

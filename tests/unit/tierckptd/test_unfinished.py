@@ -17,6 +17,7 @@ from pathlib import Path
 from tierckpt.checksum import checksum_bytes
 from tierckptd.catalog import UNFINISHED_PATIENCE, Catalog, Resolution
 from tierckptd.catalog.budget import PAGE, pages
+from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers.unfinished import UnfinishedSaves
 
@@ -163,10 +164,8 @@ def _restored_for_a_reader(node: Catalog, data: bytes) -> None:
     with node._lock:
         node._records[(NS, "s1")].files[THEIRS].held = False
     node.tier.remove_file(node.tier.file_path(NS, "s1", THEIRS))
-    tmp = node.start_incoming(NS, "s1", THEIRS, restored=True)
-    assert tmp is not None
-    tmp.write_bytes(data)
-    assert node.finish_incoming(NS, "s1", THEIRS, tmp, True, restored=True)
+    f, _ = node.file_view(NS, "s1", THEIRS)
+    assert install_copy(node, NS, "s1", f, [(0, data)], what=THEIRS, restored=True)
 
 
 def test_a_readers_restored_copy_is_not_evicted_under_it(
