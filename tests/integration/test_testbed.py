@@ -154,6 +154,125 @@ def test_a_slow_link_bounds_replication_by_its_rate(bed: Testbed, cluster: Netns
     assert timings["tbf 50mbit"] >= shape.min_seconds(size), timings
 
 
+# A probe agent per node: a TCP server answering "pong" to every connection, and a UDP
+# port whose datagrams it appends to a file (one-way reachability, which TCP cannot show).
+_AGENT = """
+import socket, sys, threading
+address, log = sys.argv[1], sys.argv[2]
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((address, 9501))
+    while True:
+        data, _ = s.recvfrom(64)
+        with open(log, "ab") as f:
+            f.write(data + b"\\n")
+threading.Thread(target=udp, daemon=True).start()
+server = socket.create_server((address, 9500))
+while True:
+    conn, _ = server.accept()
+    conn.sendall(b"pong")
+    conn.close()
+"""
+_PING = """
+import socket, sys, threading
+answers = {}
+def ping(address):
+    try:
+        with socket.create_connection((address, 9500), timeout=0.5) as s:
+            s.settimeout(0.5)
+            answers[address] = "ok" if s.recv(4) == b"pong" else "bad"
+    except OSError as exc:
+        answers[address] = type(exc).__name__
+threads = [threading.Thread(target=ping, args=(a,)) for a in sys.argv[1:]]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(" ".join(answers[a] for a in sys.argv[1:]))
+"""
+_PY = [sys.executable, "-I", "-S"]  # probes need only the stdlib: start them fast
+_SEND = """
+import socket, sys
+socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(sys.argv[2].encode(), (sys.argv[1], 9501))
+"""
+
+
+def test_each_fault_cuts_what_it_says_and_heals(bed: Testbed, tmp_path: Path) -> None:
+    n0, n1, n2 = bed.nodes
+    agents = [
+        subprocess.Popen(
+            n.exec_argv([*_PY, "-c", _AGENT, n.address, str(tmp_path / f"udp{n.index}")]),
+            start_new_session=True,
+        )
+        for n in bed.nodes
+    ]
+    try:
+
+        def pings(src: int, dsts: list[int]) -> list[str]:
+            """What node `src` gets from each agent of `dsts`: "ok", or the error's name."""
+            argv = [*_PY, "-c", _PING, *(bed.nodes[d].address for d in dsts)]
+            return bed.run_in(bed.nodes[src], argv).stdout.split()
+
+        def ping(src: int, dst: int) -> str:
+            return pings(src, [dst])[0]
+
+        def reach() -> dict[tuple[int, int], bool]:
+            """For every ordered pair of nodes, whether a TCP exchange between them works."""
+            out = {}
+            for a in range(3):
+                others = [b for b in range(3) if b != a]
+                out.update(
+                    {(a, b): r == "ok" for b, r in zip(others, pings(a, others), strict=True)}
+                )
+            return out
+
+        everywhere = dict.fromkeys(reach(), True)
+        wait_until("every agent answers", lambda: reach() == everywhere, 15)
+
+        with bed.cut_node(n1):
+            assert reach() == {
+                **everywhere,
+                (0, 1): False,
+                (1, 0): False,
+                (1, 2): False,
+                (2, 1): False,
+            }
+        assert reach() == everywhere
+
+        with bed.cut_between([n0], [n1]):  # n2 still reaches both sides
+            assert reach() == {**everywhere, (0, 1): False, (1, 0): False}
+        assert reach() == everywhere
+
+        with bed.cut_one_way([n0], [n1]):  # n0's packets to n1 are lost, n1's arrive
+            for src, dst in ((0, 1), (1, 0)):
+                bed.run_in(
+                    bed.nodes[src],
+                    [*_PY, "-c", _SEND, bed.nodes[dst].address, f"from{src}"],
+                )
+            wait_until("n1's datagram reaches n0", lambda: b"from1" in _read(tmp_path / "udp0"), 5)
+            assert b"from0" not in _read(tmp_path / "udp1")
+            # TCP needs both ways: no exchange between them, every other pair unharmed.
+            assert reach() == {**everywhere, (0, 1): False, (1, 0): False}
+        assert reach() == everywhere
+
+        with bed.freeze(agents[2].pid):  # connects are accepted, nothing is answered
+            assert ping(0, 2) == "TimeoutError"
+        assert ping(0, 2) == "ok"
+
+        flap = bed.flap(n2, 0.2, 0.2)
+        wait_until("two flaps", lambda: flap.cycles >= 2, 10)
+        flap.heal()
+        assert Path("/sys/class/net", n2.port, "operstate").read_text().strip() == "up"
+        assert ping(0, 2) == "ok"  # healed means carrying traffic, ARP included
+        assert bed.faults == []
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait()
+
+
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
 def test_a_killed_testbed_is_swept_and_a_closed_one_leaves_nothing() -> None:
     reason = unavailable_reason()
     if reason is not None:

@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -226,6 +227,22 @@ class Node:
         return ["ip", "netns", "exec", self.netns, *argv]
 
 
+def _port_up(node: Node, timeout: float = 5.0) -> None:
+    """Bring the node's bridge port up and return once both ends carry traffic: the kernel
+    applies a carrier change in its linkwatch work, up to a second after `ip link set up`,
+    and drops every packet until then."""
+    _run("ip", "link", "set", node.port, "up")
+    deadline = time.monotonic() + timeout
+    operstate = Path("/sys/class/net", node.port, "operstate")
+    while True:
+        inside = _run("ip", "-n", node.netns, "-o", "link", "show", IFACE, check=False).stdout
+        if operstate.read_text().strip() == "up" and "state UP" in inside:
+            return
+        if time.monotonic() > deadline:
+            raise TestbedError(f"{node.port} not up {timeout} s after `ip link set up`: {inside}")
+        time.sleep(0.02)
+
+
 @dataclasses.dataclass(frozen=True)
 class TbfShape:
     """A token-bucket shaper (`tc qdisc tbf`): `rate` bytes/s with a `burst`-byte bucket.
@@ -312,7 +329,7 @@ class Flap(Fault):
     def _halt(self) -> None:
         self._stop.set()
         self._thread.join(timeout=_COMMAND_TIMEOUT)
-        _run("ip", "link", "set", self._node.port, "up")
+        self._bed._reconnect(self._node)
 
 
 class Testbed:
@@ -448,11 +465,24 @@ class Testbed:
 
     def cut_node(self, node: Node) -> Fault:
         """The node's cable is pulled: its bridge port goes down, every packet to or from
-        it is lost; its processes and their sockets live on (no RST, no error)."""
+        it is lost; its processes and their sockets live on (no RST, no error). Healing
+        returns once the link carries traffic again."""
         _run("ip", "link", "set", node.port, "down")
-        return self._add(
-            Fault(self, f"cut {node.netns}", lambda: _run("ip", "link", "set", node.port, "up"))
-        )
+        return self._add(Fault(self, f"cut {node.netns}", lambda: self._reconnect(node)))
+
+    def _reconnect(self, node: Node) -> None:
+        """Bring the node's port back up and forget what ARP learnt while it was down: a
+        neighbour entry left FAILED or PROBE by the cut holds the next packets for up to a
+        second (its retransmit time); a fresh one resolves at once. Permanent entries (the
+        group cuts) are kept."""
+        _port_up(node)
+        _run("ip", "-n", node.netns, "neigh", "flush", "dev", IFACE, check=False)
+        for other in self.nodes:
+            if other is not node:
+                _run(
+                    "ip", "-n", other.netns, "neigh", "flush", "to", node.address, "dev", IFACE,
+                    check=False,
+                )  # fmt: skip
 
     def _blackhole(self, src: Node, dst: Node) -> Callable[[], None]:
         """Frames from `src` to `dst`'s address go to a MAC nobody has; the undo."""
