@@ -12,6 +12,7 @@ iproute2. `TIERCKPT_REQUIRE_TESTBED=1` turns that skip into a failure (for CI).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,15 +144,21 @@ def test_a_slow_link_bounds_replication_by_its_rate(bed: Testbed, cluster: Netns
             cluster.raw_save(0, checkpoint_id, files)
             wait_until(
                 f"{checkpoint_id} REPLICATED on n0",
-                lambda c=checkpoint_id: cluster.rows(0)[c]["state"] == "REPLICATED",
+                lambda c=checkpoint_id: _state(cluster, c) == "REPLICATED",
                 60,
-                interval=0.05,
+                interval=0.02,
             )
             timings[label] = time.monotonic() - started
         sent, _ = bed.port_bytes(n0)
         assert sent - sent_before >= size, f"{label}: the replica did not leave n0 by its port"
     print(f"replication of {size >> 20} MiB: {timings}")
     assert timings["tbf 50mbit"] >= shape.min_seconds(size), timings
+
+
+def _state(cluster: NetnsCluster, checkpoint_id: str) -> str | None:
+    """The checkpoint's state on n0 (through its client: polled often, unlike the CLI)."""
+    rows = cluster.clients[0].list_checkpoints(NS)
+    return next((r.state for r in rows if r.checkpoint_id == checkpoint_id), None)
 
 
 # A probe agent per node: a TCP server answering "pong" to every connection, and a UDP
@@ -321,3 +328,13 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_without_iproute2_the_testbed_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `ip`, no `tc`
+    expected = "need root" if os.geteuid() != 0 else "`ip` (iproute2) is not on PATH"
+    assert expected in (unavailable_reason() or "")
+    with pytest.raises(TestbedUnavailable, match=re.escape(expected)):
+        Testbed(1)
