@@ -153,6 +153,13 @@ def test_a_slow_link_bounds_replication_by_its_rate(bed: Testbed, cluster: Netns
         assert sent - sent_before >= size, f"{label}: the replica did not leave n0 by its port"
     print(f"replication of {size >> 20} MiB: {timings}")
     assert timings["tbf 50mbit"] >= shape.min_seconds(size), timings
+    # n0's metrics, served on its bridge address and read from inside its namespace.
+    pushed = [
+        float(line.split()[1])
+        for line in cluster.metrics(0).splitlines()
+        if line.startswith("tierckpt_replicated_bytes_total ")
+    ]
+    assert pushed and pushed[0] >= 2 * size, pushed
 
 
 def _state(cluster: NetnsCluster, checkpoint_id: str) -> str | None:

@@ -46,8 +46,11 @@ from pathlib import Path
 from types import TracebackType
 
 __all__ = [
+    "IFACE",
     "PREFIX",
     "Fault",
+    "Flap",
+    "Node",
     "Testbed",
     "TestbedError",
     "TestbedUnavailable",
