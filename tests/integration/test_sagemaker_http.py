@@ -134,7 +134,6 @@ def test_seed_client_saves_steps_and_loads_newest_bit_exact_also_through_tierckp
         assert names == [
             ".metadata",
             ".sagemaker_metadata_2",
-            ".sagemaker_steps_retained_3",
             "__0_0.distcp",
             "__1_0.distcp",
         ]
