@@ -26,6 +26,9 @@ MAX_FILES = 100_000
 MAX_REPLICAS = 64
 MIN_BLOCK_SIZE = 64 << 10
 MAX_BLOCK_SIZE = 16 << 20
+# A namespace's own memory window (`CheckpointRecord.memory_keep_last`): 0 (none) up to
+# this; a manifest naming more is refused where it enters (disk, peer, persistent tier).
+MAX_NAMESPACE_KEEP_LAST = 1 << 20
 # Clocks of a cluster disagree: a peer's timestamp more than this ahead of this node's
 # clock is reported as skew (metric, status, a warning), then clamped to "now"; time never
 # orders checkpoints (the sequence does), so a skewed node still replicates.
@@ -125,6 +128,11 @@ class CheckpointRecord:
     # Where it drains: "" for `[persistent] url`, else the namespace's URL when it was
     # committed (`tierckpt.names.check_persistent_url` grammar; policy checked at use).
     persistent_url: str = ""
+    # The namespace's memory window when it was committed (`Catalog.set_memory_keep_last`,
+    # 0: none): the memory tier keeps at most that many of the coordinator's newest,
+    # within `[retention] memory_keep_last`. Travels with the manifest, so every node
+    # holding the namespace's checkpoints (a replacement one too) applies the same window.
+    memory_keep_last: int = 0
     # With `[security] local_isolation = "uid"`: the uid owning the namespace when it was
     # saved, and the node where that claim was made (None / "": saved without isolation).
     # Travels with the manifest; every isolating node refuses it to other uids.
@@ -176,6 +184,7 @@ class CheckpointView:
     tiers: tuple[str, ...] = ()
     durable_requested: bool = False
     persistent_url: str = ""
+    memory_keep_last: int = 0  # CheckpointRecord.memory_keep_last
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
     owner_uid: int | None = None  # CheckpointRecord.owner_uid
     owner_claim_node: str = ""

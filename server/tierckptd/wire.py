@@ -35,6 +35,7 @@ from tierckptd.model import (
     MAX_BLOCK_SIZE,
     MAX_FILE_SIZE,
     MAX_FILES,
+    MAX_NAMESPACE_KEEP_LAST,
     MAX_REPLICAS,
     MAX_SEQUENCE,
     MIN_BLOCK_SIZE,
@@ -217,6 +218,7 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         pinned=view.pinned,
         durable_requested=view.durable_requested,
         persistent_url=view.persistent_url,
+        memory_keep_last=view.memory_keep_last,
         lost_files=list(view.lost_files),
         owner_uid=view.owner_uid,
         owner_claim_node=view.owner_claim_node,
@@ -236,6 +238,11 @@ def record_from_info(
         raise InvalidArgument(f"{what}: sequence {info.sequence} is larger than {MAX_SEQUENCE}")
     if len(info.files) > MAX_FILES:
         raise InvalidArgument(f"{what}: {len(info.files):,} files, at most {MAX_FILES:,}")
+    if info.memory_keep_last > MAX_NAMESPACE_KEEP_LAST:
+        raise InvalidArgument(
+            f"{what}: memory_keep_last {info.memory_keep_last} is larger than "
+            f"{MAX_NAMESPACE_KEEP_LAST}"
+        )
     rec = CheckpointRecord(
         namespace=namespace,
         checkpoint_id=checkpoint_id,
@@ -250,6 +257,7 @@ def record_from_info(
         # Syntax here; whether this node may drain there is the drain's check
         # (`tierckptd.persistent.roots`), against its own `[persistent] allowed_urls`.
         persistent_url=check_persistent_url(info.persistent_url),
+        memory_keep_last=info.memory_keep_last,
     )
     if info.HasField("owner_uid"):  # the namespace's owner where it was saved (isolation)
         if info.owner_uid >= 0xFFFFFFFF:

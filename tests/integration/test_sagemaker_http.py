@@ -9,6 +9,8 @@ against real tierckptd processes serving its HTTP API (`[listen] sagemaker`).
   the coordinator's node, data POSTed to the other, the commit finds it there; that
   node lost with its memory and replaced, the seed reader restores bit-exact through
   the replacement.
+- ``steps_retained`` is a memory window: with a persistent tier, memory keeps the newest
+  steps and S3 keeps every one (what ``[retention]`` says), still listed and loadable.
 - The whole cluster lost: the replacement lists the steps only S3 (moto) holds and the
   seed reader restores the newest bit-exact through the same API.
 - What must leave nothing behind: a checksum mismatch, a missing ``Shard-Meta``, a path
@@ -134,7 +136,6 @@ def test_seed_client_saves_steps_and_loads_newest_bit_exact_also_through_tierckp
         assert names == [
             ".metadata",
             ".sagemaker_metadata_2",
-            ".sagemaker_steps_retained_3",
             "__0_0.distcp",
             "__1_0.distcp",
         ]
@@ -217,6 +218,51 @@ def test_steps_retained_keeps_the_newest_steps_on_every_node() -> None:
         # The evicted steps are gone, not just unlisted: a GET of one is a 404 anywhere.
         base = f"http://127.0.0.1:{api_ports[1]}"
         assert requests.get(f"{base}/v1/cp/checkpoints/kept/0/3", timeout=30).status_code == 404
+
+
+def test_steps_retained_is_a_memory_window_the_persistent_tier_keeps_every_step(
+    s3: moto_s3.S3Bucket,
+) -> None:
+    """steps_retained=2 with a persistent tier (moto) draining every step: memory keeps
+    the 2 newest, S3 keeps all 5 (`[retention]` persistent keeps everything here), and
+    the evicted steps stay listed and loadable from S3."""
+    port = free_ports(1)[0]
+    persistent = {"url": s3.url("tiers"), "storage_options": dict(s3.storage_options), "every": 1}
+    daemon = _sagemaker_node(port, persistent=persistent)
+    base = f"http://127.0.0.1:{port}"
+    steps = [1, 2, 3, 4, 5]
+    try:
+        results = run_job(seed_save_retained, 2, [port], "kept3", steps, 2, timeout=240)
+        assert results == [{"step": 5, "exact": True}] * 2
+        fs = s3.fs()
+        deadline = time.monotonic() + 60
+        in_memory: list[str] = []
+        while True:
+            fs.invalidate_cache()
+            drained = [
+                s for s in steps if fs.exists(s3.url("tiers", "kept3", f"step_{s}", ".metadata"))
+            ]
+            client = DaemonClient(daemon.address)
+            try:
+                listed = client.list_checkpoints("kept3")
+            finally:
+                client.close()
+            in_memory = sorted(c.checkpoint_id for c in listed if "memory" in c.tiers)
+            if drained == steps and in_memory == ["step_4", "step_5"]:
+                break
+            assert time.monotonic() < deadline, f"drained {drained}, in memory {in_memory}"
+            time.sleep(0.3)
+        assert sorted(c.checkpoint_id for c in listed) == [f"step_{s}" for s in steps]
+        assert all(c.tiers == ("persistent",) for c in listed if c.checkpoint_id < "step_4")
+        assert not daemon.data_dir("kept3", "step_3").exists()
+        # Listed and served from S3: the seed reader loads an evicted step bit-exact.
+        _wait_latest(base, "kept3", [5, 4, 3, 2, 1])
+        assert (
+            run_job(seed_load, 2, [port], "kept3", 2, timeout=120)
+            == [{"step": 2, "exact": True}] * 2
+        )
+    finally:
+        daemon.cleanup()
 
 
 def _wait_latest(base: str, namespace: str, want: list[int], timeout: float = 60.0) -> None:

@@ -71,9 +71,10 @@ from tierckptd.catalog.budget import Budget, admit_namespace, held_charge
 from tierckptd.catalog.durability import DurabilityLedger
 from tierckptd.catalog.peer_marks import DELETE_SKEW, PeerMarks
 from tierckptd.catalog.prewarm import NextSavePlan, PoolUse, assign
-from tierckptd.catalog.retention import evictions_by_coordinator
+from tierckptd.catalog.retention import effective_window, evictions_by_coordinator
 from tierckptd.catalog.sweeper import Sweeper
 from tierckptd.catalog.views import Health, all_lost, found, listing, view_of
+from tierckptd.catalog.windows import NamespaceWindows
 from tierckptd.catalog.writers import NamespaceWriters
 from tierckptd.memory.adoption import Adopted, adopt
 from tierckptd.memory.manifest import to_json as manifest_to_json
@@ -219,6 +220,7 @@ class Catalog:
             self._lock, drain_every=drain_every, default_persistent=default_persistent
         )
         self.peer_marks = PeerMarks(self._lock, node_id)
+        self.windows = NamespaceWindows(self._lock)  # namespaces' own memory windows
         self._records: dict[Key, CheckpointRecord] = {}
         self._next_sequence = 1
         self.writers = NamespaceWriters(self._lock, MappingProxyType(self._records), node_id)
@@ -512,6 +514,9 @@ class Catalog:
             and r.state is State.COMMITTED
             and not self._persistent_only(r)
         ]
+        newest = max(committed, key=lambda r: r.order, default=None)
+        own = newest.memory_keep_last if newest is not None else 0
+        window = effective_window(self.memory_keep_last, own)
         for checkpoint_id in evictions_by_coordinator(
             committed, self.memory_keep_last, self._holds, self._is_lost
         ):
@@ -523,12 +528,24 @@ class Catalog:
                 freed = self._delete_committed(rec, evicted=True)
             metrics.EVICTIONS.inc()
             logger.info(
-                "evicted %s/%s from memory (retention memory_keep_last=%d), %s",
+                "evicted %s/%s from memory (memory window %d: [retention] "
+                "memory_keep_last=%d, the namespace's own %s), %s",
                 namespace,
                 checkpoint_id,
+                window,
                 self.memory_keep_last,
+                own or "none",
                 format_size(freed),
             )
+
+    def set_memory_keep_last(self, namespace: str, keep_last: int) -> None:
+        """The namespace's own memory window (0: none, `[retention] memory_keep_last`
+        alone): the memory tier keeps at most `keep_last` of its newest checkpoints, with
+        every rule of memory retention (never the newest, pins and invariant 6 honoured).
+        Recorded by the namespace's next commit here and carried by its manifest to every
+        node (`windows`); it never narrows persistent retention: an evicted durable
+        checkpoint stays listed from the persistent tier."""
+        self.windows.set(check_namespace(namespace), keep_last)
 
     def _keep_persistent_only(self, rec: CheckpointRecord) -> int:
         """Evict a durable checkpoint from memory but keep listing it (its files now
@@ -1582,6 +1599,7 @@ class Catalog:
                 committed_unix=self._wall(),
                 durable_requested=durable,
                 persistent_url=url,
+                memory_keep_last=self.windows.get(namespace),
             )
             fault("commit.before_manifest")
             self._write_manifest(staged)
@@ -1593,6 +1611,7 @@ class Catalog:
             rec.committed_unix = staged.committed_unix
             rec.durable_requested = durable
             rec.persistent_url = url
+            rec.memory_keep_last = staged.memory_keep_last
             self._track(rec)
             self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tierckptd.model import CheckpointRecord, coordinator_of
 
-__all__ = ["Candidate", "evictions_by_coordinator", "memory_evictions"]
+__all__ = ["Candidate", "effective_window", "evictions_by_coordinator", "memory_evictions"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,17 @@ def memory_evictions(committed: Iterable[Candidate], keep_last: int) -> list[str
     ]
 
 
+def effective_window(keep_last: int, namespace_keep_last: int) -> int:
+    """The memory window of a namespace: `[retention] memory_keep_last` (0: unlimited)
+    narrowed by the namespace's own (`CheckpointRecord.memory_keep_last`, 0: none); the
+    stricter wins, and a namespace's window never widens `[retention]`'s."""
+    if namespace_keep_last <= 0:
+        return keep_last
+    if keep_last <= 0:
+        return namespace_keep_last
+    return min(keep_last, namespace_keep_last)
+
+
 def evictions_by_coordinator(
     committed: Iterable[CheckpointRecord],
     keep_last: int,
@@ -56,9 +67,11 @@ def evictions_by_coordinator(
     publishes never count against, nor push out, those another node (this one included)
     coordinates. One job has one coordinator, so this is the plain window; a job whose
     coordinator moved keeps the old one's last checkpoints until they are removed
-    (`tierckpt rm`). A checkpoint `held` (pinned, or due for the persistent tier and not
-    durable there yet: invariant 6) is never evicted; a `lost` one (listed LOST) does not
-    count against the window.
+    (`tierckpt rm`). Each group's window is `effective_window` of `keep_last` and the
+    namespace window its newest checkpoint recorded at commit (the namespace's current
+    setting, which the manifest carried to every node). A checkpoint `held` (pinned, or
+    due for the persistent tier and not durable there yet: invariant 6) is never evicted;
+    a `lost` one (listed LOST) does not count against the window.
     """
     groups: dict[str, list[CheckpointRecord]] = {}
     for r in sorted(committed, key=lambda r: r.order):
@@ -68,6 +81,6 @@ def evictions_by_coordinator(
         for group in groups.values()
         for checkpoint_id in memory_evictions(
             [Candidate(r.checkpoint_id, i, held(r), lost(r)) for i, r in enumerate(group, start=1)],
-            keep_last,
+            effective_window(keep_last, group[-1].memory_keep_last),
         )
     ]

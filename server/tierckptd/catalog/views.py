@@ -153,6 +153,7 @@ def view_of(
         tiers=tuple(tiers),
         durable_requested=rec.durable_requested,
         persistent_url=rec.persistent_url,
+        memory_keep_last=rec.memory_keep_last,
         lost_files=lost_files,
         owner_uid=rec.owner_uid,
         owner_claim_node=rec.owner_claim_node,

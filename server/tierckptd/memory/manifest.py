@@ -24,7 +24,14 @@ from tierckpt.names import (
     check_persistent_url,
 )
 
-from tierckptd.model import CheckpointRecord, FileRecord, State, Trust, coordinator_of
+from tierckptd.model import (
+    MAX_NAMESPACE_KEEP_LAST,
+    CheckpointRecord,
+    FileRecord,
+    State,
+    Trust,
+    coordinator_of,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -119,6 +126,7 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "pinned": record.pinned,
         "durable_requested": record.durable_requested,
         "persistent_url": record.persistent_url,
+        "memory_keep_last": record.memory_keep_last,
         "node_id": record.node_id,
         "trust": record.trust.value,
         "owner_uid": record.owner_uid,
@@ -144,6 +152,18 @@ def _owner(doc: dict[str, Any]) -> tuple[int | None, str]:
     if not isinstance(node, str) or len(node) > 128:
         raise ManifestError("malformed manifest: owner_claim_node is not a node id")
     return uid, node
+
+
+def _keep_last(doc: dict[str, Any]) -> int:
+    """The namespace's memory window (absent before it travelled: 0, none); anything but
+    an integer in 0..MAX_NAMESPACE_KEEP_LAST is refused."""
+    value = doc.get("memory_keep_last", 0)
+    if type(value) is not int or not 0 <= value <= MAX_NAMESPACE_KEEP_LAST:
+        raise ManifestError(
+            f"malformed manifest: memory_keep_last is not an integer in "
+            f"0..{MAX_NAMESPACE_KEEP_LAST}"
+        )
+    return value
 
 
 def _trust(doc: dict[str, Any], record: CheckpointRecord) -> Trust:
@@ -176,6 +196,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
             node_id=str(doc["node_id"]),
             durable_requested=_flag(doc, "durable_requested"),
             persistent_url=check_persistent_url(doc.get("persistent_url", "")),
+            memory_keep_last=_keep_last(doc),
         )
         record.owner_uid, record.owner_claim_node = _owner(doc)
         for f in doc["files"]:

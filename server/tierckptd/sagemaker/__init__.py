@@ -2,9 +2,9 @@
 so the unmodified ``amzn-sagemaker-checkpointing`` client saves into tierckpt's tiers.
 
 Modules: `protocol` (routes, names, Shard-Meta, validated where they enter),
-`checkpoints` (the seed's blobs as tierckpt checkpoints, the commit), `retention` (a
-namespace's `steps_retained` window), `http` (the listener), `adapter` (the one narrow
-door into the daemon: `SeedDaemon`).
+`checkpoints` (the seed's blobs as tierckpt checkpoints, the commit; a namespace's
+`steps_retained` is its memory window in the daemon's retention), `http` (the listener),
+`adapter` (the one narrow door into the daemon: `SeedDaemon`).
 `start_listener` is what main.py calls.
 """
 
@@ -49,7 +49,6 @@ def start_listener(config: Config, daemon: SeedDaemon) -> SeedListener | None:
         allow_reset=config.listen.sagemaker_allow_reset,
     )
     listener = SeedListener(config.listen.sagemaker, api)  # bound before any thread starts
-    api.start()
     listener.start()
     threading.Thread(target=_preload, name="tierckptd-sagemaker-preload", daemon=True).start()
     return listener

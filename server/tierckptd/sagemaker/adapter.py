@@ -88,9 +88,10 @@ class SeedDaemon(Protocol):
         path); None when this node holds none."""
         ...
 
-    def memory_held(self, namespace: str) -> set[str]:
-        """Ids of the namespace's committed checkpoints memory retention must keep here
-        (due for the persistent tier and not durable there yet: invariant 6)."""
+    def set_memory_keep_last(self, namespace: str, keep_last: int) -> None:
+        """The namespace's own memory window (`steps_retained`), recorded by its next
+        commits here and applied by every node's memory retention (InvalidArgument when
+        out of range)."""
         ...
 
 
@@ -199,5 +200,5 @@ class DaemonAdapter:
             return None
         return f, str(self.catalog.tier.file_path(namespace, checkpoint_id, name))
 
-    def memory_held(self, namespace: str) -> set[str]:
-        return {cid for ns, cid in self.catalog.due_not_durable() if ns == namespace}
+    def set_memory_keep_last(self, namespace: str, keep_last: int) -> None:
+        self.catalog.set_memory_keep_last(namespace, keep_last)

@@ -10,11 +10,11 @@
 A step is committed when its metadata blob arrives and every data file it names is
 held on some node (the cluster commit asks the peers); only committed steps are
 listed or served, so ``latest`` never names a step whose data is missing, and the
-persistent tier's steps are listed and restored like any other. Each step also carries
-an empty ``.sagemaker_steps_retained_<k>``: the namespace's window travels with its
-manifest to every node, and the committing node applies it (`retention`) in the
-background once the step's metadata POST is answered: its removals (peer marks, S3)
-never hold up a save's acknowledgement.
+persistent tier's steps are listed and restored like any other. A namespace's
+``steps_retained`` is its memory window in the daemon's own retention
+(`Catalog.set_memory_keep_last`): each step's manifest records it, so every node
+(a replacement one too) keeps the same newest steps in memory and learns the value back
+for the namespace's config; the persistent tier keeps what ``[retention]`` says.
 
 A blob sent again for a step that holds it already (a retry, a restarted job saving the
 same step) is acknowledged when its bytes are the stored ones; other bytes are refused
@@ -51,7 +51,6 @@ from tierckpt.errors import (
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE
 
-from tierckptd.jobs import JobQueue
 from tierckptd.model import CheckpointView, State
 from tierckptd.persistent.decode import decode
 from tierckptd.sagemaker.adapter import SeedDaemon
@@ -61,13 +60,10 @@ from tierckptd.sagemaker.protocol import (
     data_file,
     metadata_file,
     metadata_rank,
-    retention_file,
-    retention_of,
     step_of,
 )
-from tierckptd.sagemaker.retention import apply_window
 
-__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "Retain", "SeedCheckpoints"]
+__all__ = ["Blob", "NamespaceConfig", "ResetRefused", "SeedCheckpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +95,6 @@ class NamespaceConfig:
 
 
 @dataclass(frozen=True)
-class Retain:
-    """Apply a namespace's `steps_retained` window (queued once per namespace and value)."""
-
-    namespace: str
-    steps_retained: int
-
-
-@dataclass(frozen=True)
 class Blob:
     """A committed blob to send: its local, verified file and the client's digest."""
 
@@ -123,23 +111,13 @@ class SeedCheckpoints:
         self.allow_reset = allow_reset
         self._lock = threading.Lock()
         self._configs: dict[str, NamespaceConfig] = {}
-        self._retaining = threading.Lock()
-        self.retention: JobQueue[Retain] = JobQueue(
-            self._retain_job, name="tierckptd-sagemaker-retention"
-        )
-
-    def start(self) -> SeedCheckpoints:
-        """Start the retention worker."""
-        self.retention.start()
-        return self
-
-    def stop(self) -> None:
-        self.retention.stop()
 
     # ---- namespaces --------------------------------------------------------------------
     def namespace(self, namespace: str, *, relist: bool = True) -> NamespaceConfig | None:
         """Its config: created here, else learnt from a committed step that any node (or,
-        with `relist`, the persistent tier) holds, so every node answers for the job."""
+        with `relist`, the persistent tier) holds, so every node answers for the job; the
+        window the step recorded is set here again, so this node's next commits of the
+        namespace (a restarted coordinator's) record it too."""
         with self._lock:
             config = self._configs.get(namespace)
         if config is not None:
@@ -147,10 +125,11 @@ class SeedCheckpoints:
         for view in reversed(self.daemon.committed(namespace, relist=relist)):
             rank = _metadata_rank_of(view)
             if rank is not None:
-                kept = next(filter(None, map(retention_of, (f.name for f in view.files))), None)
-                learnt = NamespaceConfig(rank + 1, kept or DEFAULT_STEPS_RETAINED)
+                kept = view.memory_keep_last or DEFAULT_STEPS_RETAINED
                 with self._lock:  # kept: the coordinator's metadata POST needs it next
-                    return self._configs.setdefault(namespace, learnt)
+                    config = self._configs.setdefault(namespace, NamespaceConfig(rank + 1, kept))
+                self.daemon.set_memory_keep_last(namespace, config.steps_retained)
+                return config
         return None
 
     def create_namespace(
@@ -164,13 +143,15 @@ class SeedCheckpoints:
                 "metadata rank"
             )
         config = NamespaceConfig(num_ranks, steps_retained)
+        self.daemon.set_memory_keep_last(namespace, steps_retained)  # validates it
         with self._lock:
             self._configs[namespace] = config
         logger.info(
-            "sagemaker API: namespace %s, %d ranks (metadata rank %d)",
+            "sagemaker API: namespace %s, %d ranks (metadata rank %d), steps_retained %d",
             namespace,
             num_ranks,
             num_ranks - 1,
+            steps_retained,
         )
         return config
 
@@ -231,7 +212,7 @@ class SeedCheckpoints:
         # A node that has not seen the namespace (the coordinator created it on its own
         # node) takes data blobs: only the coordinator, which created it, sends metadata.
         elif config is not None and rank == config.num_ranks - 1:
-            self._put_metadata(namespace, rank, step, size, digest, body, config.steps_retained)
+            self._put_metadata(namespace, rank, step, size, digest, body)
         else:
             self._put_data(namespace, rank, step, size, digest, body)
 
@@ -342,7 +323,6 @@ class SeedCheckpoints:
         size: int,
         digest: bytes,
         body: ReadInto,
-        steps_retained: int,
     ) -> None:
         if size > MAX_METADATA_BYTES:
             raise BodyTooLarge(
@@ -373,7 +353,6 @@ class SeedCheckpoints:
             own = (
                 (metadata_file(rank), blob),
                 (METADATA_FILE, stock),
-                (retention_file(steps_retained), b""),
             )
             for name, data in own:
                 path = self.daemon.open_file(ns, cid, name, rank, len(data))
@@ -384,24 +363,6 @@ class SeedCheckpoints:
         except BaseException:
             self.daemon.abort(ns, cid)  # the step cannot commit: nothing of it stays here
             raise
-        self.retention.put(Retain(ns, steps_retained))
-
-    def _retain_job(self, job: Retain) -> None:
-        self.retain(job.namespace, job.steps_retained)
-
-    def retain(self, namespace: str, steps_retained: int) -> list[str]:
-        """Apply the namespace's window to its committed steps in memory (`retention`);
-        the ids removed. One pass at a time: two commits never remove the same step."""
-        with self._retaining:
-            steps = [
-                v
-                for v in self.daemon.committed(namespace, relist=False)
-                if step_of(v.checkpoint_id) is not None
-                and _metadata_rank_of(v) is not None
-                and "foreign" not in v.tiers
-                and ("memory" in v.tiers or "peer" in v.tiers or v.state is State.LOST)
-            ]
-            return apply_window(self.daemon, namespace, steps, steps_retained)
 
     # ---- loads -------------------------------------------------------------------------
     def latest(self, namespace: str, limit: int) -> list[int]:

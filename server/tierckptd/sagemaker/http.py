@@ -300,8 +300,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class SeedListener:
-    """The bound listener and its accept thread; `stop()` closes both, and stops the
-    API's retention worker."""
+    """The bound listener and its accept thread; `stop()` closes both."""
 
     def __init__(self, address: str, api: SeedCheckpoints) -> None:
         host, port = parse_address(address)
@@ -324,4 +323,3 @@ class SeedListener:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._server.api.stop()

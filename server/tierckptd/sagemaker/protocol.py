@@ -20,6 +20,8 @@ from urllib.parse import parse_qs, urlsplit
 from tierckpt.errors import InvalidArgument
 from tierckpt.names import check_namespace
 
+from tierckptd.model import MAX_NAMESPACE_KEEP_LAST
+
 __all__ = [
     "ALGORITHM",
     "MAX_RANK",
@@ -32,8 +34,6 @@ __all__ = [
     "metadata_rank",
     "parse_shard_meta",
     "parse_target",
-    "retention_file",
-    "retention_of",
     "shard_meta",
     "step_of",
 ]
@@ -47,8 +47,7 @@ DEFAULT_STEPS_RETAINED = 3
 _INT = re.compile(r"[0-9]{1,19}")
 _MAX_TARGET = 2048
 _METADATA = re.compile(r"\.sagemaker_metadata_([0-9]{1,7})")
-_RETENTION = re.compile(r"\.sagemaker_steps_retained_([0-9]{1,7})")
-MAX_STEPS_RETAINED = 1 << 20
+MAX_STEPS_RETAINED = MAX_NAMESPACE_KEEP_LAST  # the memory window a manifest may carry
 _STEP_ID = re.compile(r"step_([0-9]{1,19})")
 
 
@@ -181,16 +180,3 @@ def metadata_rank(name: str) -> int | None:
     """The rank of a `metadata_file` name, else None."""
     match = _METADATA.fullmatch(name)
     return int(match.group(1)) if match is not None else None
-
-
-def retention_file(steps_retained: int) -> str:
-    """The empty file every step carries that names its namespace's `steps_retained`:
-    the manifest takes it to every node (and the persistent tier), so any node that
-    commits a later step of the job applies the window the namespace was created with."""
-    return f".sagemaker_steps_retained_{steps_retained}"
-
-
-def retention_of(name: str) -> int | None:
-    """The `steps_retained` a `retention_file` name records, else None."""
-    match = _RETENTION.fullmatch(name)
-    return int(match.group(1)) if match is not None and int(match.group(1)) >= 1 else None

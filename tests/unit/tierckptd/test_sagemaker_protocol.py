@@ -20,8 +20,6 @@ from tierckptd.sagemaker.protocol import (
     metadata_rank,
     parse_shard_meta,
     parse_target,
-    retention_file,
-    retention_of,
     shard_meta,
     step_of,
 )
@@ -88,9 +86,6 @@ def test_names() -> None:
     assert data_file(3) == "__3_0.distcp"
     assert metadata_rank(metadata_file(4)) == 4 and metadata_rank("__4_0.distcp") is None
     assert step_of("step_12") == 12 and step_of("step_x") is None and step_of("ckpt_1") is None
-    assert retention_of(retention_file(2)) == 2 and retention_file(2) != metadata_file(2)
-    assert retention_of(".sagemaker_steps_retained_0") is None  # a window keeps >= 1
-    assert retention_of(metadata_file(2)) is None
 
 
 def test_listener_is_off_by_default_and_refused_with_uid_isolation() -> None:
