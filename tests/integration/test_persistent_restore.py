@@ -1,10 +1,16 @@
 """Two daemons drain to a moto S3 server over HTTP, each node its own files and
 `.metadata` last, and a cluster that then loses every memory tier restores from S3.
 
-One cluster and one save per codec serve both halves: what S3 holds after the drain
-(exactly the DCP files, stock DCP loads it bit-exact at two world sizes), then, with
-every node killed and its memory wiped, what the restarted nodes list and load through
-the tiered reader. Single-node drains: test_persistent.py.
+One cluster and one save serve both halves: what S3 holds after the drain (exactly the
+DCP files, stock DCP loads it bit-exact at two world sizes), then, with every node killed
+and its memory wiped, what the restarted nodes list and load through the tiered reader.
+
+Uncompressed ([persistent] compression = "none"), the codec no other multi-node test
+drains with. zstd, the default, runs each half elsewhere: two nodes' drain, S3 holding
+exactly the memory tiers' files and stock DCP loading it (test_persistent_faults.py's S3
+outage, test_drain_replica.py), a node or cluster with nothing in memory listing and
+loading from S3 (test_persistent_live.py, test_pull_tiers.py). Single-node drains with
+both codecs: test_persistent.py.
 """
 
 from __future__ import annotations
@@ -27,11 +33,10 @@ NS = "drain-run"
 
 
 @pytest.mark.timeout(240)  # two scenarios of the 120 s default's size, one cluster
-@pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_two_nodes_drain_their_own_files_then_every_memory_tier_lost_restores_from_s3(
-    s3: moto_s3.S3Bucket, tmp_path: Path, compression: str
+    s3: moto_s3.S3Bucket, tmp_path: Path
 ) -> None:
-    with local_cluster(2, namespace=NS, overrides=persistent(s3, compression=compression)) as c:
+    with local_cluster(2, namespace=NS, overrides=persistent(s3, compression="none")) as c:
         save_job(c, 4, 2, ["step-000001", "step-000002"], tmp_path, 11)
         c.wait_state("step-000002", "DURABLE")
         c.wait_state("step-000001", "DURABLE")
