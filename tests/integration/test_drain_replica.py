@@ -9,7 +9,6 @@ holder once the coordinator is killed and its memory wiped.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,20 +59,6 @@ def _memory_names(c: LocalCluster, i: int, checkpoint_id: str) -> set[str]:
     return {p.name for p in directory.iterdir()} if directory.is_dir() else set()
 
 
-def _wait_row(c: LocalCluster, i: int, checkpoint_id: str, state: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    row: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        row = c.rows(i).get(checkpoint_id, {})
-        if row.get("state") == state:
-            return
-        time.sleep(0.3)
-    raise AssertionError(
-        f"{checkpoint_id} not {state} on {c.nodes[i].name} within {timeout} s: {row}\n"
-        f"{c.nodes[i].log_tail(60)}"
-    )
-
-
 @pytest.mark.parametrize(
     ("owner", "n"), [("down", 2), ("replaced", 2), ("down", 3)], ids=["down", "replaced", "3-nodes"]
 )
@@ -101,8 +86,7 @@ def test_a_replica_drains_the_files_of_a_lost_owner_and_commits(
         c.lose(0)
         if owner == "replaced":
             c.replace(0)  # without the fault: a plain replacement
-        for i in range(1, n):
-            _wait_row(c, i, "step-000001", "DURABLE", timeout=120)
+        c.wait_state("step-000001", "DURABLE", timeout=120, nodes=tuple(range(1, n)))
         assert s3_names(s3, NS, "step-000001") == copies
         if owner == "down":
             logs = "".join(c.nodes[i].log_path.read_text(errors="replace") for i in range(1, n))

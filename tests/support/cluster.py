@@ -15,7 +15,6 @@ from tierckpt.daemon_client import DaemonClient
 
 from tests.support import jobs
 from tests.support.backends import Nodes
-from tests.support.cli import ls_json
 from tests.support.daemon_process import DaemonProcess
 from tests.support.dist_job import run_job
 from tests.support.ports import free_ports
@@ -98,20 +97,35 @@ class LocalCluster:
             self.nodes[i].start()
 
     def rows(self, i: int = 0) -> dict[str, dict[str, Any]]:
-        """Node i's `tierckpt ls --json` of the namespace, by checkpoint id."""
-        return {r["id"]: r for r in ls_json(self.nodes[i].address, self.namespace)}
+        """Node i's `tierckpt ls --json` rows of the namespace, by checkpoint id.
 
-    def wait_state(self, checkpoint_id: str, state: str, *, timeout: float = 60.0) -> None:
-        """Until every node lists the checkpoint in `state` (the `state` of its `ls` row).
-
-        Polled through one in-process client per node: a `tierckpt ls` subprocess per node
-        and poll cost a CPU-bound interpreter start each, taken from the daemons under test.
+        The CLI's own rows (`CheckpointInfo.to_json`) from an in-process client: the tests
+        poll these, and a `tierckpt` subprocess per node and poll costs an interpreter
+        start, taken from the daemons under test (the CLI itself: test_cli.py).
         """
-        clients = [DaemonClient(d.address, timeout_s=30) for d in self.nodes]
+        client = DaemonClient(self.nodes[i].address, timeout_s=30)
+        try:
+            return {c.checkpoint_id: c.to_json() for c in client.list_checkpoints(self.namespace)}
+        finally:
+            client.close()
+
+    def wait_state(
+        self,
+        checkpoint_id: str,
+        state: str,
+        *,
+        timeout: float = 60.0,
+        nodes: tuple[int, ...] | None = None,
+    ) -> None:
+        """Until every node (or the `nodes` given) lists the checkpoint in `state` (the
+        `state` of its `ls` row). Polled through one in-process client per node, as `rows`.
+        """
+        waited = [self.nodes[i] for i in nodes] if nodes is not None else list(self.nodes)
+        clients = [DaemonClient(d.address, timeout_s=30) for d in waited]
         seen: dict[str, str | None] = {}
 
         def reached() -> bool:
-            for daemon, client in zip(self.nodes, clients, strict=True):
+            for daemon, client in zip(waited, clients, strict=True):
                 rows = client.list_checkpoints(self.namespace)
                 seen[daemon.name] = next(
                     (r.state for r in rows if r.checkpoint_id == checkpoint_id), None
@@ -124,7 +138,7 @@ class LocalCluster:
                 reached,
                 timeout,
                 interval=0.3,
-                details=lambda: f"{seen}\n" + "\n".join(d.log_tail(40) for d in self.nodes),
+                details=lambda: f"{seen}\n" + "\n".join(d.log_tail(40) for d in waited),
             )
         finally:
             for client in clients:
