@@ -190,6 +190,9 @@ class PersistentConfig:
     # Seconds an unreachable owner of a file (or the coordinator) is waited for before the
     # first live holder of a replica drains that file (or commits .metadata) instead.
     owner_grace: float = 30.0
+    # Seconds the drain waits at most between two attempts of a checkpoint that is not
+    # durable yet (an S3 outage, a peer still uploading): waits double from 0.5 s up to it.
+    retry_max: float = 10.0
     # URL prefixes a job may choose for its namespace (SetNamespace, the SageMaker
     # compat's s3_tier_base_path): the URL must be one of them or lie under one, whole
     # segments compared. Empty: only `url`. Same storage_options and credentials as `url`.
@@ -457,6 +460,12 @@ def _validate(config: Config) -> None:
         raise ConfigError(
             "[persistent] owner_grace must be a finite number of seconds >= 0 (how long an "
             "unreachable owner is waited for before a replica holder drains its files)"
+        )
+    retry_max = config.persistent.retry_max
+    if not (math.isfinite(retry_max) and retry_max >= 0.5):
+        raise ConfigError(
+            "[persistent] retry_max must be a finite number of seconds >= 0.5 (the longest "
+            "wait between two drain attempts of a checkpoint that is not durable yet)"
         )
     if logging.getLevelName(config.log.level.upper()) not in (10, 20, 30, 40, 50):
         raise ConfigError(

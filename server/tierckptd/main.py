@@ -326,6 +326,7 @@ def _build_on(
             keep_every=cfg.retention.persistent_keep_every,
             peers=_peer_holdings(peer_client) if cfg.peers or discovers else None,
             owner_grace=cfg.persistent.owner_grace,
+            max_backoff=cfg.persistent.retry_max,
             on_evicted=cluster.ops.retired,  # every node drops it
         )
         catalog.events.committed.add(drainer.enqueue)

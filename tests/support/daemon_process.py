@@ -114,6 +114,9 @@ class DaemonProcess:
             "listen": {"local": self.address, "peer": ""},
             "memory": {"dir": str(self.memory_dir), "budget": "2GiB"},
             "retention": {"memory_keep_last": 0},
+            # Drain retries of an outage or a lost owner at most 2 s apart, not 10: the
+            # tests wait for the next attempt, and backoff itself is unit-tested.
+            "persistent": {"retry_max": 2.0},
         }
         _merge(self.config, config_overrides or {})
         self.memory_dir = Path(self.config["memory"]["dir"])

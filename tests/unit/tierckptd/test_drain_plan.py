@@ -228,6 +228,16 @@ def test_owner_grace_must_be_finite_and_not_negative(tmp_path: Path, value: str)
     assert load_config(path).persistent.owner_grace == 2.5
 
 
+@pytest.mark.parametrize("value", ["0.1", "nan", "inf"])
+def test_retry_max_must_be_finite_and_at_least_the_first_wait(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "tierckptd.toml"
+    path.write_text(f"[persistent]\nretry_max = {value}\n")
+    with pytest.raises(ConfigError, match="retry_max"):
+        load_config(path)
+    path.write_text("[persistent]\nretry_max = 2.0\n")
+    assert load_config(path).persistent.retry_max == 2.0
+
+
 def test_sigterm_skips_a_lost_newest_and_drains_the_one_before(
     make_catalog: MakeCatalog, store: PersistentTier, tmp_path: Path
 ) -> None:
