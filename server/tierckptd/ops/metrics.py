@@ -130,7 +130,10 @@ TRIMMED_COPIES = Counter(
     "Surplus replicas (more than k extra copies of a file) this node dropped",
 )
 TRIMMED_BYTES = Counter("tierckpt_trimmed_bytes", "Bytes of surplus replicas this node dropped")
-FETCHED_BYTES = Counter("tierckpt_fetched_bytes", "Bytes fetched from peers into this node")
+FETCHED_BYTES = Counter(
+    "tierckpt_fetched_bytes",
+    "Bytes this node fetched into its memory tier for a restore, from a peer or the persistent tier",
+)
 UNDER_REPLICATED = Gauge(
     "tierckpt_under_replicated_checkpoints",
     "Checkpoints whose files have fewer than k extra copies (or none at all)",
