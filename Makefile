@@ -1,17 +1,22 @@
 # One entry point for people and CI. `make demo` and `make test` work on a fresh machine:
 # they create .venv, install the CPU build of torch first (so the `torch>=2.6` requirement
-# is already met and never pulls CUDA wheels), then this project with its dev extra.
+# is already met and never pulls CUDA wheels), then this project with its dev extra (which
+# holds the `daemon` and `frameworks` extras). A current pip first: its resolver settles the
+# dev set (torchtitan's fsspec cap beside s3fs) in one pass; the torch pin is repeated so
+# that no backtracking can swap in another torch.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP_PIN := pip==26.2.1
 TORCH_PIN := torch==2.13.0
 
 .PHONY: setup demo test lint typecheck stubs stubs-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(PIP_PIN)
 	$(BIN)/pip install --quiet $(TORCH_PIN)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev]' $(TORCH_PIN)
 	touch $@
 
 setup: $(VENV)/.installed
