@@ -64,6 +64,7 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     InvalidName,
     TierckptError,
+    TierUnavailable,
 )
 from tierckpt.fsspec_files import ReadStream
 from tierckpt.memory_files import VerifiedFile
@@ -428,13 +429,16 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             "levels": TierState.of(info).levels(),
         }
 
-    def _children(self, namespace: str, folder: str) -> list[dict[str, Any]]:
+    def _children(
+        self, namespace: str, folder: str, rows: list[CheckpointInfo] | None = None
+    ) -> list[dict[str, Any]]:
         """What a listing of `folder` ("" the namespace) shows of the checkpoints in it,
         oldest commit first: each checkpoint directly in it, and each folder holding
-        checkpoints deeper (once, as a directory)."""
+        checkpoints deeper (once, as a directory). `rows`: the namespace's listing, if
+        already asked for."""
         prefix = f"{folder}/" if folder else ""
         entries: dict[str, dict[str, Any]] = {}
-        for c in self.client.list_checkpoints(namespace):
+        for c in self.client.list_checkpoints(namespace) if rows is None else rows:
             if not c.checkpoint_id.startswith(prefix) or c.checkpoint_id == folder:
                 continue
             child = c.checkpoint_id[len(prefix) :].split("/", 1)[0]
@@ -452,7 +456,8 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             names = self.client.status().namespaces
             entries = [{"name": ns, "type": "directory", "size": 0} for ns in names]
         else:
-            info = self._committed(p.namespace, p.path) if p.path else None
+            outages: list[TierUnavailable] = []
+            info = self._lookup(p.namespace, p.path, outages) if p.path else None
             entries = (
                 [
                     {"name": f"{p.name}/{f.name}", "type": "file", "size": f.size, "rank": f.rank}
@@ -464,10 +469,17 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             if p.path != LATEST:
                 entries += self._children(p.namespace, p.path)
             if not entries and p.path:
+                if outages:
+                    raise outages[0]
                 entries = [self.info(path)]  # a file, or FileNotFoundError
         return entries if detail else [e["name"] for e in entries]
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """A file of a committed checkpoint, a checkpoint, or a folder holding some, in
+        that order. A checkpoint's daemon lookup may ask the persistent tier (an id the
+        listing lacks); its outage is raised only when nothing else answers, and a path
+        under a committed checkpoint (``step-20/model.safetensors.index.json``) is
+        looked up in the listing only, so a framework's probes stay answers."""
         p = parse_path(path)
         if p.depth == 0:
             return {"name": "", "type": "directory", "size": 0}
@@ -476,24 +488,50 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             if not found:
                 raise FileNotFoundError(f"tierckpt://{p.name} has no committed checkpoints")
             return {"name": p.name, "type": "directory", "size": 0, "checkpoints": len(found)}
-        checkpoint = self._committed(p.namespace, p.path)
-        if checkpoint is not None:
-            return self._checkpoint_entry(p.name, checkpoint)
+        outages: list[TierUnavailable] = []
+        in_checkpoint = False
         if p.depth >= 3:
-            entry = self._file_info(p)
+            in_checkpoint, entry = self._file_info(p, outages)
             if entry is not None:
                 return entry
-        if p.path != LATEST and self._children(p.namespace, p.path):
+        checkpoint = None if in_checkpoint else self._lookup(p.namespace, p.path, outages)
+        if checkpoint is not None:
+            return self._checkpoint_entry(p.name, checkpoint)
+        rows = self.client.list_checkpoints(p.namespace)
+        listed = next((c for c in rows if c.checkpoint_id == p.path), None)
+        if listed is not None:
+            return self._checkpoint_entry(p.name, listed)
+        if p.path != LATEST and self._children(p.namespace, p.path, rows):
             return {"name": p.name, "type": "directory", "size": 0}
+        if outages:
+            raise outages[0]
         raise FileNotFoundError(f"tierckpt://{p.name}: no such checkpoint, folder or file")
 
-    def _file_info(self, p: TierPath) -> dict[str, Any] | None:
-        """`p` as a file of a committed checkpoint; None if it is not one."""
+    def _lookup(
+        self, namespace: str, path: str, outages: list[TierUnavailable]
+    ) -> CheckpointInfo | None:
+        """The checkpoint `path` names, None if none (or if a tier behind the daemon is
+        down: the outage is added to `outages`)."""
         try:
-            checkpoint_id, file_name = p.as_file()
-            info = self._checkpoint(p.namespace, checkpoint_id)
+            return self._checkpoint(namespace, check_checkpoint_id(path))
         except (InvalidName, FileNotFoundError):
             return None
+        except TierUnavailable as e:
+            outages.append(e)
+            return None
+
+    def _file_info(
+        self, p: TierPath, outages: list[TierUnavailable]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether `p`'s parent is a committed checkpoint, and `p` as its file (None if
+        it is not one)."""
+        try:
+            checkpoint_id, file_name = p.as_file()
+        except InvalidName:
+            return False, None
+        info = self._lookup(p.namespace, checkpoint_id, outages)
+        if info is None:
+            return False, None
         if info.state == "LOST":
             # "isfile(step/.metadata)" is how frameworks find a loadable step: a checkpoint
             # with a file on no tier has none (it stays listed, with its state, for rm).
@@ -504,8 +542,8 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         try:
             f = info.file(file_name)
         except KeyError:
-            return None
-        return {"name": p.name, "type": "file", "size": f.size, "rank": f.rank}
+            return True, None
+        return True, {"name": p.name, "type": "file", "size": f.size, "rank": f.rank}
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         """Whether `path` is committed. A daemon that cannot be reached raises (it is not

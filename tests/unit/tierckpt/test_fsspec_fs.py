@@ -227,6 +227,48 @@ def test_rm_maps_to_tierckpt_rm_and_protects_committed_files(daemon: Catalog) ->
         fs.mv("tierckpt://run7/step-2", "tierckpt://run7/step-3")
 
 
+def test_folders_list_resolve_and_remove_like_local_ones(daemon: Catalog) -> None:
+    fs = _fs()
+    ids = ["run1", "run1/step-10", "run1/step-20", "run1/sub/step-5", "run2/step-1"]
+    for i, cid in enumerate(ids):
+        fs.makedirs(f"tierckpt://team/{cid}", exist_ok=True)  # torchtitan's call: a no-op
+        dcp.save(_state(i), checkpoint_id=f"tierckpt://team/{cid}")
+    assert fs.ls("tierckpt://team", detail=False) == ["team/run1", "team/run2"]
+    # A checkpoint that is also a folder lists its files and its sub-folders.
+    assert fs.ls("tierckpt://team/run1", detail=False) == [
+        "team/run1/.metadata",
+        "team/run1/__0_0.distcp",
+        "team/run1/step-10",
+        "team/run1/step-20",
+        "team/run1/sub",
+    ]
+    assert fs.info("tierckpt://team/run1")["checkpoint_id"] == "run1"
+    sub = fs.info("tierckpt://team/run1/sub")
+    assert sub["type"] == "directory" and "checkpoint_id" not in sub
+    assert fs.info("tierckpt://team/run1/step-10")["checkpoint_id"] == "run1/step-10"
+    assert fs.isfile("tierckpt://team/run1/sub/step-5/.metadata")
+    assert fs.isfile("tierckpt://team/run1/__0_0.distcp")
+    assert not fs.exists("tierckpt://team/run1/step-10/model.safetensors.index.json")
+    assert not fs.exists("tierckpt://team/run1/step-30") and not fs.exists("tierckpt://team/run")
+    with pytest.raises(FileNotFoundError):
+        fs.ls("tierckpt://team/run3")
+    _assert_loads("tierckpt://team/run1/sub/step-5", _state(3))
+
+    with pytest.raises(IsADirectoryError, match="recursive=True"):
+        fs.rm("tierckpt://team/run1/step-10")
+    fs.rm("tierckpt://team/run1/step-10", recursive=True)
+    assert fs.ls("tierckpt://team/run1/", detail=False)[-2:] == [
+        "team/run1/step-20",
+        "team/run1/sub",
+    ]
+    fs.rm("tierckpt://team/run1", recursive=True)  # the folder: every checkpoint in it
+    assert [c.checkpoint_id for c in daemon.list_checkpoints("team")] == ["run2/step-1"]
+    with pytest.raises(FileNotFoundError):
+        fs.rm("tierckpt://team/run1", recursive=True)
+    with pytest.raises(InvalidName):
+        fs.rm("tierckpt://team/run2/../run1", recursive=True)
+
+
 def test_a_committed_id_is_immutable(daemon: Catalog) -> None:
     fs = _fs()
     dcp.save(_state(1), checkpoint_id="tierckpt://run7/step-1")
