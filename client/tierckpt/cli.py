@@ -83,7 +83,7 @@ def _ls_target(args: argparse.Namespace) -> tuple[str, str]:
     """`NS [FOLDER]`, `NS/FOLDER` or `tierckpt://NS/FOLDER` as (namespace, folder or "")."""
     text = str(args.namespace).removeprefix("tierckpt://").strip("/")
     namespace, _, folder = text.partition("/")
-    folder = "/".join(p for p in (folder, (args.folder or "").strip("/")) if p)
+    folder = "/".join(p for p in (folder, (getattr(args, "folder", None) or "").strip("/")) if p)
     return check_namespace(namespace), check_checkpoint_id(folder) if folder else ""
 
 
