@@ -21,14 +21,15 @@ Another cluster may drain into the same bucket and namespace while this daemon r
 Listing never walks delimiter listings deeper than one level. Each durable checkpoint
 has an index entry, an empty object ``<url>/<ns>/.tierckpt/durable/<id>`` written by
 the drain right after `.metadata` and removed by the persistent retention before the
-checkpoint goes, so the index is one flat prefix listing (an id that is a folder path is spelled flat there,
-``run1+step-10``: `tierckpt.names.flat_checkpoint_id`). One entry per checkpoint,
-rather than one index document per namespace, means clusters that commit concurrently
-never overwrite each other's entries. A namespace without entries (drained before the
-index existed) falls back to a flat prefix scan of the namespace, keeping the
+checkpoint goes, so the index is one flat prefix listing (an id that is a folder path is
+spelled flat there, ``run1+step-10``: `tierckpt.names.flat_checkpoint_id`). One entry per
+checkpoint, rather than one index document per namespace, means clusters that commit
+concurrently never overwrite each other's entries. A namespace without entries (drained
+before the index existed) falls back to a flat prefix scan of the namespace, keeping the
 ``<id>/.metadata`` keys at any depth (``run1/step-10/.metadata``: a folder is a
-checkpoint iff it holds ``.metadata``). Nothing listed is trusted: names are validated, the number of
-entries is capped, and each manifest adopted is range-checked (`check_stored_record`).
+checkpoint iff it holds ``.metadata``). Nothing listed is trusted: names are validated,
+the number of entries is capped, and each manifest adopted is range-checked
+(`check_stored_record`).
 
 At start (`adopt_all`, after READY, in the background, under a time budget) a namespace
 is adopted from its index only; the scan runs for a namespace without one, and an entry
