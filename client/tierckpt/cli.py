@@ -79,13 +79,27 @@ def _row_json(c: CheckpointInfo) -> dict[str, Any]:
     return {**c.to_json(), "levels": TierState.of(c).levels()}
 
 
+def _ls_target(args: argparse.Namespace) -> tuple[str, str]:
+    """`NS [FOLDER]`, `NS/FOLDER` or `tierckpt://NS/FOLDER` as (namespace, folder or "")."""
+    text = str(args.namespace).removeprefix("tierckpt://").strip("/")
+    namespace, _, folder = text.partition("/")
+    folder = "/".join(p for p in (folder, (getattr(args, "folder", None) or "").strip("/")) if p)
+    return check_namespace(namespace), check_checkpoint_id(folder) if folder else ""
+
+
 def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
-    rows = client.list_checkpoints(check_namespace(args.namespace), include_uncommitted=args.all)
+    namespace, folder = _ls_target(args)
+    rows = client.list_checkpoints(namespace, include_uncommitted=args.all)
+    if folder:  # the folder's checkpoints at any depth (and one with its name)
+        rows = [
+            c for c in rows if c.checkpoint_id == folder or c.checkpoint_id.startswith(f"{folder}/")
+        ]
+    w = max([24, *(len(c.checkpoint_id) for c in rows)])
     lines = [
-        f"{'ID':<24} {'STATE':<10} {'BYTES':>12} {'FILES':>5} {'COPIES':>6}  {'CREATED':<19}  TIERS"
+        f"{'ID':<{w}} {'STATE':<10} {'BYTES':>12} {'FILES':>5} {'COPIES':>6}  {'CREATED':<19}  TIERS"
     ]
     lines += [
-        f"{c.checkpoint_id:<24} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5} "
+        f"{c.checkpoint_id:<{w}} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5} "
         f"{TierState.of(c).levels()['replicated']:>6}  "
         f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
         for c in rows
@@ -391,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     ls = add("ls", "list a namespace's checkpoints (committed only, unless --all)")
-    ls.add_argument("namespace")
+    ls.add_argument("namespace", help="NAMESPACE, NAMESPACE/FOLDER or tierckpt://NAMESPACE/FOLDER")
+    ls.add_argument("folder", nargs="?", help="only the checkpoints in this folder (run1/)")
     ls.add_argument("--all", action="store_true", help="also show WRITING and ABORTED saves")
     add("status", "the daemon's node, memory budget and namespaces")
     pull = add("pull", "copy a checkpoint into a directory stock dcp.load / FileSystemReader reads")

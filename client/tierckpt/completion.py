@@ -150,15 +150,16 @@ class _TieredWriter(Protocol):
 
 
 def _parse(text: str, daemon: str | None) -> CheckpointRef:
-    """``tierckpt://NS/ID`` or ``NS/ID`` (names validated)."""
+    """``tierckpt://NS/ID`` or ``NS/ID`` (names validated); the id may be a folder path
+    (``team/run1/step-10``: namespace ``team``, id ``run1/step-10``)."""
     body = text[len(PROTOCOL_PREFIX) :] if text.startswith(PROTOCOL_PREFIX) else text
-    parts = body.strip("/").split("/")
-    if len(parts) != 2:
+    namespace, _, checkpoint_id = body.strip("/").partition("/")
+    if not checkpoint_id:
         raise InvalidArgument(
             f"{text[:160]!r} does not name one checkpoint: use tierckpt://NAMESPACE/CHECKPOINT_ID "
             "or NAMESPACE/CHECKPOINT_ID"
         )
-    return CheckpointRef(check_namespace(parts[0]), check_checkpoint_id(parts[1]), daemon)
+    return CheckpointRef(check_namespace(namespace), check_checkpoint_id(checkpoint_id), daemon)
 
 
 def note_writer(namespace: str, daemon: str, checkpoint_id: str = "") -> None:

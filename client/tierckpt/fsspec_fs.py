@@ -30,6 +30,13 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
 - ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
   ``.metadata`` is opened (so a load reads one checkpoint); it cannot be written.
 
+Folders work as local ones do: a checkpoint id may be a folder path (``tierckpt://team/
+run1/step-10``; `tierckpt.names.check_checkpoint_id`), the file is always the last part
+of a path opened, and for ``ls``/``info``/``rm`` the namespace's committed ids say what a
+path is: a checkpoint, a folder holding checkpoints deeper (a directory: ``ls
+tierckpt://team/run1`` shows ``team/run1/step-10``), or a file. ``rm(folder,
+recursive=True)`` removes every checkpoint in it; ``makedirs`` only checks names.
+
 Options come from the environment, because DCP rebuilds the filesystem from the URL
 alone: the daemon is ``$TIERCKPT_DAEMON`` (or ``FSSPEC_TIERCKPT_DAEMON``), else the
 default socket.
@@ -57,16 +64,20 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     InvalidName,
     TierckptError,
+    TierUnavailable,
 )
 from tierckpt.fsspec_files import ReadStream
 from tierckpt.memory_files import VerifiedFile
 from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget
 from tierckpt.names import (
     LATEST,
+    MAX_ID,
+    MAX_ID_SEGMENTS,
     METADATA_FILE,
     check_checkpoint_id,
     check_file_name,
     check_namespace,
+    is_checkpoint_id,
 )
 from tierckpt.records import CheckpointInfo
 
@@ -81,42 +92,61 @@ _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 @dataclass(frozen=True)
 class TierPath:
-    """A parsed ``tierckpt://`` path; trailing parts are "" when the path stops earlier."""
+    """A parsed ``tierckpt://NAMESPACE/PATH`` path. `path` is what lies under the
+    namespace ("" when the path stops at it): a checkpoint id (``run1/step-10``), a folder
+    of ids (``run1``) or a checkpoint's file (``run1/step-10/.metadata``); which one is
+    settled by what is committed (`TierckptFileSystem._resolve`), or by the call (a file is
+    opened, a checkpoint is removed)."""
 
     namespace: str = ""
-    checkpoint_id: str = ""
-    file_name: str = ""
+    path: str = ""
 
     @property
     def depth(self) -> int:
-        return sum(bool(p) for p in (self.namespace, self.checkpoint_id, self.file_name))
+        """0 the root, 1 a namespace, 2 and more a path under it (one per segment)."""
+        return (1 + self.path.count("/") + 1 if self.path else 1) if self.namespace else 0
 
     @property
     def name(self) -> str:
         """The fsspec name (no protocol)."""
-        return "/".join(p for p in (self.namespace, self.checkpoint_id, self.file_name) if p)
+        return f"{self.namespace}/{self.path}" if self.path else self.namespace
+
+    @property
+    def checkpoint_id(self) -> str:
+        """`path` as a checkpoint id (InvalidName if it cannot be one)."""
+        return check_checkpoint_id(self.path)
+
+    def as_file(self) -> tuple[str, str]:
+        """`path` as (checkpoint id, file name): the file is its last segment."""
+        checkpoint_id, _, file_name = self.path.rpartition("/")
+        if not checkpoint_id:
+            raise IsADirectoryError(
+                f"tierckpt://{self.name} is not a file: files live in a checkpoint "
+                "(tierckpt://NAMESPACE/CHECKPOINT_ID/FILE)"
+            )
+        return check_checkpoint_id(checkpoint_id), check_file_name(file_name)
 
 
 def parse_path(path: str) -> TierPath:
-    """``[tierckpt://]NAMESPACE[/CHECKPOINT_ID[/FILE]]``, every part validated (InvalidName).
-
-    Folders nested deeper (``tierckpt://run7/ckpts/step-1``) are refused rather than
-    folded into an id, so a listing always shows what a save wrote.
-    """
+    """``[tierckpt://]NAMESPACE[/PATH]``: the namespace validated, and every segment of
+    PATH a valid checkpoint-id segment (InvalidName), at most one more than an id holds
+    (the file). Whether PATH is a checkpoint, a folder or a file is the caller's to say."""
     stripped = TierckptFileSystem._strip_protocol(path)
     if not stripped:
         return TierPath()
-    parts = stripped.split("/")
-    if len(parts) > 3:
+    namespace, _, rest = stripped.partition("/")
+    segments = rest.split("/") if rest else []
+    if len(segments) > MAX_ID_SEGMENTS + 1 or len(rest) > MAX_ID + 1 + 128:
         raise InvalidName(
-            f"tierckpt:// path {stripped[:160]!r} has {len(parts)} parts: use "
-            "tierckpt://NAMESPACE/CHECKPOINT_ID[/FILE] (the namespace is the checkpoint folder)"
+            f"tierckpt:// path {stripped[:160]!r} is too deep or long: a checkpoint id is at "
+            f"most {MAX_ID_SEGMENTS} folders and {MAX_ID} characters"
         )
-    return TierPath(
-        check_namespace(parts[0]),
-        check_checkpoint_id(parts[1]) if len(parts) > 1 else "",
-        check_file_name(parts[2]) if len(parts) > 2 else "",
-    )
+    for segment in segments:
+        if segment.startswith(".") and segment not in (".", ".."):
+            check_file_name(segment)  # `.metadata`, `.metadata.tmp`: a file, never a folder
+        else:
+            check_checkpoint_id(segment)
+    return TierPath(check_namespace(namespace), rest)
 
 
 # One DaemonClient (one channel) per process and address; the filesystem objects are
@@ -166,30 +196,39 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 client = _CLIENTS[key] = DaemonClient(address)
             return client
 
-    def _checkpoint(self, p: TierPath, latest: str = "newest") -> CheckpointInfo:
-        """The committed checkpoint `p` names. For `latest`: "newest" resolves it now,
+    def _checkpoint(
+        self, namespace: str, checkpoint_id: str, latest: str = "newest"
+    ) -> CheckpointInfo:
+        """The committed checkpoint named. For `latest`: "newest" resolves it now,
         "bind" resolves it and remembers the answer for this load (DCP reads .metadata
         first), "bound" reuses that answer (the data files of the same load)."""
         client = self.client
-        if p.checkpoint_id != LATEST:
-            return client.get_checkpoint(p.namespace, p.checkpoint_id)
-        key = (client.address, p.namespace)
+        if checkpoint_id != LATEST:
+            return client.get_checkpoint(namespace, checkpoint_id)
+        key = (client.address, namespace)
         if latest == "bound":
             with _STATE_LOCK:
                 bound = _LATEST.get(key)
             if bound is not None:
-                return client.get_checkpoint(p.namespace, bound)
-        info = client.get_checkpoint(p.namespace, None)
+                return client.get_checkpoint(namespace, bound)
+        info = client.get_checkpoint(namespace, None)
         if latest == "bind":
             with _STATE_LOCK:
                 _LATEST[key] = info.checkpoint_id
         return info
 
+    def _committed(self, namespace: str, path: str) -> CheckpointInfo | None:
+        """The checkpoint `path` names, if it is a valid id with one; else None."""
+        try:
+            return self._checkpoint(namespace, check_checkpoint_id(path))
+        except (InvalidName, FileNotFoundError):
+            return None
+
     @staticmethod
-    def _writable(p: TierPath, what: str) -> None:
-        if p.checkpoint_id == LATEST:
+    def _writable(checkpoint_id: str, name: str, what: str) -> None:
+        if checkpoint_id == LATEST:
             raise InvalidName(
-                f"{what} tierckpt://{p.name}: {LATEST!r} names the newest committed checkpoint "
+                f"{what} tierckpt://{name}: {LATEST!r} names the newest committed checkpoint "
                 "in tierckpt:// URLs; save under a new id"
             )
 
@@ -204,22 +243,25 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         **kwargs: Any,
     ) -> io.IOBase:
         p = parse_path(path)
-        if p.depth != 3:
+        if p.depth < 3:
             raise IsADirectoryError(f"tierckpt://{p.name} is not a file")
+        checkpoint_id, file_name = p.as_file()
         if mode == "rb":
-            return self._open_read(p)
+            return self._open_read(p, checkpoint_id, file_name)
         if mode == "wb":
-            return self._open_write(p, autocommit)
+            return self._open_write(p, checkpoint_id, file_name, autocommit)
         raise ValueError(f"tierckpt:// files are written once ('wb') and read ('rb'), not {mode!r}")
 
-    def _open_write(self, p: TierPath, autocommit: bool) -> MemoryTierFile:
-        self._writable(p, "cannot write")
-        name, on_committed = p.file_name, None
+    def _open_write(
+        self, p: TierPath, checkpoint_id: str, name: str, autocommit: bool
+    ) -> MemoryTierFile:
+        self._writable(checkpoint_id, p.name, "cannot write")
+        on_committed = None
         if name == METADATA_TMP:
             name, on_committed = METADATA_FILE, self._metadata_written
         elif name == METADATA_FILE:
             on_committed = self._metadata_written_final
-        target = SaveTarget(p.namespace, p.checkpoint_id, _rank_for(name))
+        target = SaveTarget(p.namespace, checkpoint_id, _rank_for(name))
         # No set-up hook on this route: each file begins (or joins) the save.
         self.client.begin_checkpoint(target.namespace, target.checkpoint_id, target.rank)
         return MemoryTierFile(
@@ -265,14 +307,15 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             info.size_bytes,
         )
 
-    def _open_read(self, p: TierPath) -> io.IOBase:
-        info = self._checkpoint(p, "bind" if p.file_name == METADATA_FILE else "bound")
+    def _open_read(self, p: TierPath, checkpoint_id: str, file_name: str) -> io.IOBase:
+        latest = "bind" if file_name == METADATA_FILE else "bound"
+        info = self._checkpoint(p.namespace, checkpoint_id, latest)
         try:
-            entry = info.file(p.file_name)
+            entry = info.file(file_name)
         except KeyError:
             raise FileNotFoundError(f"tierckpt://{p.name}: no such file") from None
         stream = ReadStream(self.client, info.namespace, info.checkpoint_id, entry)
-        if p.file_name != METADATA_FILE:
+        if file_name != METADATA_FILE:
             return stream
         with stream:
             raw = stream.readall()
@@ -284,11 +327,12 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def mv(self, path1: str, path2: str, recursive: bool = False, **kwargs: Any) -> None:
         """Only DCP's ``.metadata.tmp -> .metadata`` rename, which commits the checkpoint."""
         p1, p2 = parse_path(path1), parse_path(path2)
-        same = (p1.namespace, p1.checkpoint_id) == (p2.namespace, p2.checkpoint_id)
-        if same and (p1.file_name, p2.file_name) == (METADATA_TMP, METADATA_FILE):
-            self._writable(p2, "cannot commit")
-            self._commit(p2.namespace, p2.checkpoint_id)
-            return
+        if p1.depth >= 3 and p2.depth >= 3 and p1.namespace == p2.namespace:
+            (id1, f1), (id2, f2) = p1.as_file(), p2.as_file()
+            if id1 == id2 and (f1, f2) == (METADATA_TMP, METADATA_FILE):
+                self._writable(id2, p2.name, "cannot commit")
+                self._commit(p2.namespace, id2)
+                return
         raise OSError(
             f"tierckpt:// cannot rename {p1.name!r} to {p2.name!r}: files are committed in "
             f"place; only DCP's {METADATA_TMP} -> {METADATA_FILE} rename (the commit) is supported"
@@ -307,44 +351,58 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self._rm_one(parse_path(path), False)
 
     def _rm_one(self, p: TierPath, recursive: bool) -> None:
+        """A checkpoint (with `recursive`), every checkpoint in a folder (the same), or a
+        file of a save in progress (DCP's clean-up of a failed write: the save aborts)."""
         client = self.client
         if p.depth < 2:
             raise PermissionError(
-                f"tierckpt://{p.name}: remove checkpoints one by one "
-                "(rm('tierckpt://NAMESPACE/CHECKPOINT_ID', recursive=True))"
+                f"tierckpt://{p.name}: remove checkpoints or folders one by one "
+                "(rm('tierckpt://NAMESPACE/FOLDER', recursive=True))"
             )
-        self._writable(p, "cannot remove")
-        if p.depth == 2:
+        self._writable(p.path, p.name, "cannot remove")
+        under = [
+            c.checkpoint_id
+            for c in client.list_checkpoints(p.namespace)
+            if c.checkpoint_id == p.path or c.checkpoint_id.startswith(f"{p.path}/")
+        ]
+        if under:
             if not recursive:
                 raise IsADirectoryError(
-                    f"tierckpt://{p.name} is a checkpoint: rm(..., recursive=True) deletes it"
+                    f"tierckpt://{p.name} is a checkpoint or folder: rm(..., recursive=True) "
+                    "deletes it"
                 )
-            freed = client.delete_checkpoint(p.namespace, p.checkpoint_id)
+            for checkpoint_id in under:
+                freed = client.delete_checkpoint(p.namespace, checkpoint_id)
+                logger.info(
+                    "removed tierckpt://%s/%s (%d bytes freed)", p.namespace, checkpoint_id, freed
+                )
+            return
+        if recursive and is_checkpoint_id(p.path):  # not listed: a save in progress, or none
+            freed = client.delete_checkpoint(p.namespace, p.path)
             logger.info("removed tierckpt://%s (%d bytes freed)", p.name, freed)
             return
-        # A file of a save in progress: DCP is cleaning up a failed write.
+        if p.depth == 2:
+            raise IsADirectoryError(
+                f"tierckpt://{p.name} names a checkpoint: rm(..., recursive=True) deletes it"
+            )
+        checkpoint_id, _ = p.as_file()
         try:
-            client.abort_checkpoint(p.namespace, p.checkpoint_id)
+            client.abort_checkpoint(p.namespace, checkpoint_id)
         except CheckpointIncomplete:  # committed: its files are immutable
             raise PermissionError(
                 f"tierckpt://{p.name} belongs to a committed checkpoint; its files cannot be "
                 "removed one by one: rm the checkpoint with recursive=True"
             ) from None
         with _STATE_LOCK:
-            _PENDING.pop((client.address, p.namespace, p.checkpoint_id), None)
+            _PENDING.pop((client.address, p.namespace, checkpoint_id), None)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """Folders are implicit: a checkpoint appears when it commits. Checks the names,
-        and `exist_ok=False` on a committed checkpoint raises FileExistsError."""
+        """Folders are implicit: a checkpoint appears when it commits, a folder when a
+        checkpoint in it does. Checks the names, and `exist_ok=False` on a committed
+        checkpoint raises FileExistsError."""
         p = parse_path(path)
-        if p.depth == 3:
-            raise NotADirectoryError(
-                f"tierckpt://{p.name}: folders are NAMESPACE and NAMESPACE/CHECKPOINT_ID"
-            )
-        if p.depth == 2:
-            self._writable(p, "cannot create")
-            if not exist_ok and self.exists(path):
-                raise CheckpointExists(f"tierckpt://{p.name} is already committed")
+        if p.depth >= 2 and not exist_ok and self._committed(p.namespace, p.path) is not None:
+            raise CheckpointExists(f"tierckpt://{p.name} is already committed")
 
     def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self.makedirs(path, exist_ok=True)
@@ -371,29 +429,57 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             "levels": TierState.of(info).levels(),
         }
 
+    def _children(
+        self, namespace: str, folder: str, rows: list[CheckpointInfo] | None = None
+    ) -> list[dict[str, Any]]:
+        """What a listing of `folder` ("" the namespace) shows of the checkpoints in it,
+        oldest commit first: each checkpoint directly in it, and each folder holding
+        checkpoints deeper (once, as a directory). `rows`: the namespace's listing, if
+        already asked for."""
+        prefix = f"{folder}/" if folder else ""
+        entries: dict[str, dict[str, Any]] = {}
+        for c in self.client.list_checkpoints(namespace) if rows is None else rows:
+            if not c.checkpoint_id.startswith(prefix) or c.checkpoint_id == folder:
+                continue
+            child = c.checkpoint_id[len(prefix) :].split("/", 1)[0]
+            name = f"{namespace}/{prefix}{child}"
+            if prefix + child == c.checkpoint_id:
+                entries[name] = self._checkpoint_entry(name, c)
+            else:
+                entries.setdefault(name, {"name": name, "type": "directory", "size": 0})
+        return list(entries.values())
+
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         p = parse_path(path)
-        client = self.client
         entries: list[dict[str, Any]]
         if p.depth == 0:
-            names = client.status().namespaces
+            names = self.client.status().namespaces
             entries = [{"name": ns, "type": "directory", "size": 0} for ns in names]
-        elif p.depth == 1:
-            entries = [
-                self._checkpoint_entry(f"{p.namespace}/{c.checkpoint_id}", c)
-                for c in client.list_checkpoints(p.namespace)
-            ]
-        elif p.depth == 2:
-            info = self._checkpoint(p)
-            entries = [
-                {"name": f"{p.name}/{f.name}", "type": "file", "size": f.size, "rank": f.rank}
-                for f in sorted(info.files, key=lambda f: f.name)
-            ]
         else:
-            entries = [self.info(path)]
+            outages: list[TierUnavailable] = []
+            info = self._lookup(p.namespace, p.path, outages) if p.path else None
+            entries = (
+                [
+                    {"name": f"{p.name}/{f.name}", "type": "file", "size": f.size, "rank": f.rank}
+                    for f in sorted(info.files, key=lambda f: f.name)
+                ]
+                if info is not None
+                else []
+            )
+            if p.path != LATEST:
+                entries += self._children(p.namespace, p.path)
+            if not entries and p.path:
+                if outages:
+                    raise outages[0]
+                entries = [self.info(path)]  # a file, or FileNotFoundError
         return entries if detail else [e["name"] for e in entries]
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """A file of a committed checkpoint, a checkpoint, or a folder holding some, in
+        that order. A checkpoint's daemon lookup may ask the persistent tier (an id the
+        listing lacks); its outage is raised only when nothing else answers, and a path
+        under a committed checkpoint (``step-20/model.safetensors.index.json``) is
+        looked up in the listing only, so a framework's probes stay answers."""
         p = parse_path(path)
         if p.depth == 0:
             return {"name": "", "type": "directory", "size": 0}
@@ -402,9 +488,50 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             if not found:
                 raise FileNotFoundError(f"tierckpt://{p.name} has no committed checkpoints")
             return {"name": p.name, "type": "directory", "size": 0, "checkpoints": len(found)}
-        info = self._checkpoint(p)
-        if p.depth == 2:
-            return self._checkpoint_entry(p.name, info)
+        outages: list[TierUnavailable] = []
+        in_checkpoint = False
+        if p.depth >= 3:
+            in_checkpoint, entry = self._file_info(p, outages)
+            if entry is not None:
+                return entry
+        checkpoint = None if in_checkpoint else self._lookup(p.namespace, p.path, outages)
+        if checkpoint is not None:
+            return self._checkpoint_entry(p.name, checkpoint)
+        rows = self.client.list_checkpoints(p.namespace)
+        listed = next((c for c in rows if c.checkpoint_id == p.path), None)
+        if listed is not None:
+            return self._checkpoint_entry(p.name, listed)
+        if p.path != LATEST and self._children(p.namespace, p.path, rows):
+            return {"name": p.name, "type": "directory", "size": 0}
+        if outages:
+            raise outages[0]
+        raise FileNotFoundError(f"tierckpt://{p.name}: no such checkpoint, folder or file")
+
+    def _lookup(
+        self, namespace: str, path: str, outages: list[TierUnavailable]
+    ) -> CheckpointInfo | None:
+        """The checkpoint `path` names, None if none (or if a tier behind the daemon is
+        down: the outage is added to `outages`)."""
+        try:
+            return self._checkpoint(namespace, check_checkpoint_id(path))
+        except (InvalidName, FileNotFoundError):
+            return None
+        except TierUnavailable as e:
+            outages.append(e)
+            return None
+
+    def _file_info(
+        self, p: TierPath, outages: list[TierUnavailable]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether `p`'s parent is a committed checkpoint, and `p` as its file (None if
+        it is not one)."""
+        try:
+            checkpoint_id, file_name = p.as_file()
+        except InvalidName:
+            return False, None
+        info = self._lookup(p.namespace, checkpoint_id, outages)
+        if info is None:
+            return False, None
         if info.state == "LOST":
             # "isfile(step/.metadata)" is how frameworks find a loadable step: a checkpoint
             # with a file on no tier has none (it stays listed, with its state, for rm).
@@ -413,10 +540,10 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 "copy left on any tier); load an older one"
             )
         try:
-            f = info.file(p.file_name)
+            f = info.file(file_name)
         except KeyError:
-            raise FileNotFoundError(f"tierckpt://{p.name}: no such file") from None
-        return {"name": p.name, "type": "file", "size": f.size, "rank": f.rank}
+            return True, None
+        return True, {"name": p.name, "type": "file", "size": f.size, "rank": f.rank}
 
     def exists(self, path: str, **kwargs: Any) -> bool:
         """Whether `path` is committed. A daemon that cannot be reached raises (it is not
@@ -449,7 +576,7 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         p = parse_path(path)
         if p.depth < 2:
             raise FileNotFoundError(f"tierckpt://{p.name} is not a checkpoint")
-        return self._checkpoint(p)
+        return self._checkpoint(p.namespace, p.checkpoint_id)
 
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         raise TierckptError("tierckpt:// cannot copy files: save the state under a new id")

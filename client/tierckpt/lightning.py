@@ -228,7 +228,7 @@ class TierCheckpointIO(CheckpointIO):
     @staticmethod
     def _parse(url: str) -> tuple[str, str]:
         parsed = parse_path(url)
-        if parsed.depth != 2:
+        if parsed.depth < 2:
             raise InvalidName(
                 f"{url[:200]!r} names no checkpoint: use {POINTER_PREFIX}NAMESPACE/CHECKPOINT_ID"
             )

@@ -6,6 +6,14 @@ Checkpoint ids may also hold `=`, because frameworks name checkpoints that way
 (Lightning's ``epoch=0-step=100``); `=` is an ordinary character in a path component and
 an S3 key, never a separator, so it opens no path trick. Namespaces and file names keep
 the narrower set.
+
+A checkpoint id may be a folder path (``run1/step-10``: up to 8 segments joined by "/",
+each segment the id grammar, at most 200 characters in all), so users write folders as
+they would locally; the namespace stays one segment. Where an id must be one path
+component (the memory tier's directories and manifests, the persistent tier's
+bookkeeping), `flat_checkpoint_id` spells "/" as "+", a character no segment holds, so
+the spelling is reversible (`checkpoint_id_of_flat`). 200 characters leave room for the
+memory tier's longest derived name (``.<id>.json.tmp-<16 hex>``) within NAME_MAX (255).
 """
 
 from __future__ import annotations
@@ -16,18 +24,26 @@ from tierckpt.errors import InvalidName
 
 __all__ = [
     "LATEST",
+    "MAX_ID",
+    "MAX_ID_SEGMENTS",
     "METADATA_FILE",
     "check_checkpoint_id",
     "check_file_name",
     "check_namespace",
     "check_new_checkpoint_id",
     "check_persistent_url",
+    "checkpoint_id_of_flat",
+    "flat_checkpoint_id",
     "is_checkpoint_id",
     "step_of",
 ]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_CHECKPOINT_ID = re.compile(r"[A-Za-z0-9._=-]{1,128}")
+_CHECKPOINT_ID = re.compile(r"[A-Za-z0-9._=-]{1,128}")  # one segment of an id
+MAX_ID_SEGMENTS = 8
+MAX_ID = 200
+FOLDER_SEPARATOR = "/"
+FLAT_SEPARATOR = "+"  # outside the segment grammar: the flat spelling is reversible
 _STEP = re.compile(r"(\d+)$")
 _URL = re.compile(r"([a-z][a-z0-9+.-]{0,31})://(/?)([^/].*?)/*")
 _URL_SEGMENT = re.compile(r"[A-Za-z0-9._~=:+-]{1,255}")
@@ -58,9 +74,38 @@ def check_namespace(value: object) -> str:
 
 
 def check_checkpoint_id(value: object) -> str:
-    """Return `value` if it is a valid checkpoint id (``step-000100``, ``epoch=0-step=100``),
-    else raise InvalidName."""
-    return _check("checkpoint id", value, _CHECKPOINT_ID, " and '='")
+    """Return `value` if it is a valid checkpoint id (``step-000100``, ``epoch=0-step=100``,
+    ``run1/step-10``), else raise InvalidName.
+
+    A folder path's segments may not start with "." (no hidden folders: ``.tierckpt`` is
+    the persistent tier's bookkeeping), so a nested id never reaches tierckpt's own keys;
+    a one-segment id keeps the older grammar."""
+    if not isinstance(value, str) or FOLDER_SEPARATOR not in value:
+        return _check("checkpoint id", value, _CHECKPOINT_ID, " and '='")
+    segments = value.split(FOLDER_SEPARATOR)
+    if not (
+        len(value) <= MAX_ID
+        and len(segments) <= MAX_ID_SEGMENTS
+        and all(_CHECKPOINT_ID.fullmatch(s) and not s.startswith(".") for s in segments)
+    ):
+        raise InvalidName(
+            f"invalid checkpoint id {_shown(value)}: a folder path is 1-{MAX_ID_SEGMENTS} "
+            "segments joined by '/', each 1-128 characters from [A-Za-z0-9._-] and '=', not "
+            f"starting with '.', no empty segment, at most {MAX_ID} characters in all"
+        )
+    return value
+
+
+def flat_checkpoint_id(checkpoint_id: str) -> str:
+    """`checkpoint_id` as one path component ("/" spelled "+"); one-segment ids unchanged."""
+    return check_checkpoint_id(checkpoint_id).replace(FOLDER_SEPARATOR, FLAT_SEPARATOR)
+
+
+def checkpoint_id_of_flat(name: object) -> str:
+    """The checkpoint id a `flat_checkpoint_id` name spells, validated (InvalidName)."""
+    if not isinstance(name, str) or FOLDER_SEPARATOR in name:
+        raise InvalidName(f"invalid flat checkpoint id {_shown(name)}: one path component")
+    return check_checkpoint_id(name.replace(FLAT_SEPARATOR, FOLDER_SEPARATOR))
 
 
 def check_new_checkpoint_id(value: object) -> str:

@@ -85,7 +85,7 @@ class _MemoryTierFileSystem(FileSystemBase):
             raise ValueError(
                 f"TieredStorageWriter only writes ({mode=}); read with TieredStorageReader"
             )
-        checkpoint_id, file_name = str(path).split("/", 1)
+        checkpoint_id, file_name = str(path).rsplit("/", 1)  # the id may be a folder path
         # The plan's bytes were reserved in write_data: the file does not grow the budget.
         with MemoryTierFile(self.client, self.target(checkpoint_id), file_name, grow=False) as f:
             yield f

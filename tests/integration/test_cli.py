@@ -254,3 +254,28 @@ def test_ls_survives_out_of_range_timestamps(hostile_daemon: str) -> None:
     created = {r["id"]: r["created"] for r in parsed}
     assert created["step-nan"] is None and created["step-inf"] is None
     assert created["step-huge"] == 1e308 and created["step-neg"] == -1e12
+
+
+def test_folder_ids_work_in_every_command(daemon: Any, tmp_path: Path) -> None:
+    expected = _save_plain(daemon, ["run1/step-10", "run1/step-20", "run2/step-10"])
+    assert sorted(ls_ids(daemon.address, NS)) == ["run1/step-10", "run1/step-20", "run2/step-10"]
+    for target in ([f"{NS}/run1"], [NS, "run1/"], [f"tierckpt://{NS}/run1/"]):
+        rows = cli_json(daemon.address, "ls", *target)
+        assert sorted(r["id"] for r in rows) == ["run1/step-10", "run1/step-20"], target
+    assert "run1/step-20" in cli(daemon.address, "ls", NS, "run1").stdout
+    info = cli(daemon.address, "info", f"tierckpt://{NS}/run1/step-20").stdout
+    assert f"{NS}/run1/step-20: COMMITTED" in info, info
+    assert f"{NS}/run1/step-20: COMMITTED" in cli(daemon.address, "info", NS, "run1/step-20").stdout
+
+    dest = tmp_path / "pulled"
+    cli(daemon.address, "pull", NS, "run1/step-20", str(dest))
+    target = plain_tensor_state(9, 128 << 10)
+    Directory(str(tmp_path)).load(target, "pulled")
+    assert_state_equal(actual=target, expected=expected["run1/step-20"], what="pulled run1/step-20")
+
+    cli(daemon.address, "rm", NS, "run1/step-10")
+    assert sorted(ls_ids(daemon.address, NS)) == ["run1/step-20", "run2/step-10"]
+    assert not daemon.data_dir(NS, "run1/step-10").exists()
+    bad = cli(daemon.address, "rm", NS, "run1/../run2/step-10", check=False)
+    assert bad.returncode != 0 and "checkpoint id" in bad.stderr, bad.stderr
+    assert sorted(ls_ids(daemon.address, NS)) == ["run1/step-20", "run2/step-10"]

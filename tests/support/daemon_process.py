@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tierckpt.names import flat_checkpoint_id
 
 __all__ = ["DaemonProcess", "DaemonStartError", "kill_all_daemons", "toml_document"]
 
@@ -236,10 +237,11 @@ class DaemonProcess:
     # -- memory layout -------------------------------------------------------------
     def data_dir(self, namespace: str, checkpoint_id: str | None = None) -> Path:
         path = self.memory_dir / "data" / namespace
-        return path / checkpoint_id if checkpoint_id else path
+        return path / flat_checkpoint_id(checkpoint_id) if checkpoint_id else path
 
     def manifest_path(self, namespace: str, checkpoint_id: str) -> Path:
-        return self.memory_dir / "manifests" / namespace / f"{checkpoint_id}.json"
+        flat = flat_checkpoint_id(checkpoint_id)
+        return self.memory_dir / "manifests" / namespace / f"{flat}.json"
 
     def __repr__(self) -> str:
         return f"DaemonProcess({self.name}, {self.address}, running={self.running})"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt.errors import InvalidName
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import check_file_name, check_namespace, checkpoint_id_of_flat
 from tierckpt.units import format_size
 
 from tierckptd.memory.manifest import ManifestError, read_manifest
@@ -67,13 +67,18 @@ def _adopt_manifests(tier: MemoryTier) -> tuple[dict[Key, CheckpointRecord], set
             if not entry.is_file(follow_symlinks=False):
                 tier.remove_entry(entry, "not a regular file")
                 continue
-            if entry.name.endswith(".json.corrupt"):
-                quarantined.add((ns_entry.name, entry.name[: -len(".json.corrupt")]))
-                continue
-            if not entry.name.endswith(".json"):
+            stem = entry.name.removesuffix(".json.corrupt").removesuffix(".json")
+            if stem == entry.name:
                 os.unlink(path)  # a manifest tmp file of a crashed write
                 continue
-            key = (ns_entry.name, entry.name[: -len(".json")])
+            try:
+                key = (ns_entry.name, checkpoint_id_of_flat(stem))
+            except InvalidName:
+                tier.remove_entry(entry, "not a valid name")
+                continue
+            if entry.name.endswith(".json.corrupt"):
+                quarantined.add(key)
+                continue
             problem = ""
             try:
                 rec = read_manifest(path)
@@ -119,8 +124,8 @@ def _collect_data(
     checkpoints' files."""
     quarantined_bytes = 0
     for ns_entry in _layout_dirs(tier, tier.data_root, check_namespace):
-        for ckpt_entry in _layout_dirs(tier, Path(ns_entry.path), check_checkpoint_id):
-            key = (ns_entry.name, ckpt_entry.name)
+        for ckpt_entry in _layout_dirs(tier, Path(ns_entry.path), checkpoint_id_of_flat):
+            key = (ns_entry.name, checkpoint_id_of_flat(ckpt_entry.name))
             held = (
                 {f.name for f in adopted[key].files.values() if f.held} if key in adopted else set()
             )

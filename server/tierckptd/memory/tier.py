@@ -3,11 +3,16 @@
 Layout under `memory.dir`::
 
     .lock                                    flock held by the one daemon using the dir
-    data/<namespace>/<checkpoint_id>/<file>  DCP files (``__0_0.distcp``, ``.metadata``)
-    manifests/<namespace>/<checkpoint_id>.json
+    data/<namespace>/<flat id>/<file>        DCP files (``__0_0.distcp``, ``.metadata``)
+    manifests/<namespace>/<flat id>.json
     pool/seg-<n>@<namespace>                 warm segments recycled from evicted files
 
 The warm pool under ``pool/`` is `memory.pool.WarmPool`.
+
+A checkpoint id that is a folder path (``run1/step-10``) is one directory here, spelled
+by `tierckpt.names.flat_checkpoint_id` (``run1+step-10``): no checkpoint's directory is
+inside another's, removing one never touches another, and adoption reads each name
+back with `checkpoint_id_of_flat`, which validates it.
 
 Nothing here follows a symlink: paths are built from validated names and checked to
 stay under the root, files are opened with O_NOFOLLOW and changed through their fds, and
@@ -33,7 +38,7 @@ from pathlib import Path
 
 from tierckpt.checksum import ALGORITHM, BlockChecksums, BlockHasher
 from tierckpt.errors import CheckpointIncomplete, InvalidName, MemoryBudgetExceeded, TierckptError
-from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import check_file_name, check_namespace, flat_checkpoint_id
 
 from tierckptd.ops.events import Listeners
 
@@ -126,7 +131,7 @@ class MemoryTier:
         return path
 
     def data_dir(self, namespace: str, checkpoint_id: str) -> Path:
-        ns, cid = check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+        ns, cid = check_namespace(namespace), flat_checkpoint_id(checkpoint_id)
         return self._under_root(self.data_root / ns / cid)
 
     def file_path(self, namespace: str, checkpoint_id: str, name: str) -> Path:
@@ -138,7 +143,7 @@ class MemoryTier:
         return self._under_root(directory / f".{check_file_name(name)}.incoming")
 
     def manifest_path(self, namespace: str, checkpoint_id: str) -> Path:
-        ns, cid = check_namespace(namespace), check_checkpoint_id(checkpoint_id)
+        ns, cid = check_namespace(namespace), flat_checkpoint_id(checkpoint_id)
         return self._under_root(self.manifest_root / ns / f"{cid}.json")
 
     def check_no_links(self, path: Path) -> None:

@@ -21,12 +21,15 @@ Another cluster may drain into the same bucket and namespace while this daemon r
 Listing never walks delimiter listings deeper than one level. Each durable checkpoint
 has an index entry, an empty object ``<url>/<ns>/.tierckpt/durable/<id>`` written by
 the drain right after `.metadata` and removed by the persistent retention before the
-checkpoint goes, so the index is one flat prefix listing. One entry per checkpoint,
-rather than one index document per namespace, means clusters that commit concurrently
-never overwrite each other's entries. A namespace without entries (drained before the
-index existed) falls back to a flat prefix scan of the namespace, keeping the
-``<id>/.metadata`` keys. Nothing listed is trusted: names are validated, the number of
-entries is capped, and each manifest adopted is range-checked (`check_stored_record`).
+checkpoint goes, so the index is one flat prefix listing (an id that is a folder path is
+spelled flat there, ``run1+step-10``: `tierckpt.names.flat_checkpoint_id`). One entry per
+checkpoint, rather than one index document per namespace, means clusters that commit
+concurrently never overwrite each other's entries. A namespace without entries (drained
+before the index existed) falls back to a flat prefix scan of the namespace, keeping the
+``<id>/.metadata`` keys at any depth (``run1/step-10/.metadata``: a folder is a
+checkpoint iff it holds ``.metadata``). Nothing listed is trusted: names are validated,
+the number of entries is capped, and each manifest adopted is range-checked
+(`check_stored_record`).
 
 At start (`adopt_all`, after READY, in the background, under a time budget) a namespace
 is adopted from its index only; the scan runs for a namespace without one, and an entry
@@ -50,8 +53,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 
-from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, TierckptError, TierUnavailable
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
+from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, InvalidName, TierckptError, TierUnavailable
+from tierckpt.names import (
+    check_checkpoint_id,
+    check_namespace,
+    checkpoint_id_of_flat,
+    flat_checkpoint_id,
+)
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
@@ -60,7 +68,7 @@ from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
 from tierckptd.persistent.errors import tier_label
 from tierckptd.persistent.roots import Roots
-from tierckptd.persistent.store import Op, PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.store import Op, PersistentTier, PersistentTierUnavailable, metadata_ids
 from tierckptd.persistent.untrusted import check_stored_record
 
 __all__ = [
@@ -105,7 +113,7 @@ def _index_dir(tier: PersistentTier, namespace: str) -> str:
 
 def write_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
     """Record a durable checkpoint in the namespace's index (after its `.metadata`)."""
-    path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
+    path = f"{_index_dir(tier, namespace)}/{flat_checkpoint_id(checkpoint_id)}"
     tier.retrying(
         lambda: tier.put_object(path, b""), f"index {namespace}/{checkpoint_id}", Op.UPLOAD
     )
@@ -113,15 +121,21 @@ def write_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) 
 
 def remove_index_entry(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
     """Drop a checkpoint from the index (before it is deleted)."""
-    path = f"{_index_dir(tier, namespace)}/{check_checkpoint_id(checkpoint_id)}"
+    path = f"{_index_dir(tier, namespace)}/{flat_checkpoint_id(checkpoint_id)}"
     tier.retrying(
         lambda: tier.remove_object(path), f"unindex {namespace}/{checkpoint_id}", Op.DELETE
     )
 
 
-def _valid_ids(names: list[str], where: str) -> set[str]:
-    ids = {n for n in names if is_checkpoint_id(n)}
-    if len(ids) < len(names):
+def _valid_ids(names: list[str], where: str, *, flat: bool = False) -> set[str]:
+    """The valid ids among `names` (index entries spell them flat)."""
+    ids: set[str] = set()
+    for n in names:
+        try:
+            ids.add(checkpoint_id_of_flat(n) if flat else check_checkpoint_id(n))
+        except InvalidName:
+            continue
+    if len(ids) < len(set(names)):
         logger.warning("%s: skipped %d invalid name(s)", where, len(set(names)) - len(ids))
     if len(ids) > MAX_INDEX_ENTRIES:
         logger.warning("%s: %d entries, only %d read", where, len(ids), MAX_INDEX_ENTRIES)
@@ -143,7 +157,7 @@ def _flat_scan(tier: PersistentTier, prefix: str) -> list[str]:
 def _indexed_ids(tier: PersistentTier, namespace: str) -> set[str]:
     index = _index_dir(tier, namespace)
     names = [p.rsplit("/", 1)[-1] for p in _flat_scan(tier, index)]
-    return _valid_ids(names, f"{namespace} index")
+    return _valid_ids(names, f"{namespace} index", flat=True)
 
 
 def _bookkept_ids(tier: PersistentTier, namespace: str) -> set[str]:
@@ -211,15 +225,9 @@ def durable_ids(tier: PersistentTier, namespace: str, *, scan: bool = False) -> 
         ids = _indexed_ids(tier, namespace)
         if ids:
             return ids
-    base = f"{tier.root}/{namespace}/"
-    found = [
-        parts[0]
-        for p in _flat_scan(tier, base.rstrip("/"))
-        if p.startswith(base)
-        and len(parts := p[len(base) :].split("/")) == 2
-        and parts[1] == METADATA_FILE
-    ]
-    return _valid_ids(found, namespace)
+    base = f"{tier.root}/{namespace}"
+    ids, bad = metadata_ids(_flat_scan(tier, base), base)
+    return _valid_ids(sorted(ids) + bad, namespace)
 
 
 def _listed_ids(tier: PersistentTier, namespace: str) -> set[str]:

@@ -4,8 +4,15 @@ Layout under ``url``::
 
     <url>/<namespace>/<checkpoint_id>/__0_0.distcp ...   the DCP data files
     <url>/<namespace>/<checkpoint_id>/.metadata          uploaded last: the commit marker
-    <url>/.tierckpt/<namespace>/<checkpoint_id>/files/<name>.json
+    <url>/.tierckpt/<namespace>/<flat id>/files/<name>.json
                                                          one upload marker per data file
+
+An id that is a folder path (``run1/step-10``) nests as a local folder would
+(``<url>/<ns>/run1/step-10/.metadata``), so stock DCP opens ``<url>/<ns>/run1/step-10``;
+its bookkeeping is one flat directory (`tierckpt.names.flat_checkpoint_id`,
+``run1+step-10``), so one checkpoint's bookkeeping never holds another's. A checkpoint
+may be a folder of another (``run1`` and ``run1/step-10``): deleting one removes its own
+files only.
 
 A checkpoint directory holds exactly the files stock DCP reads, so
 ``dcp.load(sd, checkpoint_id="<url>/<ns>/<id>")`` works without tierckpt. Bookkeeping
@@ -44,6 +51,8 @@ from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
     check_namespace,
+    checkpoint_id_of_flat,
+    flat_checkpoint_id,
     is_checkpoint_id,
     step_of,
 )
@@ -222,7 +231,7 @@ class PersistentTier:
 
     def _bookkeeping_path(self, namespace: str, checkpoint_id: str) -> str:
         self.checkpoint_path(namespace, checkpoint_id)
-        return f"{self.root}/{BOOKKEEPING_DIR}/{namespace}/{checkpoint_id}"
+        return f"{self.root}/{BOOKKEEPING_DIR}/{namespace}/{flat_checkpoint_id(checkpoint_id)}"
 
     def _marker_path(self, namespace: str, checkpoint_id: str, name: str) -> str:
         return f"{self._bookkeeping_path(namespace, checkpoint_id)}/files/{name}.json"
@@ -506,14 +515,17 @@ class PersistentTier:
     def list_durable(self, namespace: str) -> list[str]:
         """Ids of the namespace's durable checkpoints, by step, then id."""
         check_namespace(namespace)
-        pattern = f"{self.root}/{namespace}/*/{METADATA_FILE}"
+        base = f"{self.root}/{namespace}"
 
         def scan() -> list[str]:
             self.fs.invalidate_cache()
-            return [str(p) for p in self.fs.glob(pattern)]
+            try:
+                return [str(p) for p in self.find(base)]
+            except FileNotFoundError:
+                return []
 
-        ids = {p.rsplit("/", 2)[-2] for p in self.retrying(scan, f"list {namespace}", Op.LIST)}
-        bad = sorted(i for i in ids if not is_checkpoint_id(i))
+        found = self.retrying(scan, f"list {namespace}", Op.LIST)
+        ids, bad = metadata_ids(found, base)
         if bad:
             logger.warning(
                 "%s: skipped %d object(s) whose checkpoint id is not valid, e.g. %.64r",
@@ -521,7 +533,6 @@ class PersistentTier:
                 len(bad),
                 bad[0],
             )
-        ids.difference_update(bad)
         # A `.metadata` without tierckpt's bookkeeping is not a checkpoint this deployment
         # drained (junk in a shared bucket): retention neither counts it among
         # the newest (it would evict real ones) nor deletes it.
@@ -548,11 +559,13 @@ class PersistentTier:
                 return []
             return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
 
-        return {
-            n
-            for n in self.retrying(scan, f"list {namespace} bookkeeping", Op.LIST)
-            if is_checkpoint_id(n)
-        }
+        ids: set[str] = set()
+        for n in self.retrying(scan, f"list {namespace} bookkeeping", Op.LIST):
+            try:
+                ids.add(checkpoint_id_of_flat(n))
+            except InvalidName:
+                continue
+        return ids
 
     def read_range(
         self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
@@ -650,12 +663,46 @@ class PersistentTier:
         self.retrying(
             lambda: self.remove_object(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)", Op.DELETE
         )
-        self.retrying(lambda: self.remove_object(ckpt, recursive=True), f"{what} (data)", Op.DELETE)
+        self.retrying(lambda: self._remove_own_files(ckpt), f"{what} (data)", Op.DELETE)
         book = self._bookkeeping_path(namespace, checkpoint_id)
         self.retrying(
             lambda: self.remove_object(book, recursive=True), f"{what} (bookkeeping)", Op.DELETE
         )
         logger.info("deleted %s/%s from %s", namespace, checkpoint_id, self.url)
+
+    def _remove_own_files(self, ckpt: str) -> None:
+        """Remove a checkpoint's directory, or only its own files when it is also the folder
+        of other checkpoints (``run1`` beside ``run1/step-10``)."""
+        try:
+            found = [str(p) for p in self.find(ckpt)]
+        except FileNotFoundError:
+            found = []
+        own = [p for p in found if "/" not in p[len(ckpt) + 1 :]]
+        if len(own) == len(found):
+            self.remove_object(ckpt, recursive=True)
+            return
+        for p in own:
+            self.remove_object(p)
+
+
+def metadata_ids(paths: Iterable[str], base: str) -> tuple[set[str], list[str]]:
+    """The checkpoint ids under `base` that the listed `paths` show a ``.metadata`` for
+    (``<base>/run1/step-10/.metadata`` -> ``run1/step-10``), and the names refused.
+    Bookkeeping under ``<base>/.tierckpt`` is no checkpoint (no nested id starts with a
+    "."); every name is validated."""
+    ids: set[str] = set()
+    bad: list[str] = []
+    prefix = f"{base}/"
+    for p in paths:
+        rel = p[len(prefix) :] if p.startswith(prefix) else ""
+        folder, _, name = rel.rpartition("/")
+        if name != METADATA_FILE or not folder or folder.startswith(f"{BOOKKEEPING_DIR}/"):
+            continue
+        if is_checkpoint_id(folder):
+            ids.add(folder)
+        else:
+            bad.append(folder)
+    return ids, sorted(bad)
 
 
 def _discard_partial_write(f: Any, path: str) -> None:

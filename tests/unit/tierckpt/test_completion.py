@@ -49,11 +49,13 @@ def test_durable_and_lost() -> None:
 def test_names_of_a_checkpoint() -> None:
     assert checkpoint_ref("tierckpt://run7/step-000100") == CheckpointRef("run7", "step-000100")
     assert checkpoint_ref("run7/step-1", daemon="unix:///x.sock").daemon == "unix:///x.sock"
-    for bad in ("run7", "tierckpt://run7/a/b", "", 42):
+    assert checkpoint_ref("tierckpt://team/run1/step-10/") == CheckpointRef("team", "run1/step-10")
+    for bad in ("run7", "", 42):
         with pytest.raises(InvalidArgument):
             checkpoint_ref(bad)
-    with pytest.raises(InvalidName):
-        checkpoint_ref("tierckpt://../step-1")
+    for bad in ("tierckpt://../step-1", "team/run1/../x", "team/run1//x", "team/.tierckpt/x"):
+        with pytest.raises(InvalidName):
+            checkpoint_ref(bad)
 
 
 def test_a_future_names_its_checkpoint_by_its_metadata() -> None:

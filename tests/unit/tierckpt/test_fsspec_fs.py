@@ -52,25 +52,40 @@ MiB = 1 << 20
         ("tierckpt://run7/", TierPath("run7")),
         ("tierckpt://run7/step-000100", TierPath("run7", "step-000100")),
         ("tierckpt://run7/epoch=0-step=100", TierPath("run7", "epoch=0-step=100")),
-        ("run7/step-1/__0_0.distcp", TierPath("run7", "step-1", "__0_0.distcp")),
-        ("tierckpt://run7/step-1/.metadata.tmp", TierPath("run7", "step-1", ".metadata.tmp")),
-        ("tierckpt://run7/latest/.metadata", TierPath("run7", "latest", ".metadata")),
+        ("run7/step-1/__0_0.distcp", TierPath("run7", "step-1/__0_0.distcp")),
+        ("tierckpt://run7/step-1/.metadata.tmp", TierPath("run7", "step-1/.metadata.tmp")),
+        ("tierckpt://run7/latest/.metadata", TierPath("run7", "latest/.metadata")),
+        ("tierckpt://team/run1/step-10/.metadata", TierPath("team", "run1/step-10/.metadata")),
     ],
 )
-def test_paths_parse_into_namespace_id_and_file(url: str, parsed: TierPath) -> None:
+def test_paths_parse_into_namespace_and_path(url: str, parsed: TierPath) -> None:
     assert parse_path(url) == parsed
     assert parse_path(url).name == TierckptFileSystem._strip_protocol(url)
+
+
+def test_a_file_is_the_last_part_of_a_path_under_its_checkpoint_folders() -> None:
+    assert parse_path("tierckpt://team/run1/step-10/__0_0.distcp").as_file() == (
+        "run1/step-10",
+        "__0_0.distcp",
+    )
+    assert parse_path("tierckpt://team/step-1/.metadata").as_file() == ("step-1", ".metadata")
+    assert parse_path("tierckpt://team/run1/step-10").checkpoint_id == "run1/step-10"
+    with pytest.raises(IsADirectoryError):
+        parse_path("tierckpt://team/step-1").as_file()
+    with pytest.raises(InvalidName):  # a hidden folder is no checkpoint folder
+        parse_path("tierckpt://team/.hidden/step-1/.metadata").as_file()
 
 
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("tierckpt://run7/ckpts/step-1/.metadata", "4 parts"),  # nested folders
+        ("tierckpt://run7/" + "/".join(["d"] * 10), "too deep"),
         ("tierckpt://run7/../other", "checkpoint id '..'"),
+        ("tierckpt://run7/a/./b", "checkpoint id '.'"),
         ("tierckpt://run7//x", "checkpoint id ''"),
         ("tierckpt:///run7", "namespace ''"),
         ("tierckpt://run=7/step-1", "namespace 'run=7'"),  # `=` only in checkpoint ids
-        ("tierckpt://run7/step-1/a=b", "file name 'a=b'"),
+        ("tierckpt://run7/step-1/.a=b", "file name '.a=b'"),
         ("tierckpt://run7/step 1", "checkpoint id 'step 1'"),
     ],
 )
@@ -87,7 +102,7 @@ def test_equals_sign_is_allowed_in_checkpoint_ids_only(value: str) -> None:
             check(value)
 
 
-@pytest.mark.parametrize("value", ["=/..", "../=", "a=b/c", "=\n", "=\x00"])
+@pytest.mark.parametrize("value", ["=/..", "../=", "a=b/", "=\n", "=\x00"])
 def test_equals_sign_enables_no_path_tricks(value: str) -> None:
     with pytest.raises(InvalidName, match=r"\[A-Za-z0-9._-\] and '='"):
         check_checkpoint_id(value)
@@ -210,6 +225,48 @@ def test_rm_maps_to_tierckpt_rm_and_protects_committed_files(daemon: Catalog) ->
         fs.rm("tierckpt://run7/step-0", recursive=True)
     with pytest.raises(OSError, match="only DCP's .metadata.tmp -> .metadata"):
         fs.mv("tierckpt://run7/step-2", "tierckpt://run7/step-3")
+
+
+def test_folders_list_resolve_and_remove_like_local_ones(daemon: Catalog) -> None:
+    fs = _fs()
+    ids = ["run1", "run1/step-10", "run1/step-20", "run1/sub/step-5", "run2/step-1"]
+    for i, cid in enumerate(ids):
+        fs.makedirs(f"tierckpt://team/{cid}", exist_ok=True)  # torchtitan's call: a no-op
+        dcp.save(_state(i), checkpoint_id=f"tierckpt://team/{cid}")
+    assert fs.ls("tierckpt://team", detail=False) == ["team/run1", "team/run2"]
+    # A checkpoint that is also a folder lists its files and its sub-folders.
+    assert fs.ls("tierckpt://team/run1", detail=False) == [
+        "team/run1/.metadata",
+        "team/run1/__0_0.distcp",
+        "team/run1/step-10",
+        "team/run1/step-20",
+        "team/run1/sub",
+    ]
+    assert fs.info("tierckpt://team/run1")["checkpoint_id"] == "run1"
+    sub = fs.info("tierckpt://team/run1/sub")
+    assert sub["type"] == "directory" and "checkpoint_id" not in sub
+    assert fs.info("tierckpt://team/run1/step-10")["checkpoint_id"] == "run1/step-10"
+    assert fs.isfile("tierckpt://team/run1/sub/step-5/.metadata")
+    assert fs.isfile("tierckpt://team/run1/__0_0.distcp")
+    assert not fs.exists("tierckpt://team/run1/step-10/model.safetensors.index.json")
+    assert not fs.exists("tierckpt://team/run1/step-30") and not fs.exists("tierckpt://team/run")
+    with pytest.raises(FileNotFoundError):
+        fs.ls("tierckpt://team/run3")
+    _assert_loads("tierckpt://team/run1/sub/step-5", _state(3))
+
+    with pytest.raises(IsADirectoryError, match="recursive=True"):
+        fs.rm("tierckpt://team/run1/step-10")
+    fs.rm("tierckpt://team/run1/step-10", recursive=True)
+    assert fs.ls("tierckpt://team/run1/", detail=False)[-2:] == [
+        "team/run1/step-20",
+        "team/run1/sub",
+    ]
+    fs.rm("tierckpt://team/run1", recursive=True)  # the folder: every checkpoint in it
+    assert [c.checkpoint_id for c in daemon.list_checkpoints("team")] == ["run2/step-1"]
+    with pytest.raises(FileNotFoundError):
+        fs.rm("tierckpt://team/run1", recursive=True)
+    with pytest.raises(InvalidName):
+        fs.rm("tierckpt://team/run2/../run1", recursive=True)
 
 
 def test_a_committed_id_is_immutable(daemon: Catalog) -> None:

@@ -10,6 +10,8 @@ from tierckpt.names import (
     check_file_name,
     check_namespace,
     check_new_checkpoint_id,
+    checkpoint_id_of_flat,
+    flat_checkpoint_id,
     step_of,
 )
 
@@ -26,7 +28,6 @@ INVALID = [
     "..",
     "../x",
     "a/..",
-    "a/b",
     "/abs",
     "a\\b",
     "x" * 129,
@@ -61,6 +62,51 @@ def test_invalid_names_raise_invalid_name_stating_the_charset(kind: str, value: 
     assert "1-128" in message
     assert kind in message
     assert repr(value) in message
+
+
+def test_only_checkpoint_ids_are_folder_paths() -> None:
+    assert check_checkpoint_id("a/b") == "a/b"
+    for check in (check_namespace, check_file_name):
+        with pytest.raises(InvalidName):
+            check("a/b")
+
+
+@pytest.mark.parametrize(
+    "value", ["run1/step-10", "team-a/run1/epoch=0-step=5", "/".join("abcdefgh"), "x/" + "y" * 128]
+)
+def test_nested_checkpoint_ids_are_folder_paths(value: str) -> None:
+    assert check_checkpoint_id(value) == value
+    flat = flat_checkpoint_id(value)
+    assert "/" not in flat and checkpoint_id_of_flat(flat) == value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "run1/..",
+        "../run1",
+        "run1/./step",
+        "run1//step",
+        "run1/",
+        "/run1/step",
+        "run1\\step",
+        "run1/.hidden",  # no hidden folder: `.tierckpt` is the bucket's bookkeeping
+        ".tierckpt/durable/x",
+        "/".join("abcdefghi"),  # 9 segments
+        "/".join(["x" * 100] * 3),  # 302 characters
+        "run1/step 1",
+        "run1/st+ep",
+    ],
+)
+def test_nested_checkpoint_ids_never_leave_their_folder(value: str) -> None:
+    with pytest.raises(InvalidName, match="checkpoint id"):
+        check_checkpoint_id(value)
+
+
+@pytest.mark.parametrize("name", ["a+..", "+", "a++b", "..", "a/b", "+a", ".x+y"])
+def test_flat_names_read_back_are_validated(name: str) -> None:
+    with pytest.raises(InvalidName):
+        checkpoint_id_of_flat(name)
 
 
 def test_metadata_file_is_a_valid_file_name() -> None:

@@ -111,7 +111,8 @@ def test_writer_needs_a_checkpoint_id() -> None:
 def test_validate_checkpoint_id(cls: type) -> None:
     assert cls.validate_checkpoint_id("step-000100") is True
     assert cls.validate_checkpoint_id(Path("step-000100")) is True
-    for bad in ["../x", "a/b", "", ".", "..", "x" * 129, "s3://bucket/ckpt"]:
+    assert cls.validate_checkpoint_id("run1/step-10") is True  # a folder path
+    for bad in ["../x", "a/..", "a//b", "/a", "", ".", "..", "x" * 129, "s3://bucket/ckpt"]:
         assert cls.validate_checkpoint_id(bad) is False, bad
 
 

@@ -72,11 +72,38 @@ def test_paths_never_leave_the_root(tmp_path: Path) -> None:
     for bad in ("../x", "/abs", "a/b", "..", ".", "", "x" * 129, "a\x00b"):
         with pytest.raises(InvalidName):
             tier.data_dir(bad, "s")
-        with pytest.raises(InvalidName):
-            tier.manifest_path("run", bad)
+        if bad != "a/b":  # a folder path is a checkpoint id
+            with pytest.raises(InvalidName):
+                tier.manifest_path("run", bad)
         with pytest.raises(InvalidName):
             tier.file_path("run", "s", bad)
     assert tier.file_path("run", "s", ".metadata") == tmp_path / "mem/data/run/s/.metadata"
+
+
+@pytest.mark.parametrize(
+    "checkpoint_id", ["run1/step-10", "a/b/c/d/e/f/g/h", "x" * 128 + "/" + "y" * 71]
+)
+def test_a_folder_id_is_one_directory_under_its_namespace(
+    tmp_path: Path, checkpoint_id: str
+) -> None:
+    """A folder path never nests directories here: one checkpoint's dir never holds
+    another's, and every derived name (manifest, its tmp and quarantine names) fits
+    NAME_MAX."""
+    tier = MemoryTier(tmp_path / "mem")
+    flat = checkpoint_id.replace("/", "+")
+    assert tier.data_dir("team", checkpoint_id) == tier.data_root / "team" / flat
+    assert tier.file_path("team", checkpoint_id, ".metadata").parent.parent == (
+        tier.data_root / "team"
+    )
+    manifest = tier.manifest_path("team", checkpoint_id)
+    assert manifest == tier.manifest_root / "team" / f"{flat}.json"
+    assert len(f".{manifest.name}.tmp-{'0' * 16}") <= 255
+    assert len(f"{manifest.name}.corrupt") <= 255
+    for bad in ("run1/..", "../../etc", "run1/./x", "run1/.hidden", "/".join("abcdefghi")):
+        with pytest.raises(InvalidName):
+            tier.data_dir("team", bad)
+        with pytest.raises(InvalidName):
+            tier.manifest_path("team", bad)
 
 
 def test_symlinked_directories_and_files_are_refused(tmp_path: Path) -> None:
