@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tierckpt.checksum import BlockChecksums
 from tierckpt.names import METADATA_FILE
 from tierckpt.records import NodeStatus  # one record for client and daemon
+from tierckpt.trust import Trust as TrustState  # model.Trust is the newest-binding one
 
 # Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
 # the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
@@ -188,6 +189,8 @@ class CheckpointView:
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
     owner_uid: int | None = None  # CheckpointRecord.owner_uid
     owner_claim_node: str = ""
+    trust: TrustState | None = None  # the newest trust mark (`tierckpt mark`), None: unmarked
+    trust_reason: str = ""
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

@@ -64,6 +64,7 @@ from tierckpt.errors import (
     TierckptError,
 )
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.trust import Trust as TrustState
 from tierckpt.units import format_size
 
 from tierckptd import __version__
@@ -141,6 +142,10 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
+def _no_trust(namespace: str) -> dict[str, tuple[TrustState, str]]:
+    return {}
+
+
 def _no_owner(namespace: str) -> tuple[int, str] | None:
     return None
 
@@ -172,6 +177,12 @@ class CatalogEvents:
     # manifest that arrives after them (under the lock: takes only the journal's lock).
     pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
         default_factory=lambda: Answer(_no_pins)
+    )
+    # The cluster trust marks of a namespace (checkpoint id -> (verified or bad, reason)),
+    # from the mark journal (under the lock: takes only the journal's lock). A BAD one is
+    # never the newest; the newest VERIFIED one is held by every retention.
+    trust_marks: Answer[[str], dict[str, tuple[TrustState, str]]] = dataclasses.field(
+        default_factory=lambda: Answer(_no_trust)
     )
     # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
     # (uid, node of the claim), stamped on each new save's record; and the check of a
@@ -272,26 +283,47 @@ class Catalog:
         """Shown LOST (`views.is_lost`): never the newest, never loaded."""
         return self.peer_marks.is_lost(rec.key, self.durability.durable(rec.key))
 
-    def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
+    def _eligible(
+        self, recs: Iterable[CheckpointRecord], namespace: str, *, verified: bool = False
+    ) -> list[CheckpointRecord]:
         """The committed checkpoints of `recs` that may be the namespace's newest: not
-        LOST, and coordinated by a writer of the namespace (one no memory tier holds any
-        more, with no coordinator left, unless it arrived FOREIGN)."""
+        LOST, not marked BAD (`verified`: marked VERIFIED), and coordinated by a writer of
+        the namespace (one no memory tier holds any more, with no coordinator left, unless
+        it arrived FOREIGN)."""
         writers = self.writers.of(namespace)
+        trust = {cid: t for cid, (t, _) in self.events.trust_marks(namespace).items()}
         return [
             r
             for r in recs
             if r.namespace == namespace
             and r.state is State.COMMITTED
+            and trust.get(r.checkpoint_id) is not TrustState.BAD
+            and (not verified or trust.get(r.checkpoint_id) is TrustState.VERIFIED)
             and not self._is_lost(r)
             and not self.writers.foreign(r, writers)
         ]
 
-    def _newest(self, namespace: str) -> CheckpointRecord | None:
+    def _newest(self, namespace: str, *, verified: bool = False) -> CheckpointRecord | None:
         """The namespace's newest committed checkpoint (by sequence, never by wall time)
-        that is not LOST and is coordinated by a node that writes the namespace: a peer
-        publishing into a namespace it does not write never becomes its newest here."""
-        eligible = self._eligible(self._records.values(), namespace)
+        that is not LOST, not marked BAD (`verified`: the newest marked VERIFIED) and is
+        coordinated by a node that writes the namespace: a peer publishing into a
+        namespace it does not write never becomes its newest here."""
+        eligible = self._eligible(self._records.values(), namespace, verified=verified)
         return max(eligible, key=lambda r: r.order, default=None)
+
+    def _newest_verified_id(self, namespace: str) -> str:
+        """The id of the newest checkpoint of `namespace` marked VERIFIED ("": none),
+        whoever coordinated it: every retention holds it."""
+        trust = self.events.trust_marks(namespace)
+        verified = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and trust.get(r.checkpoint_id, (None, ""))[0] is TrustState.VERIFIED
+        ]
+        newest = max(verified, key=lambda r: r.order, default=None)
+        return newest.checkpoint_id if newest is not None else ""
 
     def _say_skipped(self, namespace: str, newest: CheckpointRecord | None) -> None:
         """Warn when a checkpoint later by sequence than the newest was passed over
@@ -367,7 +399,8 @@ class Catalog:
 
     def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
         health = self.peer_marks.health(rec.key)
-        return view_of(
+        trust, reason = self.events.trust_marks(rec.namespace).get(rec.checkpoint_id, (None, ""))
+        view = view_of(
             rec,
             node_id=self.node_id,
             replica_target=self.peer_marks.replica_target,
@@ -382,6 +415,9 @@ class Catalog:
                 if f.held
             },
         )
+        if trust is None:
+            return view
+        return dataclasses.replace(view, trust=trust, trust_reason=reason)
 
     # ---- manifests ----------------------------------------------------------------------
     def _write_manifest(self, rec: CheckpointRecord) -> None:
@@ -517,8 +553,13 @@ class Catalog:
         newest = max(committed, key=lambda r: r.order, default=None)
         own = newest.memory_keep_last if newest is not None else 0
         window = effective_window(self.memory_keep_last, own)
+        verified = self._newest_verified_id(namespace)
+
+        def holds(rec: CheckpointRecord) -> bool:
+            return rec.checkpoint_id == verified or self._holds(rec)
+
         for checkpoint_id in evictions_by_coordinator(
-            committed, self.memory_keep_last, self._holds, self._is_lost
+            committed, self.memory_keep_last, holds, self._is_lost
         ):
             rec = self._records[(namespace, checkpoint_id)]
             fault("retention.evict")
@@ -1178,7 +1219,8 @@ class Catalog:
 
     def pinned_ids(self, namespace: str) -> set[str]:
         """Ids of the namespace's checkpoints pinned here or by a cluster pin mark not
-        yet applied (persistent retention keeps them all)."""
+        yet applied, and its newest one marked VERIFIED (persistent retention keeps them
+        all)."""
         marks = self.events.pin_marks(namespace)
         with self._lock:
             pinned = {
@@ -1186,7 +1228,15 @@ class Catalog:
                 for r in self._records.values()
                 if r.namespace == namespace and r.state is State.COMMITTED and r.pinned
             }
-        return {c for c in pinned | set(marks) if marks.get(c, True)}
+            verified = self._newest_verified_id(namespace)
+        held = {c for c in pinned | set(marks) if marks.get(c, True)}
+        return held | {verified} if verified else held
+
+    def trust_changed(self, namespace: str) -> None:
+        """A trust mark was taken: memory retention again (the newest VERIFIED one it
+        holds may have moved; a window it held open closes)."""
+        with self._lock:
+            self._apply_retention(check_namespace(namespace))
 
     # ---- unfinished saves (the asking is peers/unfinished.py's) -----------------------
     def idle_saves(self) -> list[tuple[Key, float, bool]]:
@@ -1662,12 +1712,21 @@ class Catalog:
             return freed
 
     # ---- queries ----------------------------------------------------------------------
-    def get(self, namespace: str, checkpoint_id: str = "") -> CheckpointView:
-        """A committed checkpoint; an empty id is the newest of the namespace."""
+    def get(
+        self, namespace: str, checkpoint_id: str = "", *, verified: bool = False
+    ) -> CheckpointView:
+        """A committed checkpoint; an empty id is the newest of the namespace (never one
+        marked BAD; `verified`: the newest marked VERIFIED)."""
         check_namespace(namespace)
         with self._lock:
             if not checkpoint_id:
-                rec = self._newest(namespace)
+                rec = self._newest(namespace, verified=verified)
+                if rec is None and verified:
+                    raise CheckpointNotFound(
+                        f"no checkpoint of {namespace} is marked verified on node "
+                        f"{self.node_id} (`tierckpt mark {namespace} ID verified`); "
+                        f"`tierckpt ls {namespace}` shows each one's trust"
+                    )
                 self._say_skipped(namespace, rec)
             else:
                 rec = self._records.get((namespace, check_checkpoint_id(checkpoint_id)))

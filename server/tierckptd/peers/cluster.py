@@ -29,6 +29,7 @@ from typing import Protocol
 import grpc
 from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
+from tierckpt.trust import Trust as TrustState
 
 from tierckptd.catalog import Catalog, Resolution
 from tierckptd.config import PeerConfig
@@ -331,6 +332,17 @@ class Cluster:
     ) -> tuple[CheckpointView, Delivery]:
         """`tierckpt pin` / `unpin` on every node (`ClusterOps.pin`)."""
         return self.ops.pin(namespace, checkpoint_id, pinned, uid)
+
+    def trust(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        trust: TrustState,
+        reason: str = "",
+        uid: int | None = None,
+    ) -> tuple[CheckpointView, Delivery]:
+        """`tierckpt mark NS ID verified|bad` on every node (`ClusterOps.trust`)."""
+        return self.ops.trust(namespace, checkpoint_id, trust, reason, uid)
 
     def apply_mark(self, mark: Mark) -> bool:
         """A peer's ApplyMark (the servicer checked it is the mark's origin)."""

@@ -1,4 +1,4 @@
-"""Cluster-wide rm, pin and unpin: applied here, journaled, delivered to every peer.
+"""Cluster-wide rm, pin, unpin and trust (verified, bad): applied here, journaled, delivered to every peer.
 
 The node a user asks (the origin) makes the checkpoint known here if only a peer has it
 (its manifest, adopted), stamps a `marks.Mark`, keeps it in the journal (persisted
@@ -38,6 +38,7 @@ future stamp cannot refuse a later save of that id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,12 +54,15 @@ from tierckpt.errors import (
     TierUnavailable,
 )
 from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.trust import Trust as TrustState
+from tierckpt.trust import check_reason
 
 from tierckptd.catalog import Catalog
 from tierckptd.jobs import JobQueue, backoff
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
+from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
-from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
+from tierckptd.peers.cluster_marks import TRUST_KINDS, Mark, MarkJournal, MarkKind
 
 __all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
 
@@ -163,6 +167,7 @@ class ClusterOps:
         self._recent: dict[Key, str] = {}  # persistent URL of checkpoints rm deleted here
         self._recent_lock = threading.Lock()  # taken under the catalog lock (`_raced`)
         catalog.events.pin_marks.answer_with(self.journal.pins)
+        catalog.events.trust_marks.answer_with(self._trust_marks)
         catalog.events.gone_durable.add(self._raced)
         client.marks_learnt.add(self.learn)
 
@@ -286,6 +291,42 @@ class ClusterOps:
         if view is None:  # deleted meanwhile
             raise self._not_found(key)
         return view, self._send(mark)
+
+    def trust(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        trust: TrustState,
+        reason: str = "",
+        uid: int | None = None,
+    ) -> tuple[CheckpointView, Delivery]:
+        """`tierckpt mark NS ID verified|bad` on every node (the newest trust mark wins):
+        a BAD checkpoint is never the newest anywhere, the newest VERIFIED one of the
+        namespace is held by every retention. Returns the view here and what the peers
+        did; CheckpointNotFound / NotAJobNode as `pin`."""
+        key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
+        reason = check_reason(reason)
+        if not self._known_here(*key):
+            raise self._not_found(key)
+        self._check_origin(key, "mark")
+        kind = MarkKind(trust.value)
+        mark = dataclasses.replace(self._stamp(key, kind, None, uid), reason=reason)
+        self.journal.merge(mark)
+        metrics.TRUST_MARKS.labels(trust=trust.value).inc()
+        logger.info("cluster mark: %s%s", mark, f" ({reason})" if reason else "")
+        self.catalog.trust_changed(namespace)
+        try:
+            view = self.catalog.get(*key)
+        except CheckpointNotFound:  # deleted meanwhile
+            raise self._not_found(key) from None
+        return view, self._send(mark)
+
+    def _trust_marks(self, namespace: str) -> dict[str, tuple[TrustState, str]]:
+        """`CatalogEvents.trust_marks`: the journal's live trust marks of `namespace`."""
+        return {
+            cid: (TRUST_KINDS[m.kind.value], m.reason)
+            for cid, m in self.journal.trust(namespace).items()
+        }
 
     # ---- who may mark a checkpoint --------------------------------------------------------
     def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
@@ -415,6 +456,8 @@ class ClusterOps:
         if self.journal.unsaved:
             self.jobs.put(Flush(), RETRY_FIRST)
         logger.info("cluster mark: %s", mark)
+        if mark.kind.slot == "trust":
+            metrics.TRUST_MARKS.labels(trust=mark.kind.value).inc()
         self._apply(mark)
         return True
 
@@ -464,12 +507,11 @@ class ClusterOps:
                 logger.info("cannot confirm %s with its origin: %.200s", mark, e)
                 stated[(mark.origin, "")] = None
                 return None
-        deleted = mark.kind is MarkKind.DELETED
         for own in stated[asked] or []:
             if (
                 own.key == mark.key
                 and own.origin == mark.origin
-                and (own.kind is MarkKind.DELETED) == deleted
+                and own.kind.slot == mark.kind.slot
                 and own.order() >= mark.order()
             ):
                 return own
@@ -488,6 +530,8 @@ class ClusterOps:
                     self._remember(mark.key, removed[1])
                     if durable and mark.origin != self.node_id:
                         self._unstore_again(mark.key, removed[1])
+            elif mark.kind.slot == "trust":
+                self.catalog.trust_changed(mark.namespace)  # read from the journal
             else:
                 self.catalog.apply_pin(*mark.key, mark.kind is MarkKind.PINNED)
         except (TierckptError, OSError) as e:
