@@ -27,8 +27,9 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
   a checkpoint with a file on no tier is listed with its state, but `info`/`isfile` of
   its files answer not found). ``rm(ckpt, recursive=True)`` is ``tierckpt rm``; ``rm``
   of a file of a save in progress (DCP's error cleanup) aborts that save.
-- ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
-  ``.metadata`` is opened (so a load reads one checkpoint); it cannot be written.
+- ``latest`` as the checkpoint id reads the newest committed checkpoint (never one marked
+  bad), resolved when ``.metadata`` is opened (so a load reads one checkpoint); it cannot
+  be written. ``latest-verified`` reads the newest one marked verified (`tierckpt.mark`).
 
 Options come from the environment, because DCP rebuilds the filesystem from the URL
 alone: the daemon is ``$TIERCKPT_DAEMON`` (or ``FSSPEC_TIERCKPT_DAEMON``), else the
@@ -63,6 +64,7 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget
 from tierckpt.names import (
     LATEST,
+    LATEST_VERIFIED,
     METADATA_FILE,
     check_checkpoint_id,
     check_file_name,
@@ -125,8 +127,9 @@ _CLIENTS: dict[tuple[int, str], DaemonClient] = {}
 # (address, namespace, id) -> files the `.metadata` this process wrote names, until the
 # rename commits them.
 _PENDING: dict[tuple[str, str, str], frozenset[str]] = {}
-# (address, namespace) -> the checkpoint `latest` resolved to when its .metadata was read.
-_LATEST: dict[tuple[str, str], str] = {}
+# (address, namespace, `latest` or `latest-verified`) -> the checkpoint it resolved to when
+# its .metadata was read.
+_LATEST: dict[tuple[str, str, str], str] = {}
 _STATE_LOCK = threading.Lock()
 
 
@@ -171,15 +174,15 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         "bind" resolves it and remembers the answer for this load (DCP reads .metadata
         first), "bound" reuses that answer (the data files of the same load)."""
         client = self.client
-        if p.checkpoint_id != LATEST:
+        if p.checkpoint_id not in (LATEST, LATEST_VERIFIED):
             return client.get_checkpoint(p.namespace, p.checkpoint_id)
-        key = (client.address, p.namespace)
+        key = (client.address, p.namespace, p.checkpoint_id)
         if latest == "bound":
             with _STATE_LOCK:
                 bound = _LATEST.get(key)
             if bound is not None:
                 return client.get_checkpoint(p.namespace, bound)
-        info = client.get_checkpoint(p.namespace, None)
+        info = client.get_checkpoint(p.namespace, None, verified=p.checkpoint_id == LATEST_VERIFIED)
         if latest == "bind":
             with _STATE_LOCK:
                 _LATEST[key] = info.checkpoint_id
@@ -187,9 +190,10 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     @staticmethod
     def _writable(p: TierPath, what: str) -> None:
-        if p.checkpoint_id == LATEST:
+        if p.checkpoint_id in (LATEST, LATEST_VERIFIED):
             raise InvalidName(
-                f"{what} tierckpt://{p.name}: {LATEST!r} names the newest committed checkpoint "
+                f"{what} tierckpt://{p.name}: {p.checkpoint_id!r} names the newest committed "
+                "(or verified) checkpoint "
                 "in tierckpt:// URLs; save under a new id"
             )
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import enum
 import unicodedata
+from typing import TYPE_CHECKING
 
 from tierckpt.errors import InvalidArgument
 
-__all__ = ["MAX_REASON", "Trust", "check_reason", "parse_trust"]
+if TYPE_CHECKING:
+    from tierckpt.records import CheckpointInfo
+
+__all__ = ["MAX_REASON", "Trust", "check_reason", "mark", "parse_trust"]
 
 MAX_REASON = 256  # characters of a mark's reason kept and shown
 
@@ -51,3 +55,35 @@ def check_reason(reason: str) -> str:
     if any(unicodedata.category(c).startswith("C") for c in reason):
         raise InvalidArgument("the reason of a mark holds a control character")
     return reason
+
+
+def mark(
+    namespace: str,
+    checkpoint_id: str,
+    trust: Trust | str,
+    *,
+    reason: str = "",
+    daemon: str | None = None,
+) -> CheckpointInfo:
+    """Mark a committed checkpoint verified or bad on every node of the cluster, through
+    the local daemon (`tierckpt mark NAMESPACE ID verified|bad`); returns it as marked.
+
+    A trainer marks a checkpoint ``Trust.VERIFIED`` once the steps after it ran clean
+    (or a health check passed), ``Trust.BAD`` when its state held NaN, failed an SDC
+    check or failed to load. The newest mark wins; a BAD checkpoint is never restored as
+    the newest, ``TieredStorageReader(ns, newest="verified")`` (``tierckpt://NS/
+    latest-verified``, ``tierckpt pull --verified``) restores the newest VERIFIED one, and
+    retention never evicts that one.
+
+    Raises:
+        InvalidArgument: `trust` is no trust state, or `reason` is too long.
+        CheckpointNotFound: no tier knows the checkpoint.
+        NotAJobNode: the local node is not one of the checkpoint's job.
+    """
+    from tierckpt.daemon_client import DaemonClient  # lazy: this module is the daemon's too
+
+    client = DaemonClient(daemon)
+    try:
+        return client.mark_checkpoint(namespace, checkpoint_id, trust, reason=reason)[0]
+    finally:
+        client.close()
