@@ -330,6 +330,7 @@ class Catalog:
         because its coordinator does not write the namespace here (never silently)."""
         after = newest.order if newest is not None else (-1, 0.0)
         eligible = {r.key for r in self._eligible(self._records.values(), namespace)}
+        trust = self.events.trust_marks(namespace)
         skipped = [
             r
             for r in self._records.values()
@@ -337,6 +338,7 @@ class Catalog:
             and r.state is State.COMMITTED
             and r.order > after
             and not self._is_lost(r)
+            and trust.get(r.checkpoint_id, (None, ""))[0] is not TrustState.BAD
             and r.key not in eligible
         ]
         if skipped:

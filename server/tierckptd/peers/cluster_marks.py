@@ -220,6 +220,13 @@ class MarkJournal:
             }
         return {cid: m for cid, m in found.items() if m is not None}
 
+    def trust_states(self, namespace: str) -> dict[str, tuple[TrustState, str]]:
+        """`CatalogEvents.trust_marks`: checkpoint id -> (verified or bad, reason) of
+        `trust`."""
+        return {
+            cid: (TRUST_KINDS[m.kind.value], m.reason) for cid, m in self.trust(namespace).items()
+        }
+
     def owed(self) -> dict[Key, str]:
         """Checkpoints this node still has to delete from the persistent tier (its URL)."""
         with self._lock:

@@ -62,7 +62,7 @@ from tierckptd.jobs import JobQueue, backoff
 from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
 from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
-from tierckptd.peers.cluster_marks import TRUST_KINDS, Mark, MarkJournal, MarkKind
+from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
 
 __all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
 
@@ -167,7 +167,7 @@ class ClusterOps:
         self._recent: dict[Key, str] = {}  # persistent URL of checkpoints rm deleted here
         self._recent_lock = threading.Lock()  # taken under the catalog lock (`_raced`)
         catalog.events.pin_marks.answer_with(self.journal.pins)
-        catalog.events.trust_marks.answer_with(self._trust_marks)
+        catalog.events.trust_marks.answer_with(self.journal.trust_states)
         catalog.events.gone_durable.add(self._raced)
         client.marks_learnt.add(self.learn)
 
@@ -320,13 +320,6 @@ class ClusterOps:
         except CheckpointNotFound:  # deleted meanwhile
             raise self._not_found(key) from None
         return view, self._send(mark)
-
-    def _trust_marks(self, namespace: str) -> dict[str, tuple[TrustState, str]]:
-        """`CatalogEvents.trust_marks`: the journal's live trust marks of `namespace`."""
-        return {
-            cid: (TRUST_KINDS[m.kind.value], m.reason)
-            for cid, m in self.journal.trust(namespace).items()
-        }
 
     # ---- who may mark a checkpoint --------------------------------------------------------
     def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
