@@ -39,6 +39,7 @@ CLOCK_SKEW = 300.0
 __all__ = [
     "CheckpointRecord",
     "CheckpointView",
+    "TrustMark",
     "FileRecord",
     "Key",
     "NodeStatus",
@@ -191,6 +192,17 @@ class CheckpointView:
     owner_claim_node: str = ""
     trust: TrustState | None = None  # the newest trust mark (`tierckpt mark`), None: unmarked
     trust_reason: str = ""
+
+
+@dataclass(frozen=True)
+class TrustMark:
+    """A checkpoint's newest trust mark as the catalog and the persistent tier see it (the
+    cluster mark journal owns it: `peers.cluster_marks`)."""
+
+    trust: TrustState
+    reason: str = ""
+    stamp: float = 0.0  # the origin's wall clock when it marked
+    origin: str = ""  # the node a user asked
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

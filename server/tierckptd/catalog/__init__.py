@@ -94,6 +94,7 @@ from tierckptd.model import (
     NodeStatus,
     State,
     Trust,
+    TrustMark,
     coordinator_of,
 )
 from tierckptd.ops import logs, metrics
@@ -142,8 +143,12 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
-def _no_trust(namespace: str) -> dict[str, tuple[TrustState, str]]:
+def _no_trust(namespace: str) -> dict[str, TrustMark]:
     return {}
+
+
+def _marked(mark: TrustMark | None, trust: TrustState) -> bool:
+    return mark is not None and mark.trust is trust
 
 
 def _no_owner(namespace: str) -> tuple[int, str] | None:
@@ -178,12 +183,15 @@ class CatalogEvents:
     pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
         default_factory=lambda: Answer(_no_pins)
     )
-    # The cluster trust marks of a namespace (checkpoint id -> (verified or bad, reason)),
-    # from the mark journal (under the lock: takes only the journal's lock). A BAD one is
-    # never the newest; the newest VERIFIED one is held by every retention.
-    trust_marks: Answer[[str], dict[str, tuple[TrustState, str]]] = dataclasses.field(
+    # The cluster trust marks of a namespace (checkpoint id -> its newest mark), from the
+    # mark journal (under the lock: takes only the journal's lock). A BAD one is never the
+    # newest; the newest VERIFIED one is held by every retention.
+    trust_marks: Answer[[str], dict[str, TrustMark]] = dataclasses.field(
         default_factory=lambda: Answer(_no_trust)
     )
+    # A trust mark stored beside a checkpoint in the persistent tier, found when the
+    # checkpoint is adopted from there (never under the lock): the mark journal takes it.
+    trust_found: Listeners[[str, str, TrustMark]] = dataclasses.field(default_factory=Listeners)
     # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
     # (uid, node of the claim), stamped on each new save's record; and the check of a
     # peer's manifest against this node's owner (PermissionDenied) before a publish.
@@ -291,7 +299,7 @@ class Catalog:
         the namespace (one no memory tier holds any more, with no coordinator left, unless
         it arrived FOREIGN)."""
         writers = self.writers.of(namespace)
-        trust = {cid: t for cid, (t, _) in self.events.trust_marks(namespace).items()}
+        trust = {cid: m.trust for cid, m in self.events.trust_marks(namespace).items()}
         return [
             r
             for r in recs
@@ -320,7 +328,7 @@ class Catalog:
             for r in self._records.values()
             if r.namespace == namespace
             and r.state is State.COMMITTED
-            and trust.get(r.checkpoint_id, (None, ""))[0] is TrustState.VERIFIED
+            and _marked(trust.get(r.checkpoint_id), TrustState.VERIFIED)
         ]
         newest = max(verified, key=lambda r: r.order, default=None)
         return newest.checkpoint_id if newest is not None else ""
@@ -338,7 +346,7 @@ class Catalog:
             and r.state is State.COMMITTED
             and r.order > after
             and not self._is_lost(r)
-            and trust.get(r.checkpoint_id, (None, ""))[0] is not TrustState.BAD
+            and not _marked(trust.get(r.checkpoint_id), TrustState.BAD)
             and r.key not in eligible
         ]
         if skipped:
@@ -401,7 +409,7 @@ class Catalog:
 
     def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
         health = self.peer_marks.health(rec.key)
-        trust, reason = self.events.trust_marks(rec.namespace).get(rec.checkpoint_id, (None, ""))
+        trust = self.events.trust_marks(rec.namespace).get(rec.checkpoint_id)
         view = view_of(
             rec,
             node_id=self.node_id,
@@ -419,7 +427,7 @@ class Catalog:
         )
         if trust is None:
             return view
-        return dataclasses.replace(view, trust=trust, trust_reason=reason)
+        return dataclasses.replace(view, trust=trust.trust, trust_reason=trust.reason)
 
     # ---- manifests ----------------------------------------------------------------------
     def _write_manifest(self, rec: CheckpointRecord) -> None:

@@ -52,7 +52,7 @@ from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
-from tierckptd.peers.operations import ClusterOps, Delivery, Unstorer
+from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -112,6 +112,7 @@ class Cluster:
         channel_factory: ChannelFactory = grpc.insecure_channel,
         heal_interval: float = 5.0,
         unstore: Unstorer | None = None,
+        store_trust: TrustStorer | None = None,
         check_mark: Callable[[Mark], None] | None = None,
     ) -> None:
         self.catalog = catalog
@@ -155,6 +156,7 @@ class Cluster:
             members=lambda: self.members,
             manifest_from=self.committer.manifest_from,
             unstore=unstore,
+            store_trust=store_trust,
             check_mark=check_mark,
         )
         self.ops.replay()

@@ -35,7 +35,7 @@ from tierckpt.trust import Trust as TrustState
 from tierckpt.trust import check_reason
 
 from tierckptd.memory.manifest import atomic_write
-from tierckptd.model import CLOCK_SKEW, Key
+from tierckptd.model import CLOCK_SKEW, Key, TrustMark
 
 __all__ = ["MAX_AGE", "MAX_MARKS", "Mark", "MarkJournal", "MarkKind", "check_mark"]
 
@@ -220,11 +220,11 @@ class MarkJournal:
             }
         return {cid: m for cid, m in found.items() if m is not None}
 
-    def trust_states(self, namespace: str) -> dict[str, tuple[TrustState, str]]:
-        """`CatalogEvents.trust_marks`: checkpoint id -> (verified or bad, reason) of
-        `trust`."""
+    def trust_states(self, namespace: str) -> dict[str, TrustMark]:
+        """`CatalogEvents.trust_marks`: checkpoint id -> its live trust mark (`trust`)."""
         return {
-            cid: (TRUST_KINDS[m.kind.value], m.reason) for cid, m in self.trust(namespace).items()
+            cid: TrustMark(TRUST_KINDS[m.kind.value], m.reason, m.stamp, m.origin)
+            for cid, m in self.trust(namespace).items()
         }
 
     def owed(self) -> dict[Key, str]:

@@ -59,14 +59,28 @@ from tierckpt.trust import check_reason
 
 from tierckptd.catalog import Catalog
 from tierckptd.jobs import JobQueue, backoff
-from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
+from tierckptd.model import CheckpointRecord, CheckpointView, Key, State, TrustMark
 from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
 
-__all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
+__all__ = [
+    "ClusterOps",
+    "Delivery",
+    "Flush",
+    "SendMarks",
+    "StoreTrust",
+    "TrustStorer",
+    "Unstore",
+    "Unstorer",
+]
 
 logger = logging.getLogger(__name__)
+
+TrustStorer = Callable[[Key, str, TrustMark], bool]
+"""`persistent.trust_marker.store_trust` on this node's tiers: write a trust mark beside a
+checkpoint durable at a URL ("": `[persistent] url`); False when it is not durable there.
+Raises on an outage (retried). Wired by main.py."""
 
 Unstorer = Callable[[str, str, str], bool]
 """Delete (namespace, checkpoint id) from the persistent tier at a URL ("": `[persistent]
@@ -107,7 +121,15 @@ class Flush:
     """Write the mark journal again after a write failed (a full tmpfs)."""
 
 
-Job = SendMarks | Unstore | Flush
+@dataclass(frozen=True)
+class StoreTrust:
+    """Write a checkpoint's trust mark beside it in the persistent tier."""
+
+    namespace: str
+    checkpoint_id: str
+
+
+Job = SendMarks | Unstore | Flush | StoreTrust
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,7 @@ class ClusterOps:
         wall_clock: Callable[[], float] = time.time,
         unstore: Unstorer | None = None,
         check_mark: Callable[[Mark], None] | None = None,
+        store_trust: TrustStorer | None = None,
     ) -> None:
         self.catalog = catalog
         self.client = client
@@ -159,6 +182,7 @@ class ClusterOps:
         self.journal = journal if journal is not None else MarkJournal(catalog.tier.root)
         self._wall = wall_clock
         self.unstore = unstore  # main.py, when a persistent tier exists
+        self.store_trust = store_trust  # main.py, likewise
         # uid isolation (`LocalAccess.check_mark`, wired by main.py): a peer's mark made
         # for a uid applies only to that uid's checkpoints (PermissionDenied).
         self.check_mark = check_mark
@@ -168,6 +192,7 @@ class ClusterOps:
         self._recent_lock = threading.Lock()  # taken under the catalog lock (`_raced`)
         catalog.events.pin_marks.answer_with(self.journal.pins)
         catalog.events.trust_marks.answer_with(self.journal.trust_states)
+        catalog.events.trust_found.add(self._trust_found)
         catalog.events.gone_durable.add(self._raced)
         client.marks_learnt.add(self.learn)
 
@@ -315,11 +340,45 @@ class ClusterOps:
         metrics.TRUST_MARKS.labels(trust=trust.value).inc()
         logger.info("cluster mark: %s%s", mark, f" ({reason})" if reason else "")
         self.catalog.trust_changed(namespace)
+        if self.store_trust is not None:
+            self.jobs.put(StoreTrust(*key))
         try:
             view = self.catalog.get(*key)
         except CheckpointNotFound:  # deleted meanwhile
             raise self._not_found(key) from None
         return view, self._send(mark)
+
+    def _trust_found(self, namespace: str, checkpoint_id: str, found: TrustMark) -> None:
+        """`CatalogEvents.trust_found`: a trust mark stored in the persistent tier beside a
+        checkpoint adopted from there (after a loss of the cluster that marked it)."""
+        kind = MarkKind(found.trust.value)
+        mark = Mark(namespace, checkpoint_id, kind, found.stamp, found.origin, reason=found.reason)
+        try:
+            if self.journal.merge(mark, keep_unsaved=True):
+                logger.info("cluster mark from the persistent tier: %s", mark)
+                self.catalog.trust_changed(namespace)
+            if self.journal.unsaved:
+                self.jobs.put(Flush(), RETRY_FIRST)
+        except (TierckptError, OSError) as e:
+            logger.error("cannot take the stored trust mark %s: %.300s", mark, e)
+
+    def _store_trust(self, job: StoreTrust) -> float | None:
+        """Write the checkpoint's newest trust mark beside it in the persistent tier; a
+        checkpoint still due to drain is retried (its drain may have read the marks
+        before this one)."""
+        assert self.store_trust is not None
+        key = (job.namespace, job.checkpoint_id)
+        mark = self.journal.trust_states(job.namespace).get(job.checkpoint_id)
+        if mark is None or not self.catalog.knows(*key):
+            return None
+        if self.store_trust(key, self.catalog.persistent_url(*key), mark):
+            return None
+        tries = self._tries.get(job, 0) + 1
+        if key in self.catalog.due_not_durable() and tries < SEND_TRIES:
+            self._tries[job] = tries
+            return RETRY_CAP  # the drain has not finished: look again
+        self._tries.pop(job, None)
+        return None
 
     # ---- who may mark a checkpoint --------------------------------------------------------
     def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
@@ -583,6 +642,8 @@ class ClusterOps:
                 self._resend(job)
             elif isinstance(job, Flush):
                 self.journal.flush()
+            elif isinstance(job, StoreTrust):
+                return self._store_trust(job)
             else:
                 self._unstore_owed(job)
         except (TierckptError, OSError) as e:

@@ -24,6 +24,10 @@ def _mark(cid: str, kind: MarkKind, stamp: float, origin: str = "node-a", reason
     return Mark("run", cid, kind, stamp, origin, reason=reason)
 
 
+def _states(journal: MarkJournal) -> dict[str, tuple[Trust, str]]:
+    return {cid: (m.trust, m.reason) for cid, m in journal.trust_states("run").items()}
+
+
 def _journal(tmp_path: Path) -> MarkJournal:
     return MarkJournal(tmp_path, wall_clock=lambda: NOW + 10)
 
@@ -32,16 +36,16 @@ def test_the_newest_trust_mark_wins_whichever_state(tmp_path: Path) -> None:
     journal = _journal(tmp_path)
     assert journal.merge(_mark("s1", MarkKind.VERIFIED, NOW))
     assert journal.merge(_mark("s1", MarkKind.BAD, NOW + 1, reason="NaN in layer 3"))
-    assert journal.trust_states("run") == {"s1": (Trust.BAD, "NaN in layer 3")}
+    assert _states(journal) == {"s1": (Trust.BAD, "NaN in layer 3")}
     assert not journal.merge(_mark("s1", MarkKind.VERIFIED, NOW + 0.5))  # older: ignored
     assert journal.merge(_mark("s1", MarkKind.VERIFIED, NOW + 2))  # a newer verdict
-    assert journal.trust_states("run") == {"s1": (Trust.VERIFIED, "")}
+    assert _states(journal) == {"s1": (Trust.VERIFIED, "")}
     # A tie breaks by origin node id, as for every mark.
     assert journal.merge(_mark("s1", MarkKind.BAD, NOW + 2, origin="node-b"))
     # Trust and pin are separate: a pin does not displace a trust mark.
     assert journal.merge(_mark("s1", MarkKind.PINNED, NOW + 3))
     again = _journal(tmp_path)  # a restart: the journal keeps both, reason included
-    assert again.trust_states("run") == {"s1": (Trust.BAD, "")}
+    assert _states(again) == {"s1": (Trust.BAD, "")}
     assert again.pins("run") == {"s1": True}
     assert again.trust_states("other") == {}
 
@@ -58,7 +62,7 @@ def test_a_trust_mark_ends_with_a_delete_so_a_resave_is_unmarked(tmp_path: Path)
     assert journal.trust_states("run") == {}
     # A mark made after the rm is of the re-saved checkpoint.
     assert journal.merge(_mark("s1", MarkKind.VERIFIED, NOW + 2))
-    assert journal.trust_states("run") == {"s1": (Trust.VERIFIED, "")}
+    assert _states(journal) == {"s1": (Trust.VERIFIED, "")}
 
 
 def test_trust_marks_round_trip_the_wire_and_bad_reasons_are_refused() -> None:
