@@ -3,7 +3,8 @@ checkpoint marked bad on one node is listed bad on the other and never restored 
 newest there (the newest load skips it, bit-exact from the one before); the newest one
 marked verified is what `newest="verified"` loads and what memory retention keeps while
 newer ones come and go; marks survive a daemon restart; the CLI refuses a state that is
-none."""
+none; with moto S3 over HTTP, a fresh cluster that lost every node still knows which
+checkpoints were bad and verified (the mark is stored beside the checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from tierckpt import TieredStorageReader, Trust
 from tierckpt.daemon_client import DaemonClient
 
+from tests.support import moto_s3
 from tests.support.cli import cli, cli_json
 from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.dcp_files import (
@@ -26,6 +28,9 @@ from tests.support.dcp_files import (
 )
 
 pytestmark = pytest.mark.integration
+
+moto_server = moto_s3.moto_server
+s3 = moto_s3.s3
 
 NS = "trust-run"
 WAIT = 60.0
@@ -121,3 +126,53 @@ def test_bad_is_skipped_and_the_newest_verified_is_held_on_every_node(
             lambda: all(set(c.rows(i)) == {"step-1", "step-5", "step-6"} for i in range(2)),
             WAIT,
         )
+
+
+def _trust_objects(bucket: moto_s3.S3Bucket) -> dict[str, bytes]:
+    fs = bucket.fs()
+    fs.invalidate_cache()
+    return {p: fs.cat_file(p) for p in fs.find(bucket.name) if p.endswith("/trust.json")}
+
+
+def test_a_fresh_cluster_knows_the_marks_after_losing_every_node(
+    s3: moto_s3.S3Bucket, states: dict[int, SavedCheckpoint]
+) -> None:
+    overrides = {
+        "persistent": {"url": s3.url(), "storage_options": dict(s3.storage_options)},
+        "retention": {"memory_keep_last": 0},
+        "memory": {"budget": "256MiB"},
+    }
+    with local_cluster(2, namespace=NS, copies=1, overrides=overrides) as c:
+        c.raw_save(0, "step-1", states[1].files())
+        # Marked at once: before or while it drains (the drain or the node asked stores it).
+        cli(c.nodes[0].address, "mark", NS, "step-1", "verified", "--reason", "eval ok")
+        c.raw_save(0, "step-2", states[2].files())
+        c.raw_save(0, "step-3", states[3].files())
+        for step in (1, 2, 3):
+            c.wait_state(f"step-{step}", "DURABLE")
+        cli(c.nodes[0].address, "mark", NS, "step-3", "bad")  # durable already
+        c.wait(
+            "both marks stored in the bucket",
+            lambda: len(_trust_objects(s3)) == 2,
+            WAIT,
+        )
+        c.lose(0, 1)  # every node, with its memory tier and its marks journal
+        c.replace(0, 1)
+        c.wait(
+            "the fresh nodes adopted the marks from the bucket",
+            lambda: all(
+                _trust(c, i) == {"step-1": "verified", "step-2": None, "step-3": "bad"}
+                for i in range(2)
+            ),
+            WAIT,
+        )
+        assert c.rows(1)["step-1"]["trust_reason"] == "eval ok"
+        loaded, state = _load_newest(c.nodes[1].address)
+        assert loaded == "step-2"  # step-3 is bad
+        assert_state_equal(actual=state, expected=states[2].state)
+        loaded, state = _load_newest(c.nodes[0].address, newest="verified")
+        assert loaded == "step-1"
+        assert_state_equal(actual=state, expected=states[1].state)
+        # An rm deletes the stored mark with the checkpoint: a re-save starts unmarked.
+        cli(c.nodes[0].address, "rm", NS, "step-3")
+        assert len(_trust_objects(s3)) == 1
