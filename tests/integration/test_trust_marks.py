@@ -15,6 +15,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from tierckpt import TieredStorageReader, Trust
 from tierckpt.daemon_client import DaemonClient
+from tierckpt.fsspec_fs import TierckptFileSystem
 
 from tests.support import moto_s3
 from tests.support.cli import cli, cli_json
@@ -54,7 +55,7 @@ def _trust(c: LocalCluster, i: int) -> dict[str, Any]:
 
 
 def test_bad_is_skipped_and_the_newest_verified_is_held_on_every_node(
-    states: dict[int, SavedCheckpoint], tmp_path: Path
+    states: dict[int, SavedCheckpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     overrides = {"retention": {"memory_keep_last": 2}, "memory": {"budget": "256MiB"}}
     with local_cluster(2, namespace=NS, copies=1, overrides=overrides) as c:
@@ -77,6 +78,8 @@ def test_bad_is_skipped_and_the_newest_verified_is_held_on_every_node(
             assert client.get_checkpoint(NS).checkpoint_id == "step-1"
         finally:
             client.close()
+        fs = TierckptFileSystem(daemon=c.nodes[1].address)
+        assert fs.info(f"tierckpt://{NS}/latest")["checkpoint_id"] == "step-1"
         pulled = cli_json(c.nodes[1].address, "pull", NS, "latest", str(tmp_path / "pulled"))
         assert pulled["id"] == "step-1"
         none = cli(
@@ -100,6 +103,12 @@ def test_bad_is_skipped_and_the_newest_verified_is_held_on_every_node(
         assert loaded == "step-1"
         assert_state_equal(actual=state, expected=states[1].state)
         assert _load_newest(c.nodes[1].address)[0] == "step-5"
+        # The zero-code route: DCP through `tierckpt://NS/latest-verified`.
+        monkeypatch.setenv("TIERCKPT_DAEMON", c.nodes[1].address)
+        target = load_target(make_state())
+        dcp.load(target, checkpoint_id=f"tierckpt://{NS}/latest-verified")
+        assert_state_equal(actual=target, expected=states[1].state)
+        assert fs.info(f"tierckpt://{NS}/latest")["checkpoint_id"] == "step-5"
         listing = cli(c.nodes[1].address, "ls", NS).stdout
         assert "TRUST" in listing and "verified" in listing, listing
 
