@@ -47,6 +47,7 @@ from tierckpt.errors import (
 from tierckpt.memory_files import VerifiedFile, wait_all
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.saved_tensor import parse_saved_tensor
+from tierckpt.trust import Trust
 
 __all__ = ["TieredStorageReader"]
 
@@ -203,6 +204,18 @@ class TieredStorageReader(StorageReader):
         order = (info.sequence, info.committed_unix)
         lost = [c for c in rows if c.state == "LOST" and (c.sequence, c.committed_unix) > order]
         self.lost_newer = tuple(c.checkpoint_id for c in lost)
+        bad = [
+            c.checkpoint_id
+            for c in rows
+            if c.trust is Trust.BAD and (c.sequence, c.committed_unix) > order
+        ]
+        if bad:
+            logger.warning(
+                "restoring %s/%s: passed over the newer %s, marked bad (tierckpt mark)",
+                info.namespace,
+                info.checkpoint_id,
+                ", ".join(bad[:10]),
+            )
         if lost:
             logger.warning(
                 "restoring %s/%s, the newest complete checkpoint: the newer %s LOST (no copy "

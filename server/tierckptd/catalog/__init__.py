@@ -374,9 +374,18 @@ class Catalog:
         lost = [r for r in self._records.values() if r.namespace == namespace]
         if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
             return all_lost(namespace, self.node_id, [r for r in lost if self._is_lost(r)])
+        trust = self.events.trust_marks(namespace)
+        bad = sorted(
+            c
+            for c, m in trust.items()
+            if m.trust is TrustState.BAD and (namespace, c) in self._records
+        )
         tail = (
             f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
             if newest
+            else f"{namespace} has no committed checkpoint that is not marked bad "
+            f"(bad: {listing(bad)})"
+            if bad and not checkpoint_id
             else f"{namespace} has no committed checkpoints"
         )
         what = (

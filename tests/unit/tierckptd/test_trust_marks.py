@@ -120,7 +120,7 @@ def test_newest_skips_bad_and_verified_is_asked_for(
     assert listed == {"s1": Trust.VERIFIED, "s2": None, "s3": Trust.BAD}
     journal.merge(_now_mark("s2", MarkKind.BAD))
     journal.merge(_now_mark("s1", MarkKind.BAD))
-    with pytest.raises(CheckpointNotFound):
+    with pytest.raises(CheckpointNotFound, match=r"not marked bad \(bad: s1, s2, s3\)"):
         catalog.get("run")  # every one is bad
 
 
