@@ -233,8 +233,11 @@ class DaemonClient:
     ) -> CheckpointInfo:
         """A committed checkpoint with its files; `None` asks for the newest (never one
         marked bad; `verified`: the newest marked verified, CheckpointNotFound if none)."""
-        ref = _ref(namespace, checkpoint_id or "")
-        ref.newest_verified = verified and not checkpoint_id
+        ref = common_pb2.CheckpointRef(
+            namespace=namespace,
+            checkpoint_id=checkpoint_id or "",
+            newest_verified=verified and not checkpoint_id,
+        )
         return _info_from_wire(self._call(self._service().GetCheckpoint, ref))
 
     def ensure_local(
