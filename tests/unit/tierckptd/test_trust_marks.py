@@ -1,10 +1,12 @@
 """Trust marks (verified, bad): the journal's order (newest stamp wins between verified and
-bad, a delete ends a trust mark so a re-save is unmarked), the wire, and the catalog's
-side: "newest" skips BAD, asks for VERIFIED on request, and retention (memory and the
-ids persistent retention keeps) never evicts the newest VERIFIED checkpoint."""
+bad, a delete ends a trust mark so a re-save is unmarked), the wire, the catalog's side
+("newest" skips BAD, asks for VERIFIED on request, and retention, memory and the ids
+persistent retention keeps, never evicts the newest VERIFIED checkpoint) and the copy
+stored in the bucket (validated when read back)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -12,8 +14,10 @@ import pytest
 from tierckpt.errors import CheckpointNotFound, InvalidArgument
 from tierckpt.trust import Trust, parse_trust
 from tierckptd.catalog import Catalog
+from tierckptd.model import TrustMark
 from tierckptd.peers.client import mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
+from tierckptd.persistent.trust_marker import decode, encode
 
 from .conftest import MakeCatalog, Save
 
@@ -147,3 +151,26 @@ def test_retention_never_evicts_the_newest_verified(
     # A bad mark on it hands the hold back to no one older (s1 is gone): nothing pinned.
     journal.merge(_now_mark("s5", MarkKind.BAD))
     assert catalog.pinned_ids("run") == set()
+
+
+# ---- the bucket's copy ------------------------------------------------------------------
+
+
+def test_a_stored_trust_marker_round_trips_and_a_tampered_one_is_refused() -> None:
+    mark = TrustMark(Trust.BAD, "SDC check failed", NOW, "node-a")
+    assert decode(encode(mark)) == mark
+    good = json.loads(encode(mark))
+    for tampered in (
+        {**good, "trust": "trusted"},
+        {**good, "stamp": "soon"},
+        {**good, "stamp": -1.0},
+        {**good, "origin": "../x"},
+        {**good, "reason": "a\x00b"},
+        {**good, "reason": "x" * 300},
+        {k: v for k, v in good.items() if k != "origin"},
+        [1, 2],
+    ):
+        with pytest.raises(ValueError, match="not a valid trust marker"):
+            decode(json.dumps(tampered).encode())
+    with pytest.raises(ValueError, match="not a valid trust marker"):
+        decode(b"\xff{")
