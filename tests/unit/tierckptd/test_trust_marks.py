@@ -7,6 +7,7 @@ stored in the bucket (validated when read back)."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -17,7 +18,11 @@ from tierckptd.catalog import Catalog
 from tierckptd.model import TrustMark
 from tierckptd.peers.client import mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
-from tierckptd.persistent.trust_marker import decode, encode
+from tierckptd.persistent.drain import Drainer
+from tierckptd.persistent.trust_marker import decode, encode, read_trust
+
+from tests.support.dcp_files import save_checkpoint
+from tests.support.persistent_store import file_store
 
 from .conftest import MakeCatalog, Save
 
@@ -174,3 +179,30 @@ def test_a_stored_trust_marker_round_trips_and_a_tampered_one_is_refused() -> No
             decode(json.dumps(tampered).encode())
     with pytest.raises(ValueError, match="not a valid trust marker"):
         decode(b"\xff{")
+
+
+def test_the_drain_stores_a_mark_made_before_it_and_adoption_finds_it(
+    make_catalog: MakeCatalog, save: Save, tmp_path: Path
+) -> None:
+    store = file_store(tmp_path / "store")
+    (tmp_path / "journal").mkdir()
+    node = make_catalog(budget=64 << 20, memory_keep_last=10, drain_every=1)
+    journal = _wired(node, tmp_path)
+    saved = save_checkpoint(tmp_path / "hot")
+    names = [*saved.data_names, ".metadata"]
+    for cid in ("step-1", "step-2"):
+        save(node, "run", cid, {n: (saved.directory / n).read_bytes() for n in names})
+    journal.merge(_now_mark("step-1", MarkKind.BAD, "NaN"))  # before it drained
+    drainer = Drainer(node, store)
+    assert drainer.drain("run", "step-1") and drainer.drain("run", "step-2")
+    stored = read_trust(store, ("run", "step-1"))
+    assert stored is not None and (stored.trust, stored.reason) == (Trust.BAD, "NaN")
+    assert read_trust(store, ("run", "step-2")) is None  # unmarked: nothing stored
+    # A replacement node (memory tier and journal gone) adopts it with its mark.
+    node.tier.close()
+    shutil.rmtree(tmp_path / "mem")
+    fresh = make_catalog(budget=64 << 20, memory_keep_last=10, drain_every=1)
+    found: list[tuple[str, str, TrustMark]] = []
+    fresh.events.trust_found.add(lambda ns, cid, m: found.append((ns, cid, m)))
+    assert Drainer(fresh, store).adopt_durable() == 2
+    assert found == [("run", "step-1", stored)]
