@@ -142,6 +142,10 @@ def _cmd_info(client: DaemonClient, args: argparse.Namespace) -> int:
     ]
     if c.state == "LOST":
         lines.append(_lost_note(c))
+    if c.trust is not None:
+        lines.insert(
+            1, f"trust: {c.trust.value}" + (f" ({c.trust_reason})" if c.trust_reason else "")
+        )
     payload = {
         **_row_json(c),
         "file_list": [
