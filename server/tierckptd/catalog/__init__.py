@@ -416,9 +416,17 @@ class Catalog:
             raise self._not_found(namespace, checkpoint_id)
         return rec
 
-    def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
+    def _view(
+        self,
+        rec: CheckpointRecord,
+        writers: set[str] | None = None,
+        trust_marks: dict[str, TrustMark] | None = None,
+    ) -> CheckpointView:
+        """`trust_marks`: the namespace's, when the caller has them (a listing asks once)."""
         health = self.peer_marks.health(rec.key)
-        trust = self.events.trust_marks(rec.namespace).get(rec.checkpoint_id)
+        if trust_marks is None:
+            trust_marks = self.events.trust_marks(rec.namespace)
+        trust = trust_marks.get(rec.checkpoint_id)
         view = view_of(
             rec,
             node_id=self.node_id,
@@ -1768,7 +1776,10 @@ class Catalog:
             ]
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
             writers = self.writers.by_namespace(namespace)
-            return [self._view(r, writers.get(r.namespace, set())) for r in recs]
+            trust = {ns: self.events.trust_marks(ns) for ns in {r.namespace for r in recs}}
+            return [
+                self._view(r, writers.get(r.namespace, set()), trust[r.namespace]) for r in recs
+            ]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
         """Re-hash every file of a committed checkpoint (outside the lock)."""
