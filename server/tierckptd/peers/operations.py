@@ -1,4 +1,5 @@
-"""Cluster-wide rm, pin, unpin and trust (verified, bad): applied here, journaled, delivered to every peer.
+"""Cluster-wide rm, pin, unpin and trust (verified, bad): applied here, journaled,
+delivered to every peer.
 
 The node a user asks (the origin) makes the checkpoint known here if only a peer has it
 (its manifest, adopted), stamps a `marks.Mark`, keeps it in the journal (persisted
@@ -13,6 +14,11 @@ first: no reader or discovery sees a half-deleted checkpoint as durable). The or
 does it before answering; one it could not do is owed (kept in the journal) and retried.
 Any node whose drain makes a deleted checkpoint durable after the rm (the drain raced
 it) deletes it again (`Catalog.on_gone_durable`).
+
+A trust mark (verified, bad) is also written by the origin beside the checkpoint in the
+persistent tier once it is durable there (`persistent.trust_marker`; the drain writes one
+made before it), and one found there when a checkpoint is adopted from the bucket is taken
+into the journal: a cluster that lost every node still knows it.
 
 Every mark is applied idempotently: the newest stamp of each kind wins (`marks`).
 
