@@ -9,7 +9,7 @@ checkpoints were bad and verified (the mark is stored beside the checkpoint)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -43,8 +43,10 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict[int, SavedCheckpoin
     return {s: save_checkpoint(root / f"s{s}", make_state(seed=s)) for s in (1, 2, 3)}
 
 
-def _load_newest(address: str, newest: str = "committed") -> tuple[str, Any]:
-    reader = TieredStorageReader(NS, daemon=address, newest=newest)  # type: ignore[arg-type]
+def _load_newest(
+    address: str, newest: Literal["committed", "verified"] = "committed"
+) -> tuple[str, Any]:
+    reader = TieredStorageReader(NS, daemon=address, newest=newest)
     target = load_target(make_state())
     dcp.load(target, checkpoint_id=None, storage_reader=reader)
     return reader.checkpoint_id, target
