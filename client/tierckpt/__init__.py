@@ -31,6 +31,7 @@ from tierckpt.errors import (
     TierUnavailable,
     UnsafeMetadata,
 )
+from tierckpt.trust import Trust, mark
 
 if TYPE_CHECKING:
     from tierckpt.staging import StagingStats
@@ -62,11 +63,13 @@ __all__ = [
     "TierState",
     "TierTimeout",
     "TierUnavailable",
+    "Trust",
     "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",
     "UnsafeMetadata",
     "__version__",
+    "mark",
     "release_staging",
     "staging_stats",
     "tier_state",

@@ -26,10 +26,17 @@ from tierckpt.completion import (
     wait_for,
 )
 from tierckpt.daemon_client import CheckpointInfo, DaemonClient, FileEntry, PeerMarks
-from tierckpt.errors import ChecksumMismatch, TierckptError
+from tierckpt.errors import ChecksumMismatch, InvalidArgument, TierckptError
 from tierckpt.freshness import TIERS
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace
+from tierckpt.names import (
+    LATEST,
+    LATEST_VERIFIED,
+    METADATA_FILE,
+    check_checkpoint_id,
+    check_namespace,
+)
 from tierckpt.progress import Progress, format_age
+from tierckpt.trust import parse_trust
 from tierckpt.units import format_size
 
 __all__ = ["main"]
@@ -96,15 +103,22 @@ def _cmd_ls(client: DaemonClient, args: argparse.Namespace) -> int:
         ]
     w = max([24, *(len(c.checkpoint_id) for c in rows)])
     lines = [
-        f"{'ID':<{w}} {'STATE':<10} {'BYTES':>12} {'FILES':>5} {'COPIES':>6}  {'CREATED':<19}  TIERS"
+        f"{'ID':<{w}} {'STATE':<10} {'TRUST':<8} {'BYTES':>12} {'FILES':>5} {'COPIES':>6}  "
+        f"{'CREATED':<19}  TIERS"
     ]
     lines += [
-        f"{c.checkpoint_id:<{w}} {c.state:<10} {format_size(c.size_bytes):>12} {c.file_count:>5} "
+        f"{c.checkpoint_id:<{w}} {c.state:<10} {c.trust.value if c.trust else '-':<8} "
+        f"{format_size(c.size_bytes):>12} {c.file_count:>5} "
         f"{TierState.of(c).levels()['replicated']:>6}  "
         f"{_when(c.created_unix):<19}  {','.join(c.tiers) or '-'}"
         for c in rows
     ]
     lines += [_lost_note(c) for c in rows if c.state == "LOST"]
+    lines += [
+        f"{c.checkpoint_id} is marked {c.trust.value}: {c.trust_reason}"
+        for c in rows
+        if c.trust is not None and c.trust_reason
+    ]
     _emit(args, [_row_json(c) for c in rows], "\n".join(lines))
     return 0
 
@@ -142,6 +156,10 @@ def _cmd_info(client: DaemonClient, args: argparse.Namespace) -> int:
     ]
     if c.state == "LOST":
         lines.append(_lost_note(c))
+    if c.trust is not None:
+        lines.insert(
+            1, f"trust: {c.trust.value}" + (f" ({c.trust_reason})" if c.trust_reason else "")
+        )
     payload = {
         **_row_json(c),
         "file_list": [
@@ -288,7 +306,14 @@ def _pull(
 
 
 def _cmd_pull(client: DaemonClient, args: argparse.Namespace) -> int:
-    info = client.get_checkpoint(check_namespace(args.namespace), check_checkpoint_id(args.id))
+    namespace = check_namespace(args.namespace)
+    if args.id in (LATEST, LATEST_VERIFIED):  # the newest never marked bad, or verified
+        verified = args.verified or args.id == LATEST_VERIFIED
+        info = client.get_checkpoint(namespace, None, verified=verified)
+    elif args.verified:
+        raise InvalidArgument(f"--verified picks the newest verified: give ID {LATEST}")
+    else:
+        info = client.get_checkpoint(namespace, check_checkpoint_id(args.id))
     started = time.perf_counter()
     progress = None
     if not args.json:  # drawn on a terminal only (Progress.enabled)
@@ -346,6 +371,22 @@ def _cmd_pin(client: DaemonClient, args: argparse.Namespace) -> int:
         args,
         {**info.to_json(), **_peers_json(peers)},
         f"{verb} {info.namespace}/{info.checkpoint_id} here; peers notified ({peers.summary()})",
+    )
+    return 0
+
+
+def _cmd_mark(client: DaemonClient, args: argparse.Namespace) -> int:
+    info, peers = client.mark_checkpoint(
+        check_namespace(args.namespace),
+        check_checkpoint_id(args.id),
+        parse_trust(args.state),
+        reason=args.reason,
+    )
+    _emit(
+        args,
+        {**info.to_json(), **_peers_json(peers)},
+        f"marked {info.namespace}/{info.checkpoint_id} {args.state} here; peers notified "
+        f"({peers.summary()})",
     )
     return 0
 
@@ -411,8 +452,14 @@ def _parser() -> argparse.ArgumentParser:
     add("status", "the daemon's node, memory budget and namespaces")
     pull = add("pull", "copy a checkpoint into a directory stock dcp.load / FileSystemReader reads")
     pull.add_argument("namespace")
-    pull.add_argument("id")
+    pull.add_argument(
+        "id",
+        help=f"the checkpoint id; {LATEST}: the newest, {LATEST_VERIFIED}: the newest verified",
+    )
     pull.add_argument("dest")
+    pull.add_argument(
+        "--verified", action="store_true", help=f"with ID {LATEST}: the newest verified checkpoint"
+    )
     rm = add(
         "rm",
         "delete a checkpoint from every node's memory and from the persistent tier "
@@ -427,6 +474,15 @@ def _parser() -> argparse.ArgumentParser:
         pin = add(name, help_text)
         pin.add_argument("namespace")
         pin.add_argument("id")
+    mark = add(
+        "mark",
+        "mark a checkpoint verified (its state was healthy) or bad (never restored as the "
+        "newest), on every node",
+    )
+    mark.add_argument("namespace")
+    mark.add_argument("id")
+    mark.add_argument("state", help="verified or bad")
+    mark.add_argument("--reason", default="", help="why (shown in ls; at most 256 characters)")
     info = add("info", "one checkpoint: its state, the tiers it reached, and who holds each file")
     info.add_argument("target", help="NAMESPACE/ID, tierckpt://NAMESPACE/ID or NAMESPACE")
     info.add_argument("id", nargs="?", help="the checkpoint id, when TARGET is the namespace")
@@ -472,6 +528,7 @@ _COMMANDS = {
     "wait": _cmd_wait,
     "pin": _cmd_pin,
     "unpin": _cmd_pin,
+    "mark": _cmd_mark,
     "status": _cmd_status,
     "pull": _cmd_pull,
     "rm": _cmd_rm,

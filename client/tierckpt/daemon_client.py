@@ -26,6 +26,7 @@ from tierckpt.errors import (
 )
 from tierckpt.freshness import from_wire
 from tierckpt.records import CheckpointInfo, FileEntry, NodeStatus, OpenedFile, PeerMarks
+from tierckpt.trust import Trust, check_reason, parse_trust
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 __all__ = [
@@ -84,7 +85,13 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         durable_requested=info.durable_requested,
         persistent_url=info.persistent_url,
         lost_files=tuple(info.lost_files),
+        trust=_TRUST_FROM_WIRE.get(info.trust),
+        trust_reason=info.trust_reason,
     )
+
+
+_TRUST_TO_WIRE = {Trust.VERIFIED: common_pb2.TRUST_VERIFIED, Trust.BAD: common_pb2.TRUST_BAD}
+_TRUST_FROM_WIRE = {w: t for t, w in _TRUST_TO_WIRE.items()}
 
 
 def status_from_wire(s: daemon_pb2.NodeStatus) -> NodeStatus:
@@ -221,11 +228,17 @@ class DaemonClient:
         self._call(self._service().AbortCheckpoint, _ref(namespace, checkpoint_id))
 
     # --- restore path and administration --------------------------------------------
-    def get_checkpoint(self, namespace: str, checkpoint_id: str | None = None) -> CheckpointInfo:
-        """A committed checkpoint with its files; `None` asks for the newest."""
-        return _info_from_wire(
-            self._call(self._service().GetCheckpoint, _ref(namespace, checkpoint_id or ""))
+    def get_checkpoint(
+        self, namespace: str, checkpoint_id: str | None = None, *, verified: bool = False
+    ) -> CheckpointInfo:
+        """A committed checkpoint with its files; `None` asks for the newest (never one
+        marked bad; `verified`: the newest marked verified, CheckpointNotFound if none)."""
+        ref = common_pb2.CheckpointRef(
+            namespace=namespace,
+            checkpoint_id=checkpoint_id or "",
+            newest_verified=verified and not checkpoint_id,
         )
+        return _info_from_wire(self._call(self._service().GetCheckpoint, ref))
 
     def ensure_local(
         self, namespace: str, checkpoint_id: str, file_name: str, *, repair: bool = False
@@ -273,6 +286,22 @@ class DaemonClient:
     ) -> tuple[CheckpointInfo, PeerMarks]:
         """`pin_checkpoint`, also returning what the peers did with the pin or unpin."""
         req = daemon_pb2.PinCheckpointRequest(ref=_ref(namespace, checkpoint_id), pinned=pinned)
+        info = self._call(self._service().PinCheckpoint, req)
+        peers = PeerMarks(
+            info.mark_peers_applied, tuple(info.mark_peers_pending), tuple(info.mark_peers_refused)
+        )
+        return _info_from_wire(info), peers
+
+    def mark_checkpoint(
+        self, namespace: str, checkpoint_id: str, trust: Trust | str, *, reason: str = ""
+    ) -> tuple[CheckpointInfo, PeerMarks]:
+        """Mark a checkpoint verified or bad on every node (`tierckpt mark`); returns it
+        as marked here and what the peers did with the mark."""
+        req = daemon_pb2.PinCheckpointRequest(
+            ref=_ref(namespace, checkpoint_id),
+            trust=_TRUST_TO_WIRE[parse_trust(trust)],
+            reason=check_reason(reason),
+        )
         info = self._call(self._service().PinCheckpoint, req)
         peers = PeerMarks(
             info.mark_peers_applied, tuple(info.mark_peers_pending), tuple(info.mark_peers_refused)

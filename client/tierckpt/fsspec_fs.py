@@ -27,8 +27,9 @@ How stock DCP's calls map to the daemon (torch 2.6-2.13):
   a checkpoint with a file on no tier is listed with its state, but `info`/`isfile` of
   its files answer not found). ``rm(ckpt, recursive=True)`` is ``tierckpt rm``; ``rm``
   of a file of a save in progress (DCP's error cleanup) aborts that save.
-- ``latest`` as the checkpoint id reads the newest committed checkpoint, resolved when
-  ``.metadata`` is opened (so a load reads one checkpoint); it cannot be written.
+- ``latest`` as the checkpoint id reads the newest committed checkpoint (never one marked
+  bad), resolved when ``.metadata`` is opened (so a load reads one checkpoint); it cannot
+  be written. ``latest-verified`` reads the newest one marked verified (`tierckpt.mark`).
 
 Folders work as local ones do: a checkpoint id may be a folder path (``tierckpt://team/
 run1/step-10``; `tierckpt.names.check_checkpoint_id`), the file is always the last part
@@ -71,6 +72,7 @@ from tierckpt.memory_files import VerifiedFile
 from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget
 from tierckpt.names import (
     LATEST,
+    LATEST_VERIFIED,
     MAX_ID,
     MAX_ID_SEGMENTS,
     METADATA_FILE,
@@ -155,8 +157,9 @@ _CLIENTS: dict[tuple[int, str], DaemonClient] = {}
 # (address, namespace, id) -> files the `.metadata` this process wrote names, until the
 # rename commits them.
 _PENDING: dict[tuple[str, str, str], frozenset[str]] = {}
-# (address, namespace) -> the checkpoint `latest` resolved to when its .metadata was read.
-_LATEST: dict[tuple[str, str], str] = {}
+# (address, namespace, `latest` or `latest-verified`) -> the checkpoint it resolved to when
+# its .metadata was read.
+_LATEST: dict[tuple[str, str, str], str] = {}
 _STATE_LOCK = threading.Lock()
 
 
@@ -203,15 +206,15 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         "bind" resolves it and remembers the answer for this load (DCP reads .metadata
         first), "bound" reuses that answer (the data files of the same load)."""
         client = self.client
-        if checkpoint_id != LATEST:
+        if checkpoint_id not in (LATEST, LATEST_VERIFIED):
             return client.get_checkpoint(namespace, checkpoint_id)
-        key = (client.address, namespace)
+        key = (client.address, namespace, checkpoint_id)
         if latest == "bound":
             with _STATE_LOCK:
                 bound = _LATEST.get(key)
             if bound is not None:
                 return client.get_checkpoint(namespace, bound)
-        info = client.get_checkpoint(namespace, None)
+        info = client.get_checkpoint(namespace, None, verified=checkpoint_id == LATEST_VERIFIED)
         if latest == "bind":
             with _STATE_LOCK:
                 _LATEST[key] = info.checkpoint_id
@@ -226,9 +229,10 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
     @staticmethod
     def _writable(checkpoint_id: str, name: str, what: str) -> None:
-        if checkpoint_id == LATEST:
+        if checkpoint_id in (LATEST, LATEST_VERIFIED):
             raise InvalidName(
-                f"{what} tierckpt://{name}: {LATEST!r} names the newest committed checkpoint "
+                f"{what} tierckpt://{name}: {checkpoint_id!r} names the newest committed "
+                "(or verified) checkpoint "
                 "in tierckpt:// URLs; save under a new id"
             )
 
@@ -466,7 +470,7 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 if info is not None
                 else []
             )
-            if p.path != LATEST:
+            if p.path not in (LATEST, LATEST_VERIFIED):
                 entries += self._children(p.namespace, p.path)
             if not entries and p.path:
                 if outages:
@@ -501,7 +505,7 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         listed = next((c for c in rows if c.checkpoint_id == p.path), None)
         if listed is not None:
             return self._checkpoint_entry(p.name, listed)
-        if p.path != LATEST and self._children(p.namespace, p.path, rows):
+        if p.path not in (LATEST, LATEST_VERIFIED) and self._children(p.namespace, p.path, rows):
             return {"name": p.name, "type": "directory", "size": 0}
         if outages:
             raise outages[0]

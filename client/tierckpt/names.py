@@ -24,6 +24,7 @@ from tierckpt.errors import InvalidName
 
 __all__ = [
     "LATEST",
+    "LATEST_VERIFIED",
     "MAX_ID",
     "MAX_ID_SEGMENTS",
     "METADATA_FILE",
@@ -51,6 +52,8 @@ MAX_URL = 1024
 METADATA_FILE = ".metadata"
 # In a `tierckpt://<namespace>/latest` URL: the newest committed checkpoint of the namespace.
 LATEST = "latest"
+# In a `tierckpt://<namespace>/latest-verified` URL: the newest one marked verified.
+LATEST_VERIFIED = "latest-verified"
 
 
 def _shown(value: object) -> str:
@@ -112,10 +115,11 @@ def check_new_checkpoint_id(value: object) -> str:
     """`check_checkpoint_id` for a checkpoint about to be created, which may not take an id
     that `tierckpt://` URLs reserve: saved as ``latest``, it could never be reached there."""
     checkpoint_id = check_checkpoint_id(value)
-    if checkpoint_id == LATEST:
+    if checkpoint_id in (LATEST, LATEST_VERIFIED):
         raise InvalidName(
-            f"checkpoint id {LATEST!r} is reserved: tierckpt://<namespace>/{LATEST} names the "
-            "newest committed checkpoint; save under another id (step-000100)"
+            f"checkpoint id {checkpoint_id!r} is reserved: tierckpt://<namespace>/"
+            f"{checkpoint_id} names the newest committed (or verified) checkpoint; save under "
+            "another id (step-000100)"
         )
     return checkpoint_id
 

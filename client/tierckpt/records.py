@@ -16,6 +16,7 @@ from typing import Any
 from tierckpt.checksum import BlockChecksums
 from tierckpt.errors import CheckpointIncomplete
 from tierckpt.memory_files import VerifiedFile
+from tierckpt.trust import Trust
 
 __all__ = ["CheckpointInfo", "FileEntry", "NodeStatus", "OpenedFile", "PeerMarks"]
 
@@ -81,6 +82,8 @@ class CheckpointInfo:
     durable_requested: bool = False  # committed with the "make this one durable" hint
     persistent_url: str = ""  # where it drains; "" is the daemon's `[persistent] url`
     lost_files: tuple[str, ...] = ()  # state LOST: the files no tier holds any more
+    trust: Trust | None = None  # `tierckpt mark`: VERIFIED or BAD, None unmarked
+    trust_reason: str = ""
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -102,6 +105,8 @@ class CheckpointInfo:
             "tiers": list(self.tiers),
             "pinned": self.pinned,
             "lost_files": list(self.lost_files),
+            "trust": self.trust.value if self.trust is not None else None,
+            "trust_reason": self.trust_reason,
         }
 
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -40,12 +40,14 @@ from tierckpt.errors import (
     CheckpointIncomplete,
     CheckpointLost,
     ChecksumMismatch,
+    InvalidArgument,
     TierckptError,
     TierUnavailable,
 )
 from tierckpt.memory_files import VerifiedFile, wait_all
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_namespace, is_checkpoint_id
 from tierckpt.saved_tensor import parse_saved_tensor
+from tierckpt.trust import Trust
 
 __all__ = ["TieredStorageReader"]
 
@@ -111,15 +113,29 @@ class TieredStorageReader(StorageReader):
             default unix socket.
         io_threads: threads reading and hashing blocks (preadv and xxh3 release the
             GIL); a few more than cores cost nothing, as kernel page copies stall on memory.
+        newest: what ``checkpoint_id=None`` loads: "committed", the newest committed
+            checkpoint; "verified", the newest one marked verified (`tierckpt.mark`).
 
     ``dcp.load(sd, checkpoint_id=None, storage_reader=...)`` loads the newest committed
-    checkpoint of the namespace that is not LOST (it logs which, and warns about newer
-    LOST ones: `lost_newer`); every rank must resolve the same one, which the
-    coordinator checks. Loading a LOST checkpoint raises `CheckpointLost`.
+    checkpoint of the namespace that is not LOST and not marked bad (it logs which, and
+    warns about newer LOST ones: `lost_newer`); every rank must resolve the same one,
+    which the coordinator checks. Loading a LOST checkpoint raises `CheckpointLost`.
     """
 
-    def __init__(self, namespace: str, *, daemon: str | None = None, io_threads: int = 4) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        daemon: str | None = None,
+        io_threads: int = 4,
+        newest: Literal["committed", "verified"] = "committed",
+    ) -> None:
         super().__init__()
+        if newest not in ("committed", "verified"):
+            raise InvalidArgument(
+                f"newest={str(newest)[:32]!r}: expected 'committed' or 'verified'"
+            )
+        self.newest = newest
         self.namespace = check_namespace(namespace)
         self.client = DaemonClient(daemon)
         self.io_threads = io_threads
@@ -166,7 +182,9 @@ class TieredStorageReader(StorageReader):
 
     def _checkpoint(self) -> CheckpointInfo:
         if self._info is None:
-            info = self.client.get_checkpoint(self.namespace, self._requested_id)
+            info = self.client.get_checkpoint(
+                self.namespace, self._requested_id, verified=self.newest == "verified"
+            )
             if info.state == "LOST" and METADATA_FILE in info.lost_files:
                 raise CheckpointLost(_lost_message(info))
             if self._requested_id is None:
@@ -186,6 +204,18 @@ class TieredStorageReader(StorageReader):
         order = (info.sequence, info.committed_unix)
         lost = [c for c in rows if c.state == "LOST" and (c.sequence, c.committed_unix) > order]
         self.lost_newer = tuple(c.checkpoint_id for c in lost)
+        bad = [
+            c.checkpoint_id
+            for c in rows
+            if c.trust is Trust.BAD and (c.sequence, c.committed_unix) > order
+        ]
+        if bad:
+            logger.warning(
+                "restoring %s/%s: passed over the newer %s, marked bad (tierckpt mark)",
+                info.namespace,
+                info.checkpoint_id,
+                ", ".join(bad[:10]),
+            )
         if lost:
             logger.warning(
                 "restoring %s/%s, the newest complete checkpoint: the newer %s LOST (no copy "

@@ -68,6 +68,7 @@ from tierckptd.persistent.retention import remove_checkpoint
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.startup import start_in_background as start_persistent
 from tierckptd.persistent.store import RetryPolicy
+from tierckptd.persistent.trust_marker import store_trust
 from tierckptd.restore import Restorer, RestoreSources
 from tierckptd.rpc.daemon_service import DaemonService
 from tierckptd.rpc.health import Health, probe
@@ -304,6 +305,7 @@ def _build_on(
         client=peer_client,
         heal_interval=cfg.replication.heal_interval,
         unstore=functools.partial(remove_checkpoint, stores) if stores.enabled else None,
+        store_trust=functools.partial(store_trust, stores) if stores.enabled else None,
         check_mark=(
             (lambda m: iso.check_mark(m.namespace, m.checkpoint_id, m.uid))
             if iso is not None

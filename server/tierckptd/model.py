@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tierckpt.checksum import BlockChecksums
 from tierckpt.names import METADATA_FILE
 from tierckpt.records import NodeStatus  # one record for client and daemon
+from tierckpt.trust import Trust as TrustState  # model.Trust is the newest-binding one
 
 # Bounds of what a peer may send. The client writes 1 MiB blocks (DEFAULT_BLOCK_SIZE);
 # the floor keeps a manifest's digests at most 1/4096 of the bytes it describes, the
@@ -38,6 +39,7 @@ CLOCK_SKEW = 300.0
 __all__ = [
     "CheckpointRecord",
     "CheckpointView",
+    "TrustMark",
     "FileRecord",
     "Key",
     "NodeStatus",
@@ -188,6 +190,19 @@ class CheckpointView:
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
     owner_uid: int | None = None  # CheckpointRecord.owner_uid
     owner_claim_node: str = ""
+    trust: TrustState | None = None  # the newest trust mark (`tierckpt mark`), None: unmarked
+    trust_reason: str = ""
+
+
+@dataclass(frozen=True)
+class TrustMark:
+    """A checkpoint's newest trust mark as the catalog and the persistent tier see it (the
+    cluster mark journal owns it: `peers.cluster_marks`)."""
+
+    trust: TrustState
+    reason: str = ""
+    stamp: float = 0.0  # the origin's wall clock when it marked
+    origin: str = ""  # the node a user asked
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

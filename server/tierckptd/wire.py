@@ -28,6 +28,7 @@ from tierckpt.names import (
     check_persistent_url,
 )
 from tierckpt.records import NodeStatus
+from tierckpt.trust import Trust as TrustState
 from tierckpt.v1 import common_pb2, daemon_pb2
 
 from tierckptd.model import (
@@ -53,6 +54,7 @@ __all__ = [
     "MAX_REPLICAS",
     "MAX_SEQUENCE",
     "MIN_BLOCK_SIZE",
+    "TRUST_FROM_WIRE",
     "bounded",
     "check_node_id",
     "check_ref",
@@ -73,6 +75,12 @@ _STATE = {
     "DURABLE": common_pb2.DURABLE,
     "LOST": common_pb2.LOST,
 }
+TRUST_FROM_WIRE = {
+    common_pb2.TRUST_VERIFIED: TrustState.VERIFIED,
+    common_pb2.TRUST_BAD: TrustState.BAD,
+}
+"""A PinCheckpointRequest's trust (TRUST_UNSPECIFIED: none, a pin or unpin)."""
+_TRUST_TO_WIRE = {t: w for w, t in TRUST_FROM_WIRE.items()}
 
 
 def bounded(text: str, limit: int = 512) -> str:
@@ -222,6 +230,10 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         lost_files=list(view.lost_files),
         owner_uid=view.owner_uid,
         owner_claim_node=view.owner_claim_node,
+        trust=_TRUST_TO_WIRE.get(view.trust, common_pb2.TRUST_UNSPECIFIED)
+        if view.trust is not None
+        else common_pb2.TRUST_UNSPECIFIED,
+        trust_reason=view.trust_reason,
     )
 
 

@@ -64,6 +64,7 @@ from tierckpt.errors import (
 from tierckpt.names import METADATA_FILE, check_namespace
 from tierckpt.storage_reader import TieredStorageReader
 from tierckpt.storage_writer import TieredStorageWriter
+from tierckpt.trust import Trust
 
 __all__ = [
     "SageMakerCheckpointConfig",
@@ -366,7 +367,7 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         """The highest ``step_N`` of the namespace in any tier the daemon knows, among
         the checkpoints the daemon would restore as a newest: a LOST one, or one tagged
         `foreign` (published by a node that does not write the namespace, audit 3 H2:
-        a peer's ``step_99999999``), never is."""
+        a peer's ``step_99999999``) or one marked bad (`tierckpt.mark`) never is."""
         try:
             rows = self.client.list_checkpoints(self.namespace)
         except TierckptError as e:
@@ -376,7 +377,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         found = [
             (int(m.group(1)), r.state)
             for r in rows
-            if (m := _STEP_ID.fullmatch(r.checkpoint_id)) and FOREIGN not in r.tiers
+            if (m := _STEP_ID.fullmatch(r.checkpoint_id))
+            and FOREIGN not in r.tiers
+            and r.trust is not Trust.BAD
         ]
         steps = [step for step, state in found if state != "LOST"]
         lost = sorted(step for step, state in found if state == "LOST")

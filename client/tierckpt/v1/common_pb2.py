@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierckpt/v1/common.proto\x12\x0btierckpt.v1\"9\n\rCheckpointRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\"N\n\x0e\x42lockChecksums\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rblock_digests\x18\x03 \x01(\x0c\"\xa4\x01\n\tFileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12.\n\tchecksums\x18\x03 \x01(\x0b\x32\x1b.tierckpt.v1.BlockChecksums\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nowner_node\x18\x05 \x01(\t\x12\x15\n\rreplica_nodes\x18\x06 \x03(\t\x12\x12\n\nlocal_path\x18\x07 \x01(\t\"\x89\x04\n\x0e\x43heckpointInfo\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x12\n\nfile_count\x18\x04 \x01(\r\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x16\n\x0e\x63ommitted_unix\x18\x06 \x01(\x01\x12\x10\n\x08sequence\x18\x07 \x01(\x04\x12%\n\x05\x66iles\x18\x08 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\x12\r\n\x05tiers\x18\t \x03(\t\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\x19\n\x11\x64urable_requested\x18\x0b \x01(\x08\x12\x16\n\x0epersistent_url\x18\x0c \x01(\t\x12\x12\n\nlost_files\x18\r \x03(\t\x12\x16\n\towner_uid\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10owner_claim_node\x18\x0f \x01(\t\x12\x18\n\x10memory_keep_last\x18\x10 \x01(\r\x12\x1a\n\x12mark_peers_applied\x18( \x01(\r\x12\x1a\n\x12mark_peers_pending\x18) \x03(\t\x12\x1a\n\x12mark_peers_refused\x18* \x03(\tB\x0c\n\n_owner_uid*\x90\x01\n\x0f\x43heckpointState\x12 \n\x1c\x43HECKPOINT_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07WRITING\x10\x01\x12\r\n\tCOMMITTED\x10\x02\x12\x0e\n\nREPLICATED\x10\x03\x12\x0b\n\x07\x44URABLE\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x12\x0b\n\x07\x44\x45LETED\x10\x06\x12\x08\n\x04LOST\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierckpt/v1/common.proto\x12\x0btierckpt.v1\"R\n\rCheckpointRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x15\n\rcheckpoint_id\x18\x02 \x01(\t\x12\x17\n\x0fnewest_verified\x18\x03 \x01(\x08\"N\n\x0e\x42lockChecksums\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x15\n\rblock_digests\x18\x03 \x01(\x0c\"\xa4\x01\n\tFileEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12.\n\tchecksums\x18\x03 \x01(\x0b\x32\x1b.tierckpt.v1.BlockChecksums\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nowner_node\x18\x05 \x01(\t\x12\x15\n\rreplica_nodes\x18\x06 \x03(\t\x12\x12\n\nlocal_path\x18\x07 \x01(\t\"\xc2\x04\n\x0e\x43heckpointInfo\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x12\n\nfile_count\x18\x04 \x01(\r\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x16\n\x0e\x63ommitted_unix\x18\x06 \x01(\x01\x12\x10\n\x08sequence\x18\x07 \x01(\x04\x12%\n\x05\x66iles\x18\x08 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\x12\r\n\x05tiers\x18\t \x03(\t\x12\x0e\n\x06pinned\x18\n \x01(\x08\x12\x19\n\x11\x64urable_requested\x18\x0b \x01(\x08\x12\x16\n\x0epersistent_url\x18\x0c \x01(\t\x12\x12\n\nlost_files\x18\r \x03(\t\x12\x16\n\towner_uid\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10owner_claim_node\x18\x0f \x01(\t\x12\x18\n\x10memory_keep_last\x18\x10 \x01(\r\x12!\n\x05trust\x18\x11 \x01(\x0e\x32\x12.tierckpt.v1.Trust\x12\x14\n\x0ctrust_reason\x18\x12 \x01(\t\x12\x1a\n\x12mark_peers_applied\x18( \x01(\r\x12\x1a\n\x12mark_peers_pending\x18) \x03(\t\x12\x1a\n\x12mark_peers_refused\x18* \x03(\tB\x0c\n\n_owner_uid*\x90\x01\n\x0f\x43heckpointState\x12 \n\x1c\x43HECKPOINT_STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07WRITING\x10\x01\x12\r\n\tCOMMITTED\x10\x02\x12\x0e\n\nREPLICATED\x10\x03\x12\x0b\n\x07\x44URABLE\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\x12\x0b\n\x07\x44\x45LETED\x10\x06\x12\x08\n\x04LOST\x10\x07*A\n\x05Trust\x12\x15\n\x11TRUST_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRUST_VERIFIED\x10\x01\x12\r\n\tTRUST_BAD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierckpt.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKPOINTSTATE']._serialized_start=872
-  _globals['_CHECKPOINTSTATE']._serialized_end=1016
+  _globals['_CHECKPOINTSTATE']._serialized_start=954
+  _globals['_CHECKPOINTSTATE']._serialized_end=1098
+  _globals['_TRUST']._serialized_start=1100
+  _globals['_TRUST']._serialized_end=1165
   _globals['_CHECKPOINTREF']._serialized_start=41
-  _globals['_CHECKPOINTREF']._serialized_end=98
-  _globals['_BLOCKCHECKSUMS']._serialized_start=100
-  _globals['_BLOCKCHECKSUMS']._serialized_end=178
-  _globals['_FILEENTRY']._serialized_start=181
-  _globals['_FILEENTRY']._serialized_end=345
-  _globals['_CHECKPOINTINFO']._serialized_start=348
-  _globals['_CHECKPOINTINFO']._serialized_end=869
+  _globals['_CHECKPOINTREF']._serialized_end=123
+  _globals['_BLOCKCHECKSUMS']._serialized_start=125
+  _globals['_BLOCKCHECKSUMS']._serialized_end=203
+  _globals['_FILEENTRY']._serialized_start=206
+  _globals['_FILEENTRY']._serialized_end=370
+  _globals['_CHECKPOINTINFO']._serialized_start=373
+  _globals['_CHECKPOINTINFO']._serialized_end=951
 # @@protoc_insertion_point(module_scope)

@@ -63,23 +63,51 @@ it and the persistent tier does not hold it. Never loaded, never the newest.
 """
 Global___CheckpointState: _TypeAlias = CheckpointState  # noqa: Y015
 
+class _Trust:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TrustEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Trust.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRUST_UNSPECIFIED: _Trust.ValueType  # 0
+    TRUST_VERIFIED: _Trust.ValueType  # 1
+    """its state was healthy: `newest verified` may restore it"""
+    TRUST_BAD: _Trust.ValueType  # 2
+    """NaN, a failed SDC check, a failed load: never the newest"""
+
+class Trust(_Trust, metaclass=_TrustEnumTypeWrapper):
+    """What a job or a health check said of a committed checkpoint (`tierckpt mark`),
+    cluster-wide; unspecified: nothing (committed).
+    """
+
+TRUST_UNSPECIFIED: Trust.ValueType  # 0
+TRUST_VERIFIED: Trust.ValueType  # 1
+"""its state was healthy: `newest verified` may restore it"""
+TRUST_BAD: Trust.ValueType  # 2
+"""NaN, a failed SDC check, a failed load: never the newest"""
+Global___Trust: _TypeAlias = Trust  # noqa: Y015
+
 @_typing.final
 class CheckpointRef(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    NEWEST_VERIFIED_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     checkpoint_id: _builtins.str
+    newest_verified: _builtins.bool
+    """With an empty checkpoint_id (the newest): the newest checkpoint marked VERIFIED."""
     def __init__(
         self,
         *,
         namespace: _builtins.str = ...,
         checkpoint_id: _builtins.str = ...,
+        newest_verified: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "namespace", b"namespace", "newest_verified", b"newest_verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,6 +208,8 @@ class CheckpointInfo(_message.Message):
     OWNER_UID_FIELD_NUMBER: _builtins.int
     OWNER_CLAIM_NODE_FIELD_NUMBER: _builtins.int
     MEMORY_KEEP_LAST_FIELD_NUMBER: _builtins.int
+    TRUST_FIELD_NUMBER: _builtins.int
+    TRUST_REASON_FIELD_NUMBER: _builtins.int
     MARK_PEERS_APPLIED_FIELD_NUMBER: _builtins.int
     MARK_PEERS_PENDING_FIELD_NUMBER: _builtins.int
     MARK_PEERS_REFUSED_FIELD_NUMBER: _builtins.int
@@ -212,6 +242,9 @@ class CheckpointInfo(_message.Message):
     memory_keep_last` alone): the memory tier keeps at most that many of the namespace's
     newest, within `[retention]`. Travels with the manifest so every node applies it.
     """
+    trust: Global___Trust.ValueType
+    """The newest trust mark of the checkpoint (`tierckpt mark`) and its reason."""
+    trust_reason: _builtins.str
     mark_peers_applied: _builtins.int
     """Set only in a PinCheckpoint answer: the pin/unpin mark on the peers, as in
     DeleteCheckpointResponse (applied, not answered yet and retried, refused).
@@ -251,13 +284,15 @@ class CheckpointInfo(_message.Message):
         owner_uid: _builtins.int | None = ...,
         owner_claim_node: _builtins.str = ...,
         memory_keep_last: _builtins.int = ...,
+        trust: Global___Trust.ValueType = ...,
+        trust_reason: _builtins.str = ...,
         mark_peers_applied: _builtins.int = ...,
         mark_peers_pending: _abc.Iterable[_builtins.str] | None = ...,
         mark_peers_refused: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "owner_uid", b"owner_uid", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "mark_peers_applied", b"mark_peers_applied", "mark_peers_pending", b"mark_peers_pending", "mark_peers_refused", b"mark_peers_refused", "memory_keep_last", b"memory_keep_last", "owner_claim_node", b"owner_claim_node", "owner_uid", b"owner_uid", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "mark_peers_applied", b"mark_peers_applied", "mark_peers_pending", b"mark_peers_pending", "mark_peers_refused", b"mark_peers_refused", "memory_keep_last", b"memory_keep_last", "owner_claim_node", b"owner_claim_node", "owner_uid", b"owner_uid", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers", "trust", b"trust", "trust_reason", b"trust_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
     _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015

@@ -71,7 +71,15 @@ class PinCheckpointRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    TRUST_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     pinned: _builtins.bool
+    trust: _common_pb2.Trust.ValueType
+    """Set: a trust mark instead (`tierckpt mark NS ID verified|bad`), cluster-wide like a
+    pin (the newest trust mark wins); `pinned` is then ignored.
+    """
+    reason: _builtins.str
+    """printable, at most 256 characters, shown in `tierckpt ls`"""
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     def __init__(
@@ -79,10 +87,12 @@ class PinCheckpointRequest(_message.Message):
         *,
         ref: _common_pb2.CheckpointRef | None = ...,
         pinned: _builtins.bool = ...,
+        trust: _common_pb2.Trust.ValueType = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned", b"pinned", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned", b"pinned", "reason", b"reason", "ref", b"ref", "trust", b"trust"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

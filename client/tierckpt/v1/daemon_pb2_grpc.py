@@ -202,6 +202,9 @@ class DaemonServiceServicer:
     def PinCheckpoint(self, request, context):
         """Exempts a committed checkpoint from memory and persistent retention on every node,
         or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
+        With `trust` set: marks it VERIFIED or BAD on every node instead (the newest trust
+        mark wins): a BAD one is never the newest, the newest VERIFIED one of a namespace is
+        never evicted by retention.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

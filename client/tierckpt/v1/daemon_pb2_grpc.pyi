@@ -70,6 +70,9 @@ class DaemonServiceStub:
     PinCheckpoint: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]
     """Exempts a committed checkpoint from memory and persistent retention on every node,
     or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
+    With `trust` set: marks it VERIFIED or BAD on every node instead (the newest trust
+    mark wins): a BAD one is never the newest, the newest VERIFIED one of a namespace is
+    never evicted by retention.
     """
     SetNamespace: _grpc.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]
     """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
@@ -116,6 +119,9 @@ class DaemonServiceAsyncStub(DaemonServiceStub):
     PinCheckpoint: _aio.UnaryUnaryMultiCallable[_daemon_pb2.PinCheckpointRequest, _common_pb2.CheckpointInfo]  # type: ignore[assignment]
     """Exempts a committed checkpoint from memory and persistent retention on every node,
     or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
+    With `trust` set: marks it VERIFIED or BAD on every node instead (the newest trust
+    mark wins): a BAD one is never the newest, the newest VERIFIED one of a namespace is
+    never evicted by retention.
     """
     SetNamespace: _aio.UnaryUnaryMultiCallable[_daemon_pb2.SetNamespaceRequest, _daemon_pb2.SetNamespaceResponse]  # type: ignore[assignment]
     """Per-namespace settings on this node (authorized like BeginCheckpoint). Today: the
@@ -237,6 +243,9 @@ class DaemonServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_common_pb2.CheckpointInfo, _abc.Awaitable[_common_pb2.CheckpointInfo]]:
         """Exempts a committed checkpoint from memory and persistent retention on every node,
         or lifts that (cluster-wide, like DeleteCheckpoint; the newest pin/unpin wins).
+        With `trust` set: marks it VERIFIED or BAD on every node instead (the newest trust
+        mark wins): a BAD one is never the newest, the newest VERIFIED one of a namespace is
+        never evicted by retention.
         """
 
     @_abc_1.abstractmethod

@@ -34,6 +34,9 @@ class _MarkKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MarkKind.Val
     MARK_PINNED: _MarkKind.ValueType  # 2
     """exempt from memory and persistent retention on every node"""
     MARK_UNPINNED: _MarkKind.ValueType  # 3
+    MARK_VERIFIED: _MarkKind.ValueType  # 4
+    """trust: the newest VERIFIED/BAD mark of a checkpoint wins"""
+    MARK_BAD: _MarkKind.ValueType  # 5
 
 class MarkKind(_MarkKind, metaclass=_MarkKindEnumTypeWrapper): ...
 
@@ -43,6 +46,9 @@ MARK_DELETED: MarkKind.ValueType  # 1
 MARK_PINNED: MarkKind.ValueType  # 2
 """exempt from memory and persistent retention on every node"""
 MARK_UNPINNED: MarkKind.ValueType  # 3
+MARK_VERIFIED: MarkKind.ValueType  # 4
+"""trust: the newest VERIFIED/BAD mark of a checkpoint wins"""
+MARK_BAD: MarkKind.ValueType  # 5
 Global___MarkKind: _TypeAlias = MarkKind  # noqa: Y015
 
 @_typing.final
@@ -104,6 +110,7 @@ class CheckpointMark(_message.Message):
     STAMP_UNIX_FIELD_NUMBER: _builtins.int
     ORIGIN_NODE_FIELD_NUMBER: _builtins.int
     CALLER_UID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     kind: Global___MarkKind.ValueType
     stamp_unix: _builtins.float
     """when the origin applied it; the newest mark wins"""
@@ -113,6 +120,8 @@ class CheckpointMark(_message.Message):
     """The uid that asked, when the origin runs local_isolation = "uid" and the caller is no
     operator: a node applies it only to checkpoints of a namespace that uid owns.
     """
+    reason: _builtins.str
+    """a trust mark's reason"""
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     def __init__(
@@ -123,10 +132,11 @@ class CheckpointMark(_message.Message):
         stamp_unix: _builtins.float = ...,
         origin_node: _builtins.str = ...,
         caller_uid: _builtins.int | None = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid", "caller_uid", b"caller_uid", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid", "caller_uid", b"caller_uid", "kind", b"kind", "origin_node", b"origin_node", "ref", b"ref", "stamp_unix", b"stamp_unix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid", "caller_uid", b"caller_uid", "kind", b"kind", "origin_node", b"origin_node", "reason", b"reason", "ref", b"ref", "stamp_unix", b"stamp_unix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__caller_uid: _TypeAlias = _typing.Literal["caller_uid"]  # noqa: Y015
     _WhichOneofArgType__caller_uid: _TypeAlias = _typing.Literal["_caller_uid", b"_caller_uid"]  # noqa: Y015

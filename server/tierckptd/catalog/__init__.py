@@ -64,6 +64,7 @@ from tierckpt.errors import (
     TierckptError,
 )
 from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.trust import Trust as TrustState
 from tierckpt.units import format_size
 
 from tierckptd import __version__
@@ -93,6 +94,7 @@ from tierckptd.model import (
     NodeStatus,
     State,
     Trust,
+    TrustMark,
     coordinator_of,
 )
 from tierckptd.ops import logs, metrics
@@ -141,6 +143,14 @@ def _no_pins(namespace: str) -> dict[str, bool]:
     return {}
 
 
+def _no_trust(namespace: str) -> dict[str, TrustMark]:
+    return {}
+
+
+def _marked(mark: TrustMark | None, trust: TrustState) -> bool:
+    return mark is not None and mark.trust is trust
+
+
 def _no_owner(namespace: str) -> tuple[int, str] | None:
     return None
 
@@ -173,6 +183,15 @@ class CatalogEvents:
     pin_marks: Answer[[str], dict[str, bool]] = dataclasses.field(
         default_factory=lambda: Answer(_no_pins)
     )
+    # The cluster trust marks of a namespace (checkpoint id -> its newest mark), from the
+    # mark journal (under the lock: takes only the journal's lock). A BAD one is never the
+    # newest; the newest VERIFIED one is held by every retention.
+    trust_marks: Answer[[str], dict[str, TrustMark]] = dataclasses.field(
+        default_factory=lambda: Answer(_no_trust)
+    )
+    # A trust mark stored beside a checkpoint in the persistent tier, found when the
+    # checkpoint is adopted from there (never under the lock): the mark journal takes it.
+    trust_found: Listeners[[str, str, TrustMark]] = dataclasses.field(default_factory=Listeners)
     # `[security] local_isolation = "uid"` (never under the lock): a namespace's owner
     # (uid, node of the claim), stamped on each new save's record; and the check of a
     # peer's manifest against this node's owner (PermissionDenied) before a publish.
@@ -272,32 +291,54 @@ class Catalog:
         """Shown LOST (`views.is_lost`): never the newest, never loaded."""
         return self.peer_marks.is_lost(rec.key, self.durability.durable(rec.key))
 
-    def _eligible(self, recs: Iterable[CheckpointRecord], namespace: str) -> list[CheckpointRecord]:
+    def _eligible(
+        self, recs: Iterable[CheckpointRecord], namespace: str, *, verified: bool = False
+    ) -> list[CheckpointRecord]:
         """The committed checkpoints of `recs` that may be the namespace's newest: not
-        LOST, and coordinated by a writer of the namespace (one no memory tier holds any
-        more, with no coordinator left, unless it arrived FOREIGN)."""
+        LOST, not marked BAD (`verified`: marked VERIFIED), and coordinated by a writer of
+        the namespace (one no memory tier holds any more, with no coordinator left, unless
+        it arrived FOREIGN)."""
         writers = self.writers.of(namespace)
+        trust = {cid: m.trust for cid, m in self.events.trust_marks(namespace).items()}
         return [
             r
             for r in recs
             if r.namespace == namespace
             and r.state is State.COMMITTED
+            and trust.get(r.checkpoint_id) is not TrustState.BAD
+            and (not verified or trust.get(r.checkpoint_id) is TrustState.VERIFIED)
             and not self._is_lost(r)
             and not self.writers.foreign(r, writers)
         ]
 
-    def _newest(self, namespace: str) -> CheckpointRecord | None:
+    def _newest(self, namespace: str, *, verified: bool = False) -> CheckpointRecord | None:
         """The namespace's newest committed checkpoint (by sequence, never by wall time)
-        that is not LOST and is coordinated by a node that writes the namespace: a peer
-        publishing into a namespace it does not write never becomes its newest here."""
-        eligible = self._eligible(self._records.values(), namespace)
+        that is not LOST, not marked BAD (`verified`: the newest marked VERIFIED) and is
+        coordinated by a node that writes the namespace: a peer publishing into a
+        namespace it does not write never becomes its newest here."""
+        eligible = self._eligible(self._records.values(), namespace, verified=verified)
         return max(eligible, key=lambda r: r.order, default=None)
+
+    def _newest_verified_id(self, namespace: str) -> str:
+        """The id of the newest checkpoint of `namespace` marked VERIFIED ("": none),
+        whoever coordinated it: every retention holds it."""
+        trust = self.events.trust_marks(namespace)
+        verified = [
+            r
+            for r in self._records.values()
+            if r.namespace == namespace
+            and r.state is State.COMMITTED
+            and _marked(trust.get(r.checkpoint_id), TrustState.VERIFIED)
+        ]
+        newest = max(verified, key=lambda r: r.order, default=None)
+        return newest.checkpoint_id if newest is not None else ""
 
     def _say_skipped(self, namespace: str, newest: CheckpointRecord | None) -> None:
         """Warn when a checkpoint later by sequence than the newest was passed over
         because its coordinator does not write the namespace here (never silently)."""
         after = newest.order if newest is not None else (-1, 0.0)
         eligible = {r.key for r in self._eligible(self._records.values(), namespace)}
+        trust = self.events.trust_marks(namespace)
         skipped = [
             r
             for r in self._records.values()
@@ -305,6 +346,7 @@ class Catalog:
             and r.state is State.COMMITTED
             and r.order > after
             and not self._is_lost(r)
+            and not _marked(trust.get(r.checkpoint_id), TrustState.BAD)
             and r.key not in eligible
         ]
         if skipped:
@@ -332,9 +374,18 @@ class Catalog:
         lost = [r for r in self._records.values() if r.namespace == namespace]
         if not checkpoint_id and newest is None and any(map(self._is_lost, lost)):
             return all_lost(namespace, self.node_id, [r for r in lost if self._is_lost(r)])
+        trust = self.events.trust_marks(namespace)
+        bad = sorted(
+            c
+            for c, m in trust.items()
+            if m.trust is TrustState.BAD and (namespace, c) in self._records
+        )
         tail = (
             f"the newest committed checkpoint of {namespace} is {newest.checkpoint_id}"
             if newest
+            else f"{namespace} has no committed checkpoint that is not marked bad "
+            f"(bad: {listing(bad)})"
+            if bad and not checkpoint_id
             else f"{namespace} has no committed checkpoints"
         )
         what = (
@@ -365,9 +416,18 @@ class Catalog:
             raise self._not_found(namespace, checkpoint_id)
         return rec
 
-    def _view(self, rec: CheckpointRecord, writers: set[str] | None = None) -> CheckpointView:
+    def _view(
+        self,
+        rec: CheckpointRecord,
+        writers: set[str] | None = None,
+        trust_marks: dict[str, TrustMark] | None = None,
+    ) -> CheckpointView:
+        """`trust_marks`: the namespace's, when the caller has them (a listing asks once)."""
         health = self.peer_marks.health(rec.key)
-        return view_of(
+        if trust_marks is None:
+            trust_marks = self.events.trust_marks(rec.namespace)
+        trust = trust_marks.get(rec.checkpoint_id)
+        view = view_of(
             rec,
             node_id=self.node_id,
             replica_target=self.peer_marks.replica_target,
@@ -382,6 +442,9 @@ class Catalog:
                 if f.held
             },
         )
+        if trust is None:
+            return view
+        return dataclasses.replace(view, trust=trust.trust, trust_reason=trust.reason)
 
     # ---- manifests ----------------------------------------------------------------------
     def _write_manifest(self, rec: CheckpointRecord) -> None:
@@ -517,8 +580,13 @@ class Catalog:
         newest = max(committed, key=lambda r: r.order, default=None)
         own = newest.memory_keep_last if newest is not None else 0
         window = effective_window(self.memory_keep_last, own)
+        verified = self._newest_verified_id(namespace)
+
+        def holds(rec: CheckpointRecord) -> bool:
+            return rec.checkpoint_id == verified or self._holds(rec)
+
         for checkpoint_id in evictions_by_coordinator(
-            committed, self.memory_keep_last, self._holds, self._is_lost
+            committed, self.memory_keep_last, holds, self._is_lost
         ):
             rec = self._records[(namespace, checkpoint_id)]
             fault("retention.evict")
@@ -1178,7 +1246,8 @@ class Catalog:
 
     def pinned_ids(self, namespace: str) -> set[str]:
         """Ids of the namespace's checkpoints pinned here or by a cluster pin mark not
-        yet applied (persistent retention keeps them all)."""
+        yet applied, and its newest one marked VERIFIED (persistent retention keeps them
+        all)."""
         marks = self.events.pin_marks(namespace)
         with self._lock:
             pinned = {
@@ -1186,7 +1255,15 @@ class Catalog:
                 for r in self._records.values()
                 if r.namespace == namespace and r.state is State.COMMITTED and r.pinned
             }
-        return {c for c in pinned | set(marks) if marks.get(c, True)}
+            verified = self._newest_verified_id(namespace)
+        held = {c for c in pinned | set(marks) if marks.get(c, True)}
+        return held | {verified} if verified else held
+
+    def trust_changed(self, namespace: str) -> None:
+        """A trust mark was taken: memory retention again (the newest VERIFIED one it
+        holds may have moved; a window it held open closes)."""
+        with self._lock:
+            self._apply_retention(check_namespace(namespace))
 
     # ---- unfinished saves (the asking is peers/unfinished.py's) -----------------------
     def idle_saves(self) -> list[tuple[Key, float, bool]]:
@@ -1662,12 +1739,21 @@ class Catalog:
             return freed
 
     # ---- queries ----------------------------------------------------------------------
-    def get(self, namespace: str, checkpoint_id: str = "") -> CheckpointView:
-        """A committed checkpoint; an empty id is the newest of the namespace."""
+    def get(
+        self, namespace: str, checkpoint_id: str = "", *, verified: bool = False
+    ) -> CheckpointView:
+        """A committed checkpoint; an empty id is the newest of the namespace (never one
+        marked BAD; `verified`: the newest marked VERIFIED)."""
         check_namespace(namespace)
         with self._lock:
             if not checkpoint_id:
-                rec = self._newest(namespace)
+                rec = self._newest(namespace, verified=verified)
+                if rec is None and verified:
+                    raise CheckpointNotFound(
+                        f"no checkpoint of {namespace} is marked verified on node "
+                        f"{self.node_id} (`tierckpt mark {namespace} ID verified`); "
+                        f"`tierckpt ls {namespace}` shows each one's trust"
+                    )
                 self._say_skipped(namespace, rec)
             else:
                 rec = self._records.get((namespace, check_checkpoint_id(checkpoint_id)))
@@ -1690,7 +1776,10 @@ class Catalog:
             ]
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
             writers = self.writers.by_namespace(namespace)
-            return [self._view(r, writers.get(r.namespace, set())) for r in recs]
+            trust = {ns: self.events.trust_marks(ns) for ns in {r.namespace for r in recs}}
+            return [
+                self._view(r, writers.get(r.namespace, set()), trust[r.namespace]) for r in recs
+            ]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:
         """Re-hash every file of a committed checkpoint (outside the lock)."""

@@ -43,6 +43,7 @@ __all__ = [
     "SAVE_DURATION",
     "FETCHED_BYTES",
     "EVICTIONS",
+    "TRUST_MARKS",
     "MALFORMED_REQUESTS",
     "RECYCLED_BYTES",
     "REJECTED_SAVES",
@@ -83,6 +84,11 @@ CHECKPOINTS = Gauge("tierckpt_committed_checkpoints", "Committed checkpoints in 
 COMMITS = Counter("tierckpt_commits", "Checkpoints committed")
 ABORTS = Counter("tierckpt_aborts", "Saves aborted (explicitly, superseded or abandoned)")
 EVICTIONS = Counter("tierckpt_evictions", "Checkpoints evicted from the memory tier by retention")
+TRUST_MARKS = Counter(
+    "tierckpt_trust_marks",
+    "Trust marks (tierckpt mark) taken on this node, its own and its peers', by state",
+    ["trust"],
+)
 BYTES_COMMITTED = Counter("tierckpt_committed_bytes", "Bytes of files committed")
 REJECTED_SAVES = Counter(
     "tierckpt_rejected_saves", "Reservations refused with RESOURCE_EXHAUSTED", ["reason"]

@@ -24,6 +24,7 @@ import grpc
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import InvalidArgument, InvalidName, TierckptError
 from tierckpt.names import check_namespace
+from tierckpt.trust import check_reason
 from tierckpt.v1 import common_pb2, peer_pb2
 
 from tierckptd.errors import SourceUnavailable
@@ -216,6 +217,8 @@ _KINDS = {
     MarkKind.DELETED: peer_pb2.MARK_DELETED,
     MarkKind.PINNED: peer_pb2.MARK_PINNED,
     MarkKind.UNPINNED: peer_pb2.MARK_UNPINNED,
+    MarkKind.VERIFIED: peer_pb2.MARK_VERIFIED,
+    MarkKind.BAD: peer_pb2.MARK_BAD,
 }
 _FROM_WIRE = {wire: kind for kind, wire in _KINDS.items()}
 
@@ -227,6 +230,7 @@ def mark_to_wire(mark: Mark) -> peer_pb2.CheckpointMark:
         stamp_unix=mark.stamp,
         origin_node=mark.origin,
         caller_uid=mark.uid,
+        reason=mark.reason,
     )
 
 
@@ -234,7 +238,9 @@ def mark_from_wire(m: peer_pb2.CheckpointMark, *, now: float) -> Mark:
     """A peer's mark, validated (`marks.check_mark`): InvalidName / InvalidArgument."""
     kind = _FROM_WIRE.get(m.kind)
     if kind is None:
-        raise InvalidArgument(f"unknown mark kind {int(m.kind)}: expected rm, pin or unpin")
+        raise InvalidArgument(
+            f"unknown mark kind {int(m.kind)}: expected rm, pin, unpin, verified or bad"
+        )
     mark = check_mark(
         m.ref.namespace, m.ref.checkpoint_id, kind, m.stamp_unix, m.origin_node, now=now
     )
@@ -242,6 +248,8 @@ def mark_from_wire(m: peer_pb2.CheckpointMark, *, now: float) -> Mark:
         if m.caller_uid >= 0xFFFFFFFF:
             raise InvalidArgument(f"caller_uid {m.caller_uid} of a mark is not a uid")
         mark = dataclasses.replace(mark, uid=m.caller_uid)
+    if m.reason:
+        mark = dataclasses.replace(mark, reason=check_reason(m.reason))
     return mark
 
 

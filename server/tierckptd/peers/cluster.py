@@ -29,6 +29,7 @@ from typing import Protocol
 import grpc
 from tierckpt.checksum import BlockChecksums, BytesLike
 from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
+from tierckpt.trust import Trust as TrustState
 
 from tierckptd.catalog import Catalog, Resolution
 from tierckptd.config import PeerConfig
@@ -51,7 +52,7 @@ from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
-from tierckptd.peers.operations import ClusterOps, Delivery, Unstorer
+from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
@@ -111,6 +112,7 @@ class Cluster:
         channel_factory: ChannelFactory = grpc.insecure_channel,
         heal_interval: float = 5.0,
         unstore: Unstorer | None = None,
+        store_trust: TrustStorer | None = None,
         check_mark: Callable[[Mark], None] | None = None,
     ) -> None:
         self.catalog = catalog
@@ -154,6 +156,7 @@ class Cluster:
             members=lambda: self.members,
             manifest_from=self.committer.manifest_from,
             unstore=unstore,
+            store_trust=store_trust,
             check_mark=check_mark,
         )
         self.ops.replay()
@@ -331,6 +334,17 @@ class Cluster:
     ) -> tuple[CheckpointView, Delivery]:
         """`tierckpt pin` / `unpin` on every node (`ClusterOps.pin`)."""
         return self.ops.pin(namespace, checkpoint_id, pinned, uid)
+
+    def trust(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        trust: TrustState,
+        reason: str = "",
+        uid: int | None = None,
+    ) -> tuple[CheckpointView, Delivery]:
+        """`tierckpt mark NS ID verified|bad` on every node (`ClusterOps.trust`)."""
+        return self.ops.trust(namespace, checkpoint_id, trust, reason, uid)
 
     def apply_mark(self, mark: Mark) -> bool:
         """A peer's ApplyMark (the servicer checked it is the mark's origin)."""

@@ -1,9 +1,12 @@
-"""Cluster-wide marks (rm, pin, unpin) and the journal that keeps them across restarts.
+"""Cluster-wide marks (rm, pin, unpin, verified, bad) and the journal that keeps them
+across restarts.
 
 A mark says what a user asked one node to do to a checkpoint everywhere. Each node keeps
-per checkpoint the newest delete mark and the newest pin-or-unpin mark (newest stamp
-wins, ties broken by origin node id): a delete removes every copy committed at or before
-its stamp, so a later pin cannot undo it and a re-save after it is not removed.
+per checkpoint the newest delete mark, the newest pin-or-unpin mark and the newest
+verified-or-bad (trust) mark (newest stamp wins, ties broken by origin node id): a delete
+removes every copy committed at or before its stamp, so a later pin cannot undo it and a
+re-save after it is not removed; a trust mark older than the checkpoint's delete mark
+said something of the deleted checkpoint, never of a re-save under its id (`trust`).
 
 The journal is one JSON file under `memory.dir`, replaced atomically after every change
 and validated entry by entry on load (it is in a directory ranks can read). It is
@@ -28,11 +31,15 @@ from pathlib import Path
 
 from tierckpt.errors import InvalidArgument, TierckptError
 from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.trust import Trust as TrustState
+from tierckpt.trust import check_reason
 
 from tierckptd.memory.manifest import atomic_write
-from tierckptd.model import CLOCK_SKEW, Key
+from tierckptd.model import CLOCK_SKEW, Key, TrustMark
 
 __all__ = ["MAX_AGE", "MAX_MARKS", "Mark", "MarkJournal", "MarkKind", "check_mark"]
+
+TRUST_KINDS: dict[str, TrustState] = {"verified": TrustState.VERIFIED, "bad": TrustState.BAD}
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,16 @@ class MarkKind(enum.Enum):
     DELETED = "deleted"
     PINNED = "pinned"
     UNPINNED = "unpinned"
+    VERIFIED = "verified"
+    BAD = "bad"
+
+    @property
+    def slot(self) -> str:
+        """Which newest mark of a checkpoint this kind competes with: "deleted", "pin"
+        (pinned, unpinned) or "trust" (verified, bad)."""
+        if self is MarkKind.DELETED:
+            return "deleted"
+        return "trust" if self.value in TRUST_KINDS else "pin"
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,7 @@ class Mark:
     # journal, so re-learning or replaying the mark never moves it later: a save of the
     # id after that time here is a re-save, whatever the origin's clock said.
     applied: float = 0.0
+    reason: str = ""  # a trust mark's why (`tierckpt mark ... --reason`), shown in `ls`
 
     @property
     def key(self) -> Key:
@@ -124,10 +142,26 @@ def check_mark(
 class _Entry:
     deleted: Mark | None = None
     pin: Mark | None = None
+    trust: Mark | None = None
     url: str | None = None  # a delete from the persistent tier this node still owes
 
+    def all(self) -> list[Mark]:
+        return [m for m in (self.deleted, self.pin, self.trust) if m is not None]
+
+    def get(self, slot: str) -> Mark | None:
+        mark: Mark | None = getattr(self, slot)
+        return mark
+
     def newest(self) -> float:
-        return max(m.stamp for m in (self.deleted, self.pin) if m is not None)
+        return max(m.stamp for m in self.all())
+
+    def live_trust(self) -> Mark | None:
+        """The trust mark, unless a delete came after it (it spoke of what was deleted;
+        a re-save under the id is unmarked)."""
+        t = self.trust
+        if t is None or (self.deleted is not None and self.deleted.order() >= t.order()):
+            return None
+        return t
 
 
 class MarkJournal:
@@ -159,8 +193,7 @@ class MarkJournal:
                 m
                 for key, e in self._entries.items()
                 if not namespace or key[0] == namespace
-                for m in (e.deleted, e.pin)
-                if m is not None
+                for m in e.all()
             ]
         return sorted(found, key=Mark.order)
 
@@ -178,6 +211,22 @@ class MarkJournal:
                 if key[0] == namespace and e.pin is not None
             }
 
+    def trust(self, namespace: str) -> dict[str, Mark]:
+        """checkpoint id -> its trust mark (verified or bad), per the newest trust mark
+        of each that no delete mark followed."""
+        with self._lock:
+            found = {
+                key[1]: e.live_trust() for key, e in self._entries.items() if key[0] == namespace
+            }
+        return {cid: m for cid, m in found.items() if m is not None}
+
+    def trust_states(self, namespace: str) -> dict[str, TrustMark]:
+        """`CatalogEvents.trust_marks`: checkpoint id -> its live trust mark (`trust`)."""
+        return {
+            cid: TrustMark(TRUST_KINDS[m.kind.value], m.reason, m.stamp, m.origin)
+            for cid, m in self.trust(namespace).items()
+        }
+
     def owed(self) -> dict[Key, str]:
         """Checkpoints this node still has to delete from the persistent tier (its URL)."""
         with self._lock:
@@ -189,7 +238,7 @@ class MarkJournal:
             e = self._entries.get(mark.key)
             if e is None:
                 return True
-            known = e.deleted if mark.kind is MarkKind.DELETED else e.pin
+            known = e.get(mark.kind.slot)
             return known is None or known.order() < mark.order()
 
     @property
@@ -215,14 +264,10 @@ class MarkJournal:
         with self._lock:
             before = self._entries.get(mark.key)
             e = dataclasses.replace(before) if before is not None else _Entry()
-            if mark.kind is MarkKind.DELETED:
-                if e.deleted is not None and e.deleted.order() >= mark.order():
-                    return False
-                e.deleted = mark
-            else:
-                if e.pin is not None and e.pin.order() >= mark.order():
-                    return False
-                e.pin = mark
+            known = e.get(mark.kind.slot)
+            if known is not None and known.order() >= mark.order():
+                return False
+            setattr(e, mark.kind.slot, mark)
             entries = dict(self._entries)
             self._entries[mark.key] = e
             self._bound()
@@ -284,22 +329,23 @@ class MarkJournal:
     def _save(self) -> None:
         entries = []
         for e in self._entries.values():
-            for m in (e.deleted, e.pin):
-                if m is not None:
-                    row: dict[str, object] = {
-                        "namespace": m.namespace,
-                        "checkpoint_id": m.checkpoint_id,
-                        "kind": m.kind.value,
-                        "stamp": m.stamp,
-                        "origin": m.origin,
-                    }
-                    if m.applied:
-                        row["applied"] = m.applied
-                    if m.uid is not None:
-                        row["uid"] = m.uid
-                    if m.kind is MarkKind.DELETED and e.url is not None:
-                        row["owed_url"] = e.url
-                    entries.append(row)
+            for m in e.all():
+                row: dict[str, object] = {
+                    "namespace": m.namespace,
+                    "checkpoint_id": m.checkpoint_id,
+                    "kind": m.kind.value,
+                    "stamp": m.stamp,
+                    "origin": m.origin,
+                }
+                if m.applied:
+                    row["applied"] = m.applied
+                if m.uid is not None:
+                    row["uid"] = m.uid
+                if m.reason:
+                    row["reason"] = m.reason
+                if m.kind is MarkKind.DELETED and e.url is not None:
+                    row["owed_url"] = e.url
+                entries.append(row)
         data = json.dumps({"version": _VERSION, "marks": entries}).encode()
         atomic_write(self.path, data, mode=0o600)
 
@@ -331,10 +377,9 @@ class MarkJournal:
                 skipped += 1
                 continue
             entry = self._entries.setdefault(mark.key, _Entry())
+            setattr(entry, mark.kind.slot, mark)
             if mark.kind is MarkKind.DELETED:
-                entry.deleted, entry.url = mark, url
-            else:
-                entry.pin = mark
+                entry.url = url
         if skipped:
             logger.warning("skipped %d invalid entries of the marks journal %s", skipped, self.path)
         self._bound()
@@ -381,4 +426,9 @@ def _row(row: object, now: float) -> tuple[Mark, str | None]:
         if type(uid) is not int or not 0 <= uid < 0xFFFFFFFF:
             raise ValueError("uid")
         mark = dataclasses.replace(mark, uid=uid)
+    reason = row.get("reason")
+    if reason is not None:
+        if not isinstance(reason, str):
+            raise ValueError("reason")
+        mark = dataclasses.replace(mark, reason=check_reason(reason))
     return mark, url if mark.kind is MarkKind.DELETED else None

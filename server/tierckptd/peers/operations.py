@@ -1,4 +1,5 @@
-"""Cluster-wide rm, pin and unpin: applied here, journaled, delivered to every peer.
+"""Cluster-wide rm, pin, unpin and trust (verified, bad): applied here, journaled,
+delivered to every peer.
 
 The node a user asks (the origin) makes the checkpoint known here if only a peer has it
 (its manifest, adopted), stamps a `marks.Mark`, keeps it in the journal (persisted
@@ -13,6 +14,11 @@ first: no reader or discovery sees a half-deleted checkpoint as durable). The or
 does it before answering; one it could not do is owed (kept in the journal) and retried.
 Any node whose drain makes a deleted checkpoint durable after the rm (the drain raced
 it) deletes it again (`Catalog.on_gone_durable`).
+
+A trust mark (verified, bad) is also written by the origin beside the checkpoint in the
+persistent tier once it is durable there (`persistent.trust_marker`; the drain writes one
+made before it), and one found there when a checkpoint is adopted from the bucket is taken
+into the journal: a cluster that lost every node still knows it.
 
 Every mark is applied idempotently: the newest stamp of each kind wins (`marks`).
 
@@ -38,6 +44,7 @@ future stamp cannot refuse a later save of that id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,16 +60,33 @@ from tierckpt.errors import (
     TierUnavailable,
 )
 from tierckpt.names import check_checkpoint_id, check_namespace
+from tierckpt.trust import Trust as TrustState
+from tierckpt.trust import check_reason
 
 from tierckptd.catalog import Catalog
 from tierckptd.jobs import JobQueue, backoff
-from tierckptd.model import CheckpointRecord, CheckpointView, Key, State
+from tierckptd.model import CheckpointRecord, CheckpointView, Key, State, TrustMark
+from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark, MarkJournal, MarkKind
 
-__all__ = ["ClusterOps", "Delivery", "Flush", "SendMarks", "Unstore", "Unstorer"]
+__all__ = [
+    "ClusterOps",
+    "Delivery",
+    "Flush",
+    "SendMarks",
+    "StoreTrust",
+    "TrustStorer",
+    "Unstore",
+    "Unstorer",
+]
 
 logger = logging.getLogger(__name__)
+
+TrustStorer = Callable[[Key, str, TrustMark], bool]
+"""`persistent.trust_marker.store_trust` on this node's tiers: write a trust mark beside a
+checkpoint durable at a URL ("": `[persistent] url`); False when it is not durable there.
+Raises on an outage (retried). Wired by main.py."""
 
 Unstorer = Callable[[str, str, str], bool]
 """Delete (namespace, checkpoint id) from the persistent tier at a URL ("": `[persistent]
@@ -103,7 +127,15 @@ class Flush:
     """Write the mark journal again after a write failed (a full tmpfs)."""
 
 
-Job = SendMarks | Unstore | Flush
+@dataclass(frozen=True)
+class StoreTrust:
+    """Write a checkpoint's trust mark beside it in the persistent tier."""
+
+    namespace: str
+    checkpoint_id: str
+
+
+Job = SendMarks | Unstore | Flush | StoreTrust
 
 
 @dataclass(frozen=True)
@@ -146,6 +178,7 @@ class ClusterOps:
         wall_clock: Callable[[], float] = time.time,
         unstore: Unstorer | None = None,
         check_mark: Callable[[Mark], None] | None = None,
+        store_trust: TrustStorer | None = None,
     ) -> None:
         self.catalog = catalog
         self.client = client
@@ -155,6 +188,7 @@ class ClusterOps:
         self.journal = journal if journal is not None else MarkJournal(catalog.tier.root)
         self._wall = wall_clock
         self.unstore = unstore  # main.py, when a persistent tier exists
+        self.store_trust = store_trust  # main.py, likewise
         # uid isolation (`LocalAccess.check_mark`, wired by main.py): a peer's mark made
         # for a uid applies only to that uid's checkpoints (PermissionDenied).
         self.check_mark = check_mark
@@ -163,6 +197,8 @@ class ClusterOps:
         self._recent: dict[Key, str] = {}  # persistent URL of checkpoints rm deleted here
         self._recent_lock = threading.Lock()  # taken under the catalog lock (`_raced`)
         catalog.events.pin_marks.answer_with(self.journal.pins)
+        catalog.events.trust_marks.answer_with(self.journal.trust_states)
+        catalog.events.trust_found.add(self._trust_found)
         catalog.events.gone_durable.add(self._raced)
         client.marks_learnt.add(self.learn)
 
@@ -286,6 +322,69 @@ class ClusterOps:
         if view is None:  # deleted meanwhile
             raise self._not_found(key)
         return view, self._send(mark)
+
+    def trust(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        trust: TrustState,
+        reason: str = "",
+        uid: int | None = None,
+    ) -> tuple[CheckpointView, Delivery]:
+        """`tierckpt mark NS ID verified|bad` on every node (the newest trust mark wins):
+        a BAD checkpoint is never the newest anywhere, the newest VERIFIED one of the
+        namespace is held by every retention. Returns the view here and what the peers
+        did; CheckpointNotFound / NotAJobNode as `pin`."""
+        key = (check_namespace(namespace), check_checkpoint_id(checkpoint_id))
+        reason = check_reason(reason)
+        if not self._known_here(*key):
+            raise self._not_found(key)
+        self._check_origin(key, "mark")
+        kind = MarkKind(trust.value)
+        mark = dataclasses.replace(self._stamp(key, kind, None, uid), reason=reason)
+        self.journal.merge(mark)
+        metrics.TRUST_MARKS.labels(trust=trust.value).inc()
+        logger.info("cluster mark: %s%s", mark, f" ({reason})" if reason else "")
+        self.catalog.trust_changed(namespace)
+        if self.store_trust is not None:
+            self.jobs.put(StoreTrust(*key))
+        try:
+            view = self.catalog.get(*key)
+        except CheckpointNotFound:  # deleted meanwhile
+            raise self._not_found(key) from None
+        return view, self._send(mark)
+
+    def _trust_found(self, namespace: str, checkpoint_id: str, found: TrustMark) -> None:
+        """`CatalogEvents.trust_found`: a trust mark stored in the persistent tier beside a
+        checkpoint adopted from there (after a loss of the cluster that marked it)."""
+        kind = MarkKind(found.trust.value)
+        mark = Mark(namespace, checkpoint_id, kind, found.stamp, found.origin, reason=found.reason)
+        try:
+            if self.journal.merge(mark, keep_unsaved=True):
+                logger.info("cluster mark from the persistent tier: %s", mark)
+                self.catalog.trust_changed(namespace)
+            if self.journal.unsaved:
+                self.jobs.put(Flush(), RETRY_FIRST)
+        except (TierckptError, OSError) as e:
+            logger.error("cannot take the stored trust mark %s: %.300s", mark, e)
+
+    def _store_trust(self, job: StoreTrust) -> float | None:
+        """Write the checkpoint's newest trust mark beside it in the persistent tier; a
+        checkpoint still due to drain is retried (its drain may have read the marks
+        before this one)."""
+        assert self.store_trust is not None
+        key = (job.namespace, job.checkpoint_id)
+        mark = self.journal.trust_states(job.namespace).get(job.checkpoint_id)
+        if mark is None or not self.catalog.knows(*key):
+            return None
+        if self.store_trust(key, self.catalog.persistent_url(*key), mark):
+            return None
+        tries = self._tries.get(job, 0) + 1
+        if key in self.catalog.due_not_durable() and tries < SEND_TRIES:
+            self._tries[job] = tries
+            return RETRY_CAP  # the drain has not finished: look again
+        self._tries.pop(job, None)
+        return None
 
     # ---- who may mark a checkpoint --------------------------------------------------------
     def authority(self, namespace: str, checkpoint_id: str) -> set[str] | None:
@@ -415,6 +514,8 @@ class ClusterOps:
         if self.journal.unsaved:
             self.jobs.put(Flush(), RETRY_FIRST)
         logger.info("cluster mark: %s", mark)
+        if mark.kind.slot == "trust":
+            metrics.TRUST_MARKS.labels(trust=mark.kind.value).inc()
         self._apply(mark)
         return True
 
@@ -464,12 +565,11 @@ class ClusterOps:
                 logger.info("cannot confirm %s with its origin: %.200s", mark, e)
                 stated[(mark.origin, "")] = None
                 return None
-        deleted = mark.kind is MarkKind.DELETED
         for own in stated[asked] or []:
             if (
                 own.key == mark.key
                 and own.origin == mark.origin
-                and (own.kind is MarkKind.DELETED) == deleted
+                and own.kind.slot == mark.kind.slot
                 and own.order() >= mark.order()
             ):
                 return own
@@ -488,6 +588,8 @@ class ClusterOps:
                     self._remember(mark.key, removed[1])
                     if durable and mark.origin != self.node_id:
                         self._unstore_again(mark.key, removed[1])
+            elif mark.kind.slot == "trust":
+                self.catalog.trust_changed(mark.namespace)  # read from the journal
             else:
                 self.catalog.apply_pin(*mark.key, mark.kind is MarkKind.PINNED)
         except (TierckptError, OSError) as e:
@@ -546,6 +648,8 @@ class ClusterOps:
                 self._resend(job)
             elif isinstance(job, Flush):
                 self.journal.flush()
+            elif isinstance(job, StoreTrust):
+                return self._store_trust(job)
             else:
                 self._unstore_owed(job)
         except (TierckptError, OSError) as e:

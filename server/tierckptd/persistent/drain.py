@@ -103,6 +103,8 @@ from tierckptd.persistent.retention import PersistentRetention
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
+from tierckptd.persistent.trust_marker import TRUST_OBJECT
+from tierckptd.persistent.trust_marker import encode as encode_trust
 
 __all__ = [
     "MANIFEST_OBJECT",
@@ -455,6 +457,9 @@ class Drainer:
             json.dumps(self.catalog.manifest_document(namespace, checkpoint_id)).encode(),
         )
         tier.put_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT, metadata)
+        trust = self.catalog.events.trust_marks(namespace).get(checkpoint_id)
+        if trust is not None:  # marked before it drained: kept beside it (trust_marker)
+            tier.put_bookkeeping(namespace, checkpoint_id, TRUST_OBJECT, encode_trust(trust))
         try:
             fault("drain.metadata")
             tier.upload_metadata_last(namespace, checkpoint_id, metadata)

@@ -69,6 +69,7 @@ from tierckptd.model import Key
 from tierckptd.persistent.errors import tier_label
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.store import Op, PersistentTier, PersistentTierUnavailable, metadata_ids
+from tierckptd.persistent.trust_marker import read_trust
 from tierckptd.persistent.untrusted import check_stored_record
 
 __all__ = [
@@ -274,6 +275,9 @@ def adopt_checkpoint(
     if not catalog.publish(rec, durable=True):
         return 0
     catalog.mark_durable(*key)
+    trust = read_trust(tier, key)  # a mark made before the cluster that had it was lost
+    if trust is not None:
+        catalog.events.trust_found(*key, trust)
     return 1
 
 

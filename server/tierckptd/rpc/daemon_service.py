@@ -24,6 +24,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from tierckpt.errors import CheckpointNotFound, PermissionDenied, TierUnavailable
 from tierckpt.names import check_checkpoint_id, check_namespace, check_new_checkpoint_id
+from tierckpt.trust import Trust as TrustState
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
 from tierckptd.catalog import MAX_FILES, Catalog
@@ -33,7 +34,7 @@ from tierckptd.model import CheckpointView, FileRecord
 from tierckptd.ops import metrics
 from tierckptd.rpc.errors import MAX_DETAILS, StatusTranslator, bounded, rpc_method
 from tierckptd.rpc.local_access import LocalAccess
-from tierckptd.wire import file_entry, node_status, to_info
+from tierckptd.wire import TRUST_FROM_WIRE, file_entry, node_status, to_info
 
 __all__ = ["MAX_DETAILS", "DaemonService", "add_daemon_service", "bounded", "to_info"]
 
@@ -72,6 +73,15 @@ class ClusterMarks(Protocol):
 
     def pin(
         self, namespace: str, checkpoint_id: str, pinned: bool, uid: int | None = None
+    ) -> tuple[CheckpointView, Delivery]: ...
+
+    def trust(
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        trust: TrustState,
+        reason: str = "",
+        uid: int | None = None,
     ) -> tuple[CheckpointView, Delivery]: ...
 
 
@@ -246,10 +256,11 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
     ) -> common_pb2.CheckpointInfo:
         self._allow(context, "GetCheckpoint", request.namespace)
         ns, cid = request.namespace, request.checkpoint_id
+        verified = request.newest_verified and not cid
         if self.discovery is not None and not cid:
             self.discovery.refresh(ns)  # "the newest": maybe one another cluster drained
         try:
-            view = self.catalog.get(ns, cid)
+            view = self.catalog.get(ns, cid, verified=verified)
         except CheckpointNotFound:
             if self.discovery is None or not cid or not self.discovery.probe(ns, cid):
                 raise
@@ -310,8 +321,12 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         tenant = self._allow(context, "PinCheckpoint", ref.namespace)
         ns, cid = check_namespace(ref.namespace), check_checkpoint_id(ref.checkpoint_id)
         unreachable = self._probe(ns, cid)
+        trust = TRUST_FROM_WIRE.get(request.trust)
         try:
-            view, peers = self.marks.pin(ns, cid, request.pinned, tenant)
+            if trust is not None:
+                view, peers = self.marks.trust(ns, cid, trust, request.reason, tenant)
+            else:
+                view, peers = self.marks.pin(ns, cid, request.pinned, tenant)
         except CheckpointNotFound:
             if unreachable is not None:
                 raise unreachable from None

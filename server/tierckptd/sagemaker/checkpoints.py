@@ -50,6 +50,7 @@ from tierckpt.errors import (
 )
 from tierckpt.memory_files import ChecksummingWriter
 from tierckpt.names import METADATA_FILE
+from tierckpt.trust import Trust as TrustState
 
 from tierckptd.model import CheckpointView, State
 from tierckptd.persistent.decode import decode
@@ -367,13 +368,15 @@ class SeedCheckpoints:
     # ---- loads -------------------------------------------------------------------------
     def latest(self, namespace: str, limit: int) -> list[int]:
         """Committed steps, newest first: only steps whose metadata blob is here and whose
-        files are held (never LOST), including those only the persistent tier holds."""
+        files are held (never LOST), including those only the persistent tier holds;
+        never a step marked bad (`tierckpt mark`)."""
         steps = {
             step
             for v in self.daemon.committed(namespace)
             if (step := step_of(v.checkpoint_id)) is not None
             and _metadata_rank_of(v) is not None
             and v.state is not State.LOST
+            and v.trust is not TrustState.BAD
             and "foreign" not in v.tiers  # never a peer's the namespace's writers did not save
         }
         return sorted(steps, reverse=True)[:limit]

@@ -41,7 +41,10 @@ class StubDaemon:
     def __init__(self, *rows: CheckpointInfo) -> None:
         self.rows = list(rows)
 
-    def get_checkpoint(self, namespace: str, checkpoint_id: str | None = None) -> CheckpointInfo:
+    def get_checkpoint(
+        self, namespace: str, checkpoint_id: str | None = None, *, verified: bool = False
+    ) -> CheckpointInfo:
+        assert not verified  # these loads ask for the newest committed
         if checkpoint_id:
             return next(r for r in self.rows if r.checkpoint_id == checkpoint_id)
         return max((r for r in self.rows if r.state != "LOST"), key=lambda r: r.sequence)

@@ -29,6 +29,7 @@ from tierckpt.compat.sagemaker import (
 )
 from tierckpt.errors import CheckpointNotFound, UnsafeMetadata
 from tierckpt.sagemaker_import import converted_metadata, import_sagemaker, seed_steps
+from tierckpt.trust import Trust
 
 from tests.support import sagemaker_seed
 
@@ -134,7 +135,12 @@ class _Listing:
 
     def list_checkpoints(self, namespace: str) -> list[Any]:
         return [
-            SimpleNamespace(checkpoint_id=cid, state=state, tiers=("foreign",) * (state == "X"))
+            SimpleNamespace(
+                checkpoint_id=cid,
+                state="COMMITTED" if state == "BAD" else state,
+                tiers=("foreign",) * (state == "X"),
+                trust=Trust.BAD if state == "BAD" else None,  # `tierckpt mark ... bad`
+            )
             for cid, state in self.rows
         ]
 
@@ -164,6 +170,9 @@ def test_step_none_passes_over_lost_steps() -> None:
     assert reader.newest_step() == 20
     # A step a peer published into a namespace its node does not write: never the newest.
     reader.client = _Listing([("step_10", "COMMITTED"), ("step_99999999", "X")])  # type: ignore[assignment]
+    assert reader.newest_step() == 10
+    # A step marked bad (NaN, a failed SDC check): never the newest either.
+    reader.client = _Listing([("step_10", "COMMITTED"), ("step_20", "BAD")])  # type: ignore[assignment]
     assert reader.newest_step() == 10
     reader.client = _Listing([("step_30", "LOST")])  # type: ignore[assignment]
     with pytest.raises(SageMakerTieredStorageError, match=r"whole \(LOST: 30\)"):
