@@ -32,7 +32,7 @@ from tests.support.state_dicts import (
     assert_all_differ,
     assert_state_equal,
     load_expected,
-    save_expected,
+    snapshot,
 )
 
 __all__ = ["resave_existing_step", "resume", "train_and_save"]
@@ -155,10 +155,11 @@ class _Trainer:
         }
 
     def record(self, directory: str, rank: int) -> None:
-        """Snapshot the state just saved, then the batch the loop would draw next."""
-        expected = self.view()
-        snap = save_expected(expected, directory, rank)
+        """Snapshot the state just saved, and the batch the loop would draw next, where
+        `load_expected` finds them."""
+        snap = snapshot(self.view())  # collective: DTensors gathered
         snap["next_batch"] = self.next_batch()
+        os.makedirs(directory, exist_ok=True)
         torch.save(snap, os.path.join(directory, f"expected.rank{rank}.pt"))
 
 
