@@ -23,6 +23,7 @@ import pytest
 from tests.support import moto_s3
 from tests.support.cluster import local_cluster, save_job
 from tests.support.s3_drain import memory_names, persistent, s3_names, stock_load, tiered_load
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +53,15 @@ def test_two_nodes_drain_their_own_files_then_every_memory_tier_lost_restores_fr
             shutil.rmtree(d.memory_dir, ignore_errors=True)
         for d in c.nodes:
             d.start()
+        # A listing answers from what the node knows while its start-up adoption runs
+        # in the background (persistent/startup.py); it completes within the wait.
         for i in range(2):
+            wait_until(
+                f"node {i} to adopt both checkpoints from S3",
+                lambda i=i: len(c.rows(i)) == 2,
+                timeout=60.0,
+                details=lambda i=i: repr(sorted(c.rows(i))),
+            )
             rows = c.rows(i)
             assert sorted(rows) == ["step-000001", "step-000002"]
             assert rows["step-000002"]["state"] == "DURABLE"
