@@ -145,7 +145,7 @@ class DaemonProcess:
         env.pop("TIERCKPT_DAEMON", None)
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierckptd", "--config", str(self.config_path)],
+            self.command([sys.executable, "-m", "tierckptd", "--config", str(self.config_path)]),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -158,6 +158,10 @@ class DaemonProcess:
             self.kill9()
             raise
         return self
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The daemon's command line as started (a subclass may wrap it, e.g. in a netns)."""
+        return argv
 
     def wait_serving(self, timeout: float = READY_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout

@@ -10,10 +10,8 @@ the test process and the node's ranks reach their daemon there as on a real host
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 from concurrent import futures
@@ -24,7 +22,7 @@ from typing import Any
 from tierckpt.daemon_client import DaemonClient
 
 from tests.support.cluster import LocalCluster
-from tests.support.daemon_process import READY_TIMEOUT, DaemonProcess
+from tests.support.daemon_process import DaemonProcess
 from tests.support.testbed import Node, Testbed
 
 __all__ = ["PEER_PORT", "NetnsCluster", "NetnsDaemon"]
@@ -41,30 +39,8 @@ class NetnsDaemon(DaemonProcess):
         self.node = node
         super().__init__(config_overrides, name=name, start=False)
 
-    def start(self, timeout: float = READY_TIMEOUT) -> NetnsDaemon:
-        assert self.proc is None or self.proc.poll() is not None, "daemon already running"
-        self.starts += 1
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
-        self._log_file.write(f"\n===== start #{self.starts} in {self.node.netns} =====\n".encode())
-        self._log_file.flush()
-        env = dict(os.environ)
-        env.pop("TIERCKPT_DAEMON", None)
-        env["PYTHONUNBUFFERED"] = "1"
-        argv = [sys.executable, "-m", "tierckptd", "--config", str(self.config_path)]
-        self.proc = subprocess.Popen(
-            self.node.exec_argv(argv),
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        try:
-            self.wait_serving(timeout)
-        except BaseException:
-            self.kill9()
-            raise
-        return self
+    def command(self, argv: list[str]) -> list[str]:
+        return self.node.exec_argv(argv)
 
     def __repr__(self) -> str:
         return f"NetnsDaemon({self.name}, {self.node.netns}, running={self.running})"
