@@ -114,6 +114,10 @@ class ListenConfig:
     local: str = "unix:///run/tierckpt/tierckptd.sock"
     # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
     peer: str = "127.0.0.1:7070"
+    # The bulk listener peers fetch file bytes from (`peers/bulk_server.py`), on the host
+    # of `peer`, with its TLS: 0 = any free port (told to peers in each grant), -1 = none
+    # (peers fetch over gRPC FetchFile). It serves only transfers granted over `peer`.
+    peer_bulk_port: int = 0
     # SageMaker HyperPod's checkpointing HTTP API for its unmodified client
     # (`tierckptd.sagemaker`): "HOST:PORT", "" = off. It takes no credentials: loopback,
     # or the pod IP behind a NetworkPolicy; refused with local_isolation = "uid".
@@ -475,6 +479,11 @@ def _validate(config: Config) -> None:
         raise ConfigError(f'[log] format = {config.log.format!r}; valid: "text", "json"')
     if not config.listen.local:
         raise ConfigError("[listen] local must not be empty: clients reach the daemon there")
+    if not -1 <= config.listen.peer_bulk_port <= 65535:
+        raise ConfigError(
+            f"[listen] peer_bulk_port = {config.listen.peer_bulk_port}; valid: a port, "
+            "0 (any free port) or -1 (no bulk listener)"
+        )
     if config.security.local_isolation not in ("", "uid"):
         raise ConfigError(
             f"[security] local_isolation = {config.security.local_isolation!r}; "
