@@ -115,8 +115,9 @@ class ListenConfig:
     # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
     peer: str = "127.0.0.1:7070"
     # The bulk listener peers fetch file bytes from (`peers/bulk_server.py`), on the host
-    # of `peer`, with its TLS: 0 = any free port (told to peers in each grant), -1 = none
-    # (peers fetch over gRPC FetchFile). It serves only transfers granted over `peer`.
+    # of `peer`, with its TLS, serving only transfers granted over `peer`; false: none
+    # (peers fetch over gRPC FetchFile). Its port: 0 = any free one (told in each grant).
+    peer_bulk: bool = True
     peer_bulk_port: int = 0
     # SageMaker HyperPod's checkpointing HTTP API for its unmodified client
     # (`tierckptd.sagemaker`): "HOST:PORT", "" = off. It takes no credentials: loopback,
@@ -479,10 +480,10 @@ def _validate(config: Config) -> None:
         raise ConfigError(f'[log] format = {config.log.format!r}; valid: "text", "json"')
     if not config.listen.local:
         raise ConfigError("[listen] local must not be empty: clients reach the daemon there")
-    if not -1 <= config.listen.peer_bulk_port <= 65535:
+    if config.listen.peer_bulk_port > 65535:
         raise ConfigError(
             f"[listen] peer_bulk_port = {config.listen.peer_bulk_port}; valid: a port, "
-            "0 (any free port) or -1 (no bulk listener)"
+            "or 0 (any free port)"
         )
     if config.security.local_isolation not in ("", "uid"):
         raise ConfigError(

@@ -232,10 +232,10 @@ def _bulk_server(
     cfg: Config, catalog: Catalog, client: PeerClient, mutual_tls: bool
 ) -> BulkServer | None:
     """The bulk listener on the host of [listen] peer (none without a TCP peer listener,
-    or with peer_bulk_port = -1), with the peer port's TLS; its sends stall out in the
+    or with peer_bulk = false), with the peer port's TLS; its sends stall out in the
     fetchers' stall window."""
     peer = cfg.listen.peer
-    if not peer or peer.startswith("unix:") or cfg.listen.peer_bulk_port < 0:
+    if not peer or peer.startswith("unix:") or not cfg.listen.peer_bulk:
         return None
     host = peer.rpartition(":")[0]
     return BulkServer(
