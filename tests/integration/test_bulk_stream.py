@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import struct
 import time
 import urllib.request
@@ -29,11 +30,13 @@ import pytest
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import TierUnavailable
 from tierckpt.v1 import common_pb2, peer_pb2
+from tierckptd.config import SecurityConfig
 from tierckptd.peers.bulk_grants import GRANT_TTL, SEND_SLOTS
 from tierckptd.peers.bulk_wire import STATUS_NAMES, encode_request
 from tierckptd.peers.chunk_wire import PeerStub
-from tierckptd.peers.security import node_client_interceptor
+from tierckptd.peers.security import node_client_interceptor, peer_channel_factory
 
+from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
@@ -388,3 +391,104 @@ def test_a_stalled_sender_is_given_up_and_an_old_peer_is_fetched_over_grpc() -> 
         entry = nodes[1].client.ensure_local("old", "step-1", SMALL)
         assert entry.local_path and Path(entry.local_path).read_bytes() == data
         assert nodes[2].sent("grpc") - before == len(data) and nodes[2].sent("bulk") == 0
+
+
+# ---- under mutual TLS -----------------------------------------------------------------
+
+
+def test_under_mutual_tls_a_grant_is_bound_to_the_certificate(tmp_path: Path) -> None:
+    """The bulk listener speaks TLS with the peer port's certificate and CA: a restore
+    over it is bit-exact, and a grant node1 was given serves only a connection whose
+    client certificate names node1 (not a stranger's from the same CA, not none)."""
+    certs = make_certs(tmp_path)
+    token = tmp_path / "token"
+    token.write_text("dGllcmNrcHQtdGVzdC10b2tlbg==")
+    token.chmod(0o600)
+    ports = free_ports(3)
+    pairs = [certs.node_a, certs.node_b]
+    with ExitStack() as stack:
+        nodes = []
+        for i in range(2):
+            j = 1 - i
+            config: dict[str, Any] = {
+                "node": {"id": f"node{i}", "failure_domain": f"rack{i}"},
+                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
+                "replication": {"copies": 0, "heal_interval": 3600.0},
+                "security": {
+                    "tls_cert": pairs[i].cert,
+                    "tls_key": pairs[i].key,
+                    "tls_ca": certs.ca,
+                    "token_file": str(token),
+                },
+                "peers": [{"id": f"node{j}", "address": f"127.0.0.1:{ports[j]}"}],
+            }
+            if i == 0:
+                config["metrics"] = {"listen": f"127.0.0.1:{ports[2]}"}
+            daemon = DaemonProcess(config, name=f"node{i}", start=False)
+            stack.callback(daemon.cleanup)
+            nodes.append(daemon)
+        with futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda d: d.start(), nodes))
+        clients = [DaemonClient(d.address, timeout_s=60) for d in nodes]
+        for c in clients:
+            stack.callback(c.close)
+        data = payload(4, 5 * MIB + 3)
+        save_ranks({0: clients[0]}, NS, "step-1", {0: {SMALL: data}})
+        wait_until(
+            "node1 knows step-1",
+            lambda: "step-1" in {c.checkpoint_id for c in clients[1].list_checkpoints(NS)},
+            30,
+        )
+        holder = Node(
+            nodes[0], clients[0], f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[2]}/metrics"
+        )
+        before = holder.sent("bulk")
+        entry = clients[1].ensure_local(NS, "step-1", SMALL)
+        assert entry.local_path and Path(entry.local_path).read_bytes() == data
+        assert holder.sent("bulk") - before == len(data)
+
+        as_node1 = SecurityConfig(str(token), certs.node_b.cert, certs.node_b.key, certs.ca)
+
+        def tls_grant() -> peer_pb2.BulkGrant:
+            with peer_channel_factory(as_node1)(holder.peer_address) as channel:
+                request = peer_pb2.FetchFileRequest(
+                    ref=common_pb2.CheckpointRef(namespace=NS, checkpoint_id="step-1"),
+                    file_name=SMALL,
+                )
+                answer: peer_pb2.BulkGrant = PeerStub(channel).GrantFetch(request, timeout=10)
+                return answer
+
+        def tls_exchange(port: int, raw: bytes, pair: Any) -> tuple[str, bytes]:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.load_verify_locations(certs.ca)
+            if pair is not None:
+                ctx.load_cert_chain(pair.cert, pair.key)
+            try:
+                with ctx.wrap_socket(connect(port), server_hostname="node0") as sock:
+                    sock.sendall(raw)
+                    status = read_n(sock, 1)
+                    if not status:
+                        return "CLOSED", b""
+                    if status[0] == 0:
+                        (length,) = struct.unpack(">Q", read_n(sock, 8))
+                        return "OK", read_n(sock, length)
+                    (n,) = struct.unpack(">H", read_n(sock, 2))
+                    return STATUS_NAMES[status[0]], read_n(sock, n)
+            except (ssl.SSLError, ConnectionError):
+                return "HANDSHAKE", b""
+
+        g = tls_grant()
+        code, message = tls_exchange(
+            g.port, bulk_request(g.grant, SMALL, 0, len(data)), certs.stranger
+        )
+        assert code == "PERMISSION_DENIED" and b"certificate does not name it" in message
+        g = tls_grant()
+        assert tls_exchange(g.port, bulk_request(g.grant, SMALL, 0, len(data)), None)[0] in (
+            "HANDSHAKE",
+            "CLOSED",
+        )
+        g = tls_grant()
+        assert tls_exchange(g.port, bulk_request(g.grant, SMALL, 0, len(data)), certs.node_b) == (
+            "OK",
+            data,
+        )
