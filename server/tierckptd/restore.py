@@ -434,7 +434,9 @@ class Restorer:
         if f.size < self.parallel_min or self.range_sources < 2:
             return None
         holders: list[RangeSource] = []
-        for source in sources:
+        # The known holders come first (`peers.source.peer_sources`): ask only a few, not
+        # every peer of a large cluster, whether it holds the file.
+        for source in sources[: 2 * self.range_sources]:
             if isinstance(source, RangeSource) and source.holds(namespace, checkpoint_id, f):
                 holders.append(source)
                 if len(holders) == self.range_sources:
