@@ -229,7 +229,7 @@ def _scrubber(cfg: Config, catalog: Catalog, tier: MemoryTier, cluster: Cluster)
 
 
 def _bulk_server(
-    cfg: Config, catalog: Catalog, client: PeerClient, mutual_tls: bool
+    cfg: Config, catalog: Catalog, cluster: Cluster, mutual_tls: bool
 ) -> BulkServer | None:
     """The bulk listener on the host of [listen] peer (none without a TCP peer listener,
     or with peer_bulk = false), with the peer port's TLS; its sends stall out in the
@@ -245,7 +245,8 @@ def _bulk_server(
         node_id=cfg.node.id,
         tls=bulk_server_context(cfg.security),
         mutual_tls=mutual_tls,
-        stall=client.fetch_stall,
+        stall=cluster.client.fetch_stall,
+        on_corrupt=cluster.corrupt,
     )
 
 
@@ -378,7 +379,7 @@ def _build_on(
     )
     health = Health()
     mutual_tls = peer_security.mutual_tls
-    bulk = _bulk_server(cfg, catalog, peer_client, mutual_tls)
+    bulk = _bulk_server(cfg, catalog, cluster, mutual_tls)
     try:
         servers = start_servers(
             daemon,

@@ -369,7 +369,7 @@ def _grants_free(node: Node) -> bool:
 
 
 def test_a_stalled_sender_is_given_up_and_an_old_peer_is_fetched_over_grpc() -> None:
-    """b0 freezes after granting (its send waits 30 s before the first byte): b1's
+    """b0 freezes after granting (its send waits 8 s before the first byte): b1's
     restore gives up within the stall window. b2 runs no bulk listener (an older node):
     b1 restores its file over FetchFile."""
     with ExitStack() as stack:
@@ -377,7 +377,7 @@ def test_a_stalled_sender_is_given_up_and_an_old_peer_is_fetched_over_grpc() -> 
             stack,
             3,
             copies=0,
-            env={0: {"TIERCKPT_FAULT": "peer.bulk.send:delay=30"}},
+            env={0: {"TIERCKPT_FAULT": "peer.bulk.send:delay=8"}},
             listen={2: {"peer_bulk": False}},
         )
         data = payload(3, 2 * MIB + 1)

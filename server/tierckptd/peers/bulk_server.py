@@ -13,16 +13,17 @@ record and the file as it is now.
 The bytes go out with `socket.sendfile` (zero copy from the memory-tier tmpfs file)
 on a plaintext stream, and through a 1 MiB buffer (`os.preadv` + `sendall`) under TLS,
 where every byte is encrypted in user space: TLS costs one read copy and the cipher.
-The sender does not re-verify the bytes it sends (that would read them once more): the
-fetcher verifies every block as it lands, and a mismatch sends it to another holder (a
-copy rotting here is found by the scrubber, or by a gRPC fetch that verifies as it
-reads). A send that makes no progress for `stall` seconds is dropped (the socket's
+Every block is verified before it goes out, hashed where it lies (a read-only mapping
+of the file, no copy): a corrupt copy is never served (DATA_LOSS when found before the
+answer, a stream cut short after it) and is dropped and repaired here (`on_corrupt`), as a
+gRPC fetch does; the fetcher verifies every block again as it lands. A send that makes no progress for `stall` seconds is dropped (the socket's
 timeout), so a fetcher that stops reading frees its slot.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import ssl
@@ -30,7 +31,14 @@ import threading
 from collections.abc import Callable
 from contextlib import suppress
 
-from tierckpt.errors import CheckpointNotFound, InvalidArgument, PermissionDenied, TierckptError
+import xxhash
+from tierckpt.errors import (
+    CheckpointNotFound,
+    ChecksumMismatch,
+    InvalidArgument,
+    PermissionDenied,
+    TierckptError,
+)
 from tierckpt.names import check_file_name
 from tierckpt.v1 import peer_pb2
 
@@ -39,6 +47,7 @@ from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.peers.bulk_grants import Grant, Grants
 from tierckptd.peers.bulk_wire import cert_names, error_frame, ok_frame, read_request
+from tierckptd.peers.serve import OnCorrupt
 from tierckptd.wire import bounded, check_ref
 
 __all__ = ["HEADER_TIMEOUT", "MAX_CONNECTIONS", "TLS_BUFFER", "BulkServer", "FileView"]
@@ -52,14 +61,53 @@ MAX_CONNECTIONS = 32
 # The buffer of a send under TLS (no sendfile there).
 TLS_BUFFER = 1 << 20
 
+# Blocks verified, then sent, at a time.
+SEND_BLOCKS = 8
+
 FileView = Callable[[str, str, str], tuple[FileRecord, str]]
 """(namespace, checkpoint id, name) -> (its record, its local path or "" when not held)."""
 
-_ERROR_NAMES = {
+_ERROR_NAMES: dict[type[Exception], str] = {
+    ChecksumMismatch: "DATA_LOSS",
     PermissionDenied: "PERMISSION_DENIED",
     CheckpointNotFound: "NOT_FOUND",
     InvalidArgument: "INVALID_ARGUMENT",
 }
+
+
+class _Blocks:
+    """Checks a held file's blocks against its checksums from a read-only mapping of it
+    (hashed where the pages are: no copy), each block once."""
+
+    def __init__(self, fd: int, f: FileRecord, node_id: str, grant: Grant) -> None:
+        assert f.checksums is not None
+        self.checksums = f.checksums
+        self.step = f.checksums.block_size
+        self.size = f.size
+        self.what = f"{grant.namespace}/{grant.checkpoint_id}/{f.name} on node {node_id}"
+        self._map = mmap.mmap(fd, f.size, access=mmap.ACCESS_READ) if f.size else None
+        self._done = -1
+
+    def __enter__(self) -> _Blocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._map is not None:
+            self._map.close()
+
+    def verify(self, start: int, end: int) -> None:
+        """Every block bytes `start`..`end` touch (ChecksumMismatch naming the first bad one)."""
+        if self._map is None or end <= start:
+            return
+        view = memoryview(self._map)
+        try:
+            for block in range(max(start // self.step, self._done + 1), -(-end // self.step)):
+                lo = block * self.step
+                digest = xxhash.xxh3_128_digest(view[lo : min(lo + self.step, self.size)])
+                self.checksums.check_block(block, digest, what=self.what)
+                self._done = block
+        finally:
+            view.release()
 
 
 def _status(e: BaseException) -> str:
@@ -79,6 +127,8 @@ class BulkServer:
         tls: the server's TLS context (`bulk_wire.server_context`), None for plaintext.
         mutual_tls: a caller is the node its client certificate names.
         stall: seconds a send may make no progress before it is dropped.
+        on_corrupt: told of a copy that failed verification as it was sent
+            (`Cluster.corrupt`: dropped, counted, repaired).
     """
 
     def __init__(
@@ -93,8 +143,10 @@ class BulkServer:
         stall: float = 10.0,
         header_timeout: float = HEADER_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        on_corrupt: OnCorrupt | None = None,
     ) -> None:
         self.files = files
+        self.on_corrupt = on_corrupt
         self.grants = grants
         self.node_id = node_id
         self.tls = tls
@@ -222,19 +274,51 @@ class BulkServer:
             )
             return
         with file:
-            if os.fstat(file.fileno()).st_size < grant.offset + grant.length:
-                self._refuse(
-                    conn, grant.address, CheckpointNotFound(f"{f.name}: the copy is short")
+            if os.fstat(file.fileno()).st_size != f.size:
+                self._corrupt(
+                    conn,
+                    grant,
+                    ChecksumMismatch(
+                        f"{grant.namespace}/{grant.checkpoint_id}/{f.name} on node {self.node_id}: "
+                        f"the file has {os.fstat(file.fileno()).st_size} bytes, its manifest says {f.size}"
+                    ),
                 )
                 return
-            conn.settimeout(self.stall)
-            conn.sendall(ok_frame(grant.length))
-            fault("peer.bulk.send")
-            if isinstance(conn, ssl.SSLSocket):
-                self._send_copied(conn, file.fileno(), grant.offset, grant.length)
-            elif grant.length:
-                conn.sendfile(file, grant.offset, grant.length)
-        metrics.PEER_SENT_BYTES.labels(path="bulk").inc(grant.length)
+            with _Blocks(file.fileno(), f, self.node_id, grant) as blocks:
+                end = grant.offset + grant.length
+                step = blocks.step * SEND_BLOCKS
+                pos = grant.offset
+                first = min(end, (pos // step + 1) * step)
+                try:
+                    blocks.verify(pos, first)  # before the answer: a corrupt copy is DATA_LOSS
+                except ChecksumMismatch as e:
+                    self._corrupt(conn, grant, e)
+                    return
+                conn.settimeout(self.stall)
+                conn.sendall(ok_frame(grant.length))
+                fault("peer.bulk.send")
+                while pos < end:
+                    stop = min(end, (pos // step + 1) * step)
+                    try:
+                        blocks.verify(pos, stop)
+                    except ChecksumMismatch as e:
+                        self._corrupt(None, grant, e)  # mid-stream: the fetcher sees it cut short
+                        return
+                    if isinstance(conn, ssl.SSLSocket):
+                        self._send_copied(conn, file.fileno(), pos, stop - pos)
+                    else:
+                        conn.sendfile(file, pos, stop - pos)
+                    metrics.PEER_SENT_BYTES.labels(path="bulk").inc(stop - pos)
+                    pos = stop
+
+    def _corrupt(self, conn: socket.socket | None, grant: Grant, e: ChecksumMismatch) -> None:
+        """This node's copy failed verification as it was to be sent: never serve it, and
+        have it dropped and repaired (`Cluster.corrupt`, as a gRPC fetch does)."""
+        if self.on_corrupt is not None:
+            self.on_corrupt(grant.namespace, grant.checkpoint_id, grant.name, str(e), "served")
+        if conn is not None:
+            with suppress(OSError):
+                conn.sendall(error_frame("DATA_LOSS", bounded(str(e), 900)))
 
     def _send_copied(self, conn: socket.socket, fd: int, offset: int, length: int) -> None:
         buf = bytearray(min(TLS_BUFFER, max(length, 1)))

@@ -48,6 +48,7 @@ STATUS_NAMES = {
     3: "INVALID_ARGUMENT",
     4: "RESOURCE_EXHAUSTED",
     5: "INTERNAL",
+    6: "DATA_LOSS",
 }
 STATUS_OF = {name: code for code, name in STATUS_NAMES.items()}
 

@@ -103,21 +103,22 @@ class PeerSource:
 def peer_sources(
     client: PeerClient, f: FileRecord, on_landed: OnLanded | None = None
 ) -> list[PeerSource]:
-    """The peers to ask for `f`, in order: the nodes known to hold it (its owner and
-    each replica holder, which includes the nodes that told this one they landed a copy)
-    in random order, then every other configured peer in random order (each once, never
-    this node: one of them may have landed a copy in this restore wave); a peer that did
-    not answer its last call (backing off, `PeerClient.breaker`) is asked last, not
-    skipped: it may be the only holder, and a restore may wait for it.
+    """The peers to ask for `f`, in order: its owner, each replica holder (which include
+    the nodes that told this one they landed a copy), then every other configured peer
+    in random order (each once, never this node: one of them may have landed a copy in
+    this restore wave); a peer that did not answer its last call (backing off,
+    `PeerClient.breaker`) is asked last, not skipped: it may be the only holder, and a
+    restore may wait for it.
 
-    Random, not owner first: when many nodes restore the same file at once (every rank
-    of a data-parallel job reads the files rank 0 wrote) they spread over its holders,
-    and a holder at its limit of sends sends them on to the others (docs/peer-bulk.md)."""
+    Fan-out: a holder at its limit of bulk sends answers busy, and the restore asks the
+    next; so when many nodes restore the same file at once (every rank of a data-parallel
+    job reads the files rank 0 wrote), they spill from the owner to the replica holders
+    and, in random order, to the nodes that landed it earlier in the wave
+    (docs/peer-bulk.md)."""
     me = client.node_id
     peers = client.peer_ids
     holders = [n for n in dict.fromkeys([f.owner_node, *f.replica_nodes]) if n in peers]
     others = [n for n in peers if n not in holders]
-    random.shuffle(holders)
     random.shuffle(others)
     nodes = [n for n in dict.fromkeys([*holders, *others]) if n and n != me]
     backing_off = client.breaker.backing_off()

@@ -48,8 +48,7 @@ def test_every_peer_source_of_a_file_carries_the_callback() -> None:
     sources = peer_sources(
         _NoCalls(), _file("n0"), lambda ns, cid, name: told.append((ns, cid, name))
     )  # type: ignore[arg-type]
-    # the holders (owner, replica) in random order, then the rest
-    assert {s.node for s in sources[:2]} == {"n0", "n2"} and sources[2].node == "n3"
+    assert [s.node for s in sources] == ["n0", "n2", "n3"]  # owner, replica, the rest
     for s in sources:
         s.landed("run7", "step-1", _file("n0"))
     assert told == [("run7", "step-1", "__0_0.distcp")] * 3
