@@ -13,11 +13,16 @@ ratios, and run it on a quiet machine).
    (the same N-1 copies fetched straight from the holder over its bulk stream).
 
     python bench/bench_wire.py [--gib 1.0] [--files 8] [--repeat 3] [--fanout 8,16,32]
+                               [--out results.json] [--quick]
+
+`--quick` (a smoke: 10 MiB, one repeat, a 3-node fan-out) checks that it runs, never a
+figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
@@ -247,6 +252,7 @@ def fanout(n: int, nbytes: int, nfiles: int) -> dict[str, Any]:
         names = list(files)
         save(clients[0], "fan", files)
         save(clients[0], "solo", files)
+        wait_known(clients[1:], "fan")
         wait_known(clients[1:], "solo")
 
         before = [sent_bytes(p) for p in metrics_ports]
@@ -286,7 +292,12 @@ def main() -> None:
     parser.add_argument("--fanout", default="", help="node counts, e.g. 8,16,32 ('' = skip)")
     parser.add_argument("--fanout-gib", type=float, default=0.25)
     parser.add_argument("--fanout-files", type=int, default=2)
+    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    parser.add_argument("--quick", action="store_true", help="a smoke run at a tiny size")
     args = parser.parse_args()
+    if args.quick:
+        args.gib, args.files, args.repeat = 0.01, 2, 1
+        args.fanout, args.fanout_gib, args.fanout_files = "3", 0.005, 2
     nbytes = int(args.gib * GiB)
     gib = nbytes / GiB
 
@@ -308,6 +319,18 @@ def main() -> None:
         f"{peer['recv_cpu'] / max(raw['recv_cpu'], 1e-9):.2f}x raw TCP"
     )
 
+    record: dict[str, Any] = {
+        "gib": gib,
+        "files": args.files,
+        "raw_tcp": raw,
+        "bulk_restore": peer,
+        "ratios": {
+            "throughput_over_raw": raw["seconds"] / peer["seconds"],
+            "send_cpu_over_raw": peer["send_cpu"] / max(raw["send_cpu"], 1e-9),
+            "recv_cpu_over_raw": peer["recv_cpu"] / max(raw["recv_cpu"], 1e-9),
+        },
+        "fanout": [],
+    }
     counts = [int(c) for c in args.fanout.split(",") if c.strip()]
     if counts:
         fan_bytes = int(args.fanout_gib * GiB)
@@ -318,11 +341,14 @@ def main() -> None:
         )
         for n in counts:
             r = fanout(n, fan_bytes, args.fanout_files)
+            record["fanout"].append(r)
             print(
                 f"{r['nodes']:>5} {r['wave_s']:>8.2f} {r['busiest_per_file_gib']:>17.2f} "
                 f"{r['busiest_per_restored_gib']:>17.3f} {r['senders']:>8} "
                 f"{r['solo_s']:>13.2f} {r['solo_busiest_per_file_gib']:>17.2f}"
             )
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,12 @@ from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.errors import SourceUnavailable
 from tierckptd.peers.bulk_wire import STATUS_NAMES, encode_request, read_exact
 
-__all__ = ["RECV_BUFFER", "BulkFetcher", "BulkTicket"]
+__all__ = ["CANNOT_CONNECT", "RECV_BUFFER", "BulkError", "BulkFetcher", "BulkTicket"]
 
 RECV_BUFFER = 4 << 20
+# The code of a bulk stream that could not be opened at all (a firewall that lets the
+# peer port through but not the bulk port): the fetcher uses FetchFile instead.
+CANNOT_CONNECT = "CANNOT_CONNECT"
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ class BulkFetcher:
             sock = self.connect(node, ticket, stall)
         except (OSError, ssl.SSLError) as e:
             raise BulkError(
-                node, "UNAVAILABLE", f"cannot connect to {ticket.host}:{ticket.port}: {e}"
+                node, CANNOT_CONNECT, f"cannot connect to {ticket.host}:{ticket.port}: {e}"
             ) from None
         try:
             request = peer_pb2.BulkRequest(

@@ -9,6 +9,7 @@ is *corrupt* (DATA_LOSS -> `ChecksumMismatch`). Bytes are verified where they la
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterator
 
@@ -16,10 +17,13 @@ from tierckpt.checksum import BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 
 from tierckptd.model import FileRecord
+from tierckptd.peers.bulk_client import CANNOT_CONNECT
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.restore import SourceBusy
 
 __all__ = ["OnLanded", "PeerSource", "PeerSources", "peer_sources"]
+
+logger = logging.getLogger(__name__)
 
 OnLanded = Callable[[str, str, str], None]
 """Called with (namespace, checkpoint id, file name) once a peer's copy is installed here."""
@@ -61,8 +65,14 @@ class PeerSource:
         try:
             ticket = self.client.grant(self.node, namespace, checkpoint_id, f.name, offset, length)
             if ticket is not None:
-                yield from self.client.fetch_bulk(self.node, ticket)
-                return
+                try:
+                    yield from self.client.fetch_bulk(self.node, ticket)
+                    return
+                except PeerCallError as e:
+                    if e.code != CANNOT_CONNECT:
+                        raise
+                    # Its bulk port is not reachable from here (a firewall): FetchFile.
+                    logger.warning("%s; fetching %s over gRPC instead", e, what)
             # No bulk stream there: ask first (waits for a restarting peer's channel,
             # skips a non-holder), then FetchFile.
             held = self.client.holdings(self.node, namespace, checkpoint_id)

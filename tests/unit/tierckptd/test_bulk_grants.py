@@ -3,6 +3,7 @@ expiry, the send slots, and a range verified against its own blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,10 @@ from tierckpt.checksum import checksum_bytes
 from tierckpt.errors import ChecksumMismatch, InvalidArgument, PermissionDenied
 from tierckptd.memory.incoming import IncomingFile, split_ranges
 from tierckptd.model import FileRecord
+from tierckptd.peers.bulk_client import CANNOT_CONNECT
 from tierckptd.peers.bulk_grants import Grants, SendersBusy
+from tierckptd.peers.client import Holdings, PeerCallError
+from tierckptd.peers.source import PeerSource
 
 
 class Clock:
@@ -93,3 +97,39 @@ def test_ranges_land_out_of_order_each_verified_against_its_blocks(tmp_path: Pat
     w.close()
     with pytest.raises(InvalidArgument, match="does not fall on blocks"):
         IncomingFile(path, len(data), cs, "x", start=block // 2)
+
+
+class _FirewalledPeer:
+    """A PeerClient stand-in whose peer grants a bulk transfer on a port this node cannot
+    reach, and serves FetchFile."""
+
+    node_id = "n1"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.fetched: list[tuple[int, int]] = []
+
+    def grant(self, node: str, ns: str, cid: str, name: str, offset: int, length: int) -> object:
+        return object()
+
+    def fetch_bulk(self, node: str, ticket: object) -> Iterator[tuple[int, bytes]]:
+        raise PeerCallError(node, "BulkFetch", CANNOT_CONNECT, "cannot connect to 10.0.0.9:4000")
+        yield (0, b"")  # pragma: no cover
+
+    def holdings(self, node: str, ns: str, cid: str) -> Holdings:
+        return Holdings(True, frozenset({"x"}))
+
+    def fetch(
+        self, node: str, ns: str, cid: str, name: str, offset: int = 0, length: int = 0
+    ) -> Iterator[tuple[int, bytes]]:
+        self.fetched.append((offset, length))
+        yield 0, self.data
+
+
+def test_a_bulk_port_out_of_reach_falls_back_to_fetchfile() -> None:
+    data = b"abc" * 1000
+    client = _FirewalledPeer(data)
+    f = FileRecord(name="x", rank=0, size=len(data), checksums=checksum_bytes(data))
+    source = PeerSource(client, "n0")  # type: ignore[arg-type]
+    assert b"".join(d for _, d in source.chunks("ns", "step-1", f)) == data
+    assert client.fetched == [(0, 0)]
