@@ -114,6 +114,11 @@ class ListenConfig:
     local: str = "unix:///run/tierckpt/tierckptd.sock"
     # Loopback: a bare daemon serves one node; peers need an explicit, secured address.
     peer: str = "127.0.0.1:7070"
+    # The bulk listener peers fetch file bytes from (`peers/bulk_server.py`), on the host
+    # of `peer`, with its TLS, serving only transfers granted over `peer`; false: none
+    # (peers fetch over gRPC FetchFile). Its port: 0 = any free one (told in each grant).
+    peer_bulk: bool = True
+    peer_bulk_port: int = 0
     # SageMaker HyperPod's checkpointing HTTP API for its unmodified client
     # (`tierckptd.sagemaker`): "HOST:PORT", "" = off. It takes no credentials: loopback,
     # or the pod IP behind a NetworkPolicy; refused with local_isolation = "uid".
@@ -475,6 +480,11 @@ def _validate(config: Config) -> None:
         raise ConfigError(f'[log] format = {config.log.format!r}; valid: "text", "json"')
     if not config.listen.local:
         raise ConfigError("[listen] local must not be empty: clients reach the daemon there")
+    if config.listen.peer_bulk_port > 65535:
+        raise ConfigError(
+            f"[listen] peer_bulk_port = {config.listen.peer_bulk_port}; valid: a port, "
+            "or 0 (any free port)"
+        )
     if config.security.local_isolation not in ("", "uid"):
         raise ConfigError(
             f"[security] local_isolation = {config.security.local_isolation!r}; "

@@ -54,6 +54,11 @@ from tierckptd.ops.malloc_tuning import tune_malloc
 from tierckptd.ops.priority import at_idle_priority
 from tierckptd.ops.systemd import sd_notify
 from tierckptd.peers import security as auth
+from tierckptd.peers.bulk_client import BulkFetcher
+from tierckptd.peers.bulk_grants import Grants
+from tierckptd.peers.bulk_server import BulkServer
+from tierckptd.peers.bulk_wire import client_context as bulk_client_context
+from tierckptd.peers.bulk_wire import server_context as bulk_server_context
 from tierckptd.peers.client import PeerClient
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.membership import PEER_CHANNEL_OPTIONS, Membership
@@ -121,6 +126,7 @@ class Parts:
     daemon: DaemonService
     health: Health
     servers: Servers
+    bulk: BulkServer | None  # [listen] peer_bulk_port: file bytes to peers
     unfinished: UnfinishedSaves
     sweeper: Sweeper
     warmer: Warmer | None
@@ -222,6 +228,28 @@ def _scrubber(cfg: Config, catalog: Catalog, tier: MemoryTier, cluster: Cluster)
     )
 
 
+def _bulk_server(
+    cfg: Config, catalog: Catalog, cluster: Cluster, mutual_tls: bool
+) -> BulkServer | None:
+    """The bulk listener on the host of [listen] peer (none without a TCP peer listener,
+    or with peer_bulk = false), with the peer port's TLS; its sends stall out in the
+    fetchers' stall window."""
+    peer = cfg.listen.peer
+    if not peer or peer.startswith("unix:") or not cfg.listen.peer_bulk:
+        return None
+    host = peer.rpartition(":")[0]
+    return BulkServer(
+        catalog.file_view,
+        Grants(),
+        f"{host}:{cfg.listen.peer_bulk_port}",
+        node_id=cfg.node.id,
+        tls=bulk_server_context(cfg.security),
+        mutual_tls=mutual_tls,
+        stall=cluster.client.fetch_stall,
+        on_corrupt=cluster.corrupt,
+    )
+
+
 def build(cfg: Config) -> Parts:
     """Build and wire every part of a daemon for `cfg`; the memory tier is adopted and the
     sockets are bound, nothing runs in the background yet. Raises `BuildFailed`."""
@@ -275,7 +303,8 @@ def _build_on(
             peers=cfg.peers,
             copies=cfg.replication.copies,
             channel_factory=channel_factory,
-        )
+        ),
+        bulk=BulkFetcher(bulk_client_context(cfg.security), verify_names=bool(cfg.security.tls_ca)),
     )
     access = open_local_access(
         cfg.security.local_isolation,
@@ -350,14 +379,24 @@ def _build_on(
     )
     health = Health()
     mutual_tls = peer_security.mutual_tls
-    servers = start_servers(
-        daemon,
-        health,
-        cfg.listen.local,
-        cfg.listen.peer,
-        register_peer=lambda server: add_peer_service(cluster, server, mutual_tls=mutual_tls),
-        peer_security=peer_security,
-    )
+    bulk = _bulk_server(cfg, catalog, cluster, mutual_tls)
+    try:
+        servers = start_servers(
+            daemon,
+            health,
+            cfg.listen.local,
+            cfg.listen.peer,
+            register_peer=lambda server: add_peer_service(
+                cluster, server, mutual_tls=mutual_tls, bulk=bulk
+            ),
+            peer_security=peer_security,
+        )
+    except BaseException:
+        if bulk is not None:
+            bulk.stop()
+        raise
+    if bulk is not None:
+        bulk.start()
     # The seed client's HTTP API: the same commit, marks and restore chain as DaemonService.
     seed_daemon = DaemonAdapter(
         catalog, commits=commits, marks=cluster, restorer=restorer, discovery=discovery
@@ -366,6 +405,8 @@ def _build_on(
         seed = start_listener(cfg, seed_daemon)
     except BaseException:
         servers.stop(0)
+        if bulk is not None:
+            bulk.stop()
         raise
     return Parts(
         config=cfg,
@@ -382,6 +423,7 @@ def _build_on(
         daemon=daemon,
         health=health,
         servers=servers,
+        bulk=bulk,
         unfinished=unfinished,
         sweeper=Sweeper(unfinished),
         warmer=_warmer(cfg, catalog),
@@ -566,6 +608,8 @@ def _stop(parts: Parts, discoverer: Discoverer | None) -> None:
     sd_notify("STOPPING=1")
     parts.sweeper.stop()
     parts.servers.stop(STOP_GRACE)
+    if parts.bulk is not None:
+        parts.bulk.stop()
     parts.tier.close()
     logger.info("stopped")
 

@@ -27,7 +27,9 @@ briefly; a source never holds a lock of its own across a yield).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +52,7 @@ from tierckpt.names import check_checkpoint_id, check_file_name, check_namespace
 
 from tierckptd.catalog import Catalog
 from tierckptd.errors import SourceUnavailable
-from tierckptd.memory.incoming import install_copy
+from tierckptd.memory.incoming import install_copy, install_ranges, split_ranges
 from tierckptd.model import FileRecord
 from tierckptd.ops import logs, metrics
 
@@ -61,14 +63,31 @@ __all__ = [
     "Outcome",
     "PeerCopies",
     "PersistentCopies",
+    "RangeSource",
     "RestoreSources",
     "Restorer",
+    "SourceBusy",
     "SourcesFor",
     "final_error",
     "no_sources",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+BUSY_PREFIX = "busy: "
+# Seconds a restore keeps asking when every holder it asked was busy, and the pause
+# between rounds (random, so that a wave of fetchers does not come back in step).
+BUSY_PATIENCE = 30.0
+BUSY_PAUSE = (0.05, 0.25)
+# A file at least this large comes from several holders at once, in ranges.
+PARALLEL_MIN = 64 << 20
+RANGE_SOURCES = 4
+
+
+class SourceBusy(SourceUnavailable):
+    """The source holds the file but serves its limit of transfers now: ask another,
+    or again soon (a restore retries for BUSY_PATIENCE s while holders are busy)."""
 
 
 class FileSource(Protocol):
@@ -84,6 +103,25 @@ class FileSource(Protocol):
         self, namespace: str, checkpoint_id: str, f: FileRecord
     ) -> Iterator[tuple[int, BytesLike]]:
         """The original bytes of `f` as (offset, data) pieces at increasing offsets."""
+        ...
+
+
+@runtime_checkable
+class RangeSource(Protocol):
+    """Optional for a `FileSource`: it serves byte ranges, so a large file can come
+    from several holders at once (`Restorer._from_ranges`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def holds(self, namespace: str, checkpoint_id: str, f: FileRecord) -> bool:
+        """Whether it holds a copy now (a cheap question)."""
+        ...
+
+    def range_chunks(
+        self, namespace: str, checkpoint_id: str, f: FileRecord, offset: int, length: int
+    ) -> Iterator[tuple[int, BytesLike]]:
+        """Bytes `offset`..`offset+length` of `f`, as `FileSource.chunks`."""
         ...
 
 
@@ -199,8 +237,16 @@ class Restorer:
         sources_for: SourcesFor,
         *,
         on_corrupt_local: Callable[[str, str, str, str], None] | None = None,
+        parallel_min: int = PARALLEL_MIN,
+        range_sources: int = RANGE_SOURCES,
+        busy_patience: float = BUSY_PATIENCE,
     ) -> None:
+        """`parallel_min`: files this large come from up to `range_sources` holders at
+        once; `busy_patience`: how long a restore asks again while every holder is busy."""
         self.catalog = catalog
+        self.parallel_min = parallel_min
+        self.range_sources = range_sources
+        self.busy_patience = busy_patience
         self.sources_for = sources_for
         self.on_corrupt_local = on_corrupt_local
         self._lock = threading.Lock()
@@ -282,49 +328,141 @@ class Restorer:
                     self.on_corrupt_local(namespace, checkpoint_id, name, reason)
             else:
                 attempts.append(Attempt("memory", Outcome.MISSING, "not held on this node"))
-            for source in self.sources_for(namespace, checkpoint_id, f):
-                try:
-                    held = install_copy(
-                        self.catalog,
-                        namespace,
-                        checkpoint_id,
-                        f,
-                        source.chunks(namespace, checkpoint_id, f),
-                        what=f"{what} from {source.name}",
-                        restored=True,
-                    )
-                except CheckpointNotFound as e:
-                    attempts.append(Attempt(source.name, Outcome.MISSING, str(e)))
-                    continue
-                except SourceUnavailable as e:
-                    logger.warning("restore of %s: %s", what, e)
-                    attempts.append(Attempt(source.name, Outcome.UNAVAILABLE, e.cause))
-                    continue
-                except (ChecksumMismatch, InvalidArgument) as e:
-                    # Damaged bytes, or a stream cut short or out of order: not this copy.
-                    logger.error("restore of %s from %s: %s", what, source.name, e)
-                    attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
-                    continue
-                if held is None:  # another route installed it meanwhile
-                    f, path = self.catalog.file_view(namespace, checkpoint_id, name)
-                    if path:
-                        return f, path, "memory"
-                    attempts.append(Attempt(source.name, Outcome.MISSING, "evicted as it landed"))
-                    continue
-                f = held
-                metrics.FETCHED_BYTES.inc(f.size)
-                logger.info(
-                    "restored %s from %s (%d bytes)",
-                    what,
-                    source.name,
-                    f.size,
-                    extra=logs.context(namespace, checkpoint_id, f.rank),
-                )
-                if isinstance(source, Landed):
-                    try:
-                        source.landed(namespace, checkpoint_id, f)
-                    except Exception as e:
-                        logger.warning("after restoring %s from %s: %s", what, source.name, e)
-                path = str(self.catalog.tier.file_path(namespace, checkpoint_id, name))
-                return f, path, _kind(source.name)
+            tried = attempts[:]
+            patience = time.monotonic() + self.busy_patience
+            while True:
+                sources = list(self.sources_for(namespace, checkpoint_id, f))
+                got = self._from_ranges(namespace, checkpoint_id, f, sources)
+                if got is not None:
+                    return got
+                attempts = tried[:]
+                busy = False
+                for source in sources:
+                    got = self._from(source, namespace, checkpoint_id, f, attempts)
+                    if got is not None:
+                        return got
+                    busy = busy or attempts[-1].cause.startswith(BUSY_PREFIX)
+                if not busy or time.monotonic() >= patience:
+                    break
+                # Every holder asked was at its limit of sends: the wave of restores it
+                # serves lands copies elsewhere meanwhile; ask again (sources anew).
+                time.sleep(random.uniform(*BUSY_PAUSE))
             raise final_error(what, attempts)
+
+    def _from(
+        self,
+        source: FileSource,
+        namespace: str,
+        checkpoint_id: str,
+        f: FileRecord,
+        attempts: list[Attempt],
+    ) -> tuple[FileRecord, str, str] | None:
+        """Land `f` from one source: (record, path, source kind), or None with the
+        reason appended to `attempts`."""
+        what = f"{namespace}/{checkpoint_id}/{f.name}"
+        try:
+            held = install_copy(
+                self.catalog,
+                namespace,
+                checkpoint_id,
+                f,
+                source.chunks(namespace, checkpoint_id, f),
+                what=f"{what} from {source.name}",
+                restored=True,
+            )
+        except CheckpointNotFound as e:
+            attempts.append(Attempt(source.name, Outcome.MISSING, str(e)))
+            return None
+        except SourceBusy as e:
+            logger.info("restore of %s: %s", what, e)
+            attempts.append(Attempt(source.name, Outcome.UNAVAILABLE, BUSY_PREFIX + e.cause))
+            return None
+        except SourceUnavailable as e:
+            logger.warning("restore of %s: %s", what, e)
+            attempts.append(Attempt(source.name, Outcome.UNAVAILABLE, e.cause))
+            return None
+        except (ChecksumMismatch, InvalidArgument) as e:
+            # Damaged bytes, or a stream cut short or out of order: not this copy.
+            logger.error("restore of %s from %s: %s", what, source.name, e)
+            attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
+            return None
+        return self._landed(held, namespace, checkpoint_id, f, [source], attempts)
+
+    def _landed(
+        self,
+        held: FileRecord | None,
+        namespace: str,
+        checkpoint_id: str,
+        f: FileRecord,
+        sources: Sequence[FileSource | RangeSource],
+        attempts: list[Attempt],
+    ) -> tuple[FileRecord, str, str] | None:
+        what = f"{namespace}/{checkpoint_id}/{f.name}"
+        name = ", ".join(s.name for s in sources)
+        if held is None:  # another route installed it meanwhile
+            f, path = self.catalog.file_view(namespace, checkpoint_id, f.name)
+            if path:
+                return f, path, "memory"
+            attempts.append(Attempt(name, Outcome.MISSING, "evicted as it landed"))
+            return None
+        f = held
+        metrics.FETCHED_BYTES.inc(f.size)
+        logger.info(
+            "restored %s from %s (%d bytes)",
+            what,
+            name,
+            f.size,
+            extra=logs.context(namespace, checkpoint_id, f.rank),
+        )
+        source = sources[0]
+        if isinstance(source, Landed):
+            try:
+                source.landed(namespace, checkpoint_id, f)
+            except Exception as e:
+                logger.warning("after restoring %s from %s: %s", what, source.name, e)
+        path = str(self.catalog.tier.file_path(namespace, checkpoint_id, f.name))
+        return f, path, _kind(source.name)
+
+    def _from_ranges(
+        self, namespace: str, checkpoint_id: str, f: FileRecord, sources: Sequence[FileSource]
+    ) -> tuple[FileRecord, str, str] | None:
+        """A large file from several holders at once: split into one range of whole
+        blocks per holder (up to `range_sources` of them), each fetched in its own
+        thread, every block verified as it lands (`install_ranges`). None when fewer
+        than two sources hold it or any range failed (logged): the chain then asks one
+        source after another, which names every failure."""
+        if f.size < self.parallel_min or self.range_sources < 2:
+            return None
+        holders: list[RangeSource] = []
+        # The known holders come first (`peers.source.peer_sources`): ask only a few, not
+        # every peer of a large cluster, whether it holds the file.
+        for source in sources[: 2 * self.range_sources]:
+            if isinstance(source, RangeSource) and source.holds(namespace, checkpoint_id, f):
+                holders.append(source)
+                if len(holders) == self.range_sources:
+                    break
+        if len(holders) < 2:
+            return None
+        what = f"{namespace}/{checkpoint_id}/{f.name}"
+        parts = split_ranges(f, len(holders))
+        ranges = [
+            (start, n, functools.partial(src.range_chunks, namespace, checkpoint_id, f))
+            for (start, n), src in zip(parts, holders, strict=False)
+        ]
+        names = ", ".join(s.name for s in holders[: len(ranges)])
+        try:
+            held = install_ranges(
+                self.catalog,
+                namespace,
+                checkpoint_id,
+                f,
+                ranges,
+                what=f"{what} from {names}",
+                restored=True,
+            )
+        except (CheckpointNotFound, SourceUnavailable, ChecksumMismatch, InvalidArgument) as e:
+            logger.warning(
+                "restore of %s from %s at once: %s; one source at a time", what, names, e
+            )
+            return None
+        return self._landed(held, namespace, checkpoint_id, f, holders, [])

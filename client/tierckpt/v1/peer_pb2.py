@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tierckpt.v1 import common_pb2 as tierckpt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"N\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x14\n\x0cknows_caller\x18\x03 \x01(\x08\"\xbf\x01\n\x0e\x43heckpointMark\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.tierckpt.v1.MarkKind\x12\x12\n\nstamp_unix\x18\x03 \x01(\x01\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x17\n\ncaller_uid\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\r\n\x0b_caller_uid\"\x13\n\x11\x41pplyMarkResponse\"f\n\x10HoldingsResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\"\x1b\n\x19PublishCheckpointResponse\"[\n\nFileHeader\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\"R\n\tFileChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.tierckpt.v1.FileHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\x10PushFileResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"n\n\x10\x46\x65tchFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"j\n\x15UpdateReplicasRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x15\n\rreplica_nodes\x18\x03 \x03(\t\"\x18\n\x16UpdateReplicasResponse\";\n\x14ListManifestsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08starting\x18\x02 \x01(\x08\"\xfd\x01\n\x15ListManifestsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\x12*\n\x05marks\x18\x02 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointMark\x12 \n\x13namespace_owner_uid\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14namespace_owner_node\x18\x04 \x01(\t\x12.\n\x07writers\x18\x05 \x03(\x0b\x32\x1d.tierckpt.v1.NamespaceWritersB\x16\n\x14_namespace_owner_uid\"E\n\x10NamespaceWriters\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0f\n\x07vouched\x18\x03 \x01(\x08*|\n\x08MarkKind\x12\x19\n\x15MARK_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cMARK_DELETED\x10\x01\x12\x0f\n\x0bMARK_PINNED\x10\x02\x12\x11\n\rMARK_UNPINNED\x10\x03\x12\x11\n\rMARK_VERIFIED\x10\x04\x12\x0c\n\x08MARK_BAD\x10\x05\x32\xf6\x04\n\x0bPeerService\x12\x45\n\x08Holdings\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1d.tierckpt.v1.HoldingsResponse\x12X\n\x11PublishCheckpoint\x12\x1b.tierckpt.v1.CheckpointInfo\x1a&.tierckpt.v1.PublishCheckpointResponse\x12\x43\n\x08PushFile\x12\x16.tierckpt.v1.FileChunk\x1a\x1d.tierckpt.v1.PushFileResponse(\x01\x12\x44\n\tFetchFile\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.FileChunk0\x01\x12Y\n\x0eUpdateReplicas\x12\".tierckpt.v1.UpdateReplicasRequest\x1a#.tierckpt.v1.UpdateReplicasResponse\x12V\n\rListManifests\x12!.tierckpt.v1.ListManifestsRequest\x1a\".tierckpt.v1.ListManifestsResponse\x12H\n\tApplyMark\x12\x1b.tierckpt.v1.CheckpointMark\x1a\x1e.tierckpt.v1.ApplyMarkResponse\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"N\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x14\n\x0cknows_caller\x18\x03 \x01(\x08\"\xbf\x01\n\x0e\x43heckpointMark\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.tierckpt.v1.MarkKind\x12\x12\n\nstamp_unix\x18\x03 \x01(\x01\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x17\n\ncaller_uid\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\r\n\x0b_caller_uid\"\x13\n\x11\x41pplyMarkResponse\"f\n\x10HoldingsResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\"\x1b\n\x19PublishCheckpointResponse\"[\n\nFileHeader\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\"R\n\tFileChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.tierckpt.v1.FileHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\x10PushFileResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"n\n\x10\x46\x65tchFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"\x82\x01\n\tBulkGrant\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\x0c\n\x04port\x18\x02 \x01(\r\x12$\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x12\n\nexpires_in\x18\x06 \x01(\x01\"x\n\x0b\x42ulkRequest\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\'\n\x03ref\x18\x02 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"j\n\x15UpdateReplicasRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x15\n\rreplica_nodes\x18\x03 \x03(\t\"\x18\n\x16UpdateReplicasResponse\";\n\x14ListManifestsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08starting\x18\x02 \x01(\x08\"\xfd\x01\n\x15ListManifestsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\x12*\n\x05marks\x18\x02 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointMark\x12 \n\x13namespace_owner_uid\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14namespace_owner_node\x18\x04 \x01(\t\x12.\n\x07writers\x18\x05 \x03(\x0b\x32\x1d.tierckpt.v1.NamespaceWritersB\x16\n\x14_namespace_owner_uid\"E\n\x10NamespaceWriters\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0f\n\x07vouched\x18\x03 \x01(\x08*|\n\x08MarkKind\x12\x19\n\x15MARK_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cMARK_DELETED\x10\x01\x12\x0f\n\x0bMARK_PINNED\x10\x02\x12\x11\n\rMARK_UNPINNED\x10\x03\x12\x11\n\rMARK_VERIFIED\x10\x04\x12\x0c\n\x08MARK_BAD\x10\x05\x32\xbb\x05\n\x0bPeerService\x12\x45\n\x08Holdings\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1d.tierckpt.v1.HoldingsResponse\x12X\n\x11PublishCheckpoint\x12\x1b.tierckpt.v1.CheckpointInfo\x1a&.tierckpt.v1.PublishCheckpointResponse\x12\x43\n\x08PushFile\x12\x16.tierckpt.v1.FileChunk\x1a\x1d.tierckpt.v1.PushFileResponse(\x01\x12\x44\n\tFetchFile\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.FileChunk0\x01\x12\x43\n\nGrantFetch\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.BulkGrant\x12Y\n\x0eUpdateReplicas\x12\".tierckpt.v1.UpdateReplicasRequest\x1a#.tierckpt.v1.UpdateReplicasResponse\x12V\n\rListManifests\x12!.tierckpt.v1.ListManifestsRequest\x1a\".tierckpt.v1.ListManifestsResponse\x12H\n\tApplyMark\x12\x1b.tierckpt.v1.CheckpointMark\x1a\x1e.tierckpt.v1.ApplyMarkResponse\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierckpt.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MARKKIND']._serialized_start=1381
-  _globals['_MARKKIND']._serialized_end=1505
+  _globals['_MARKKIND']._serialized_start=1636
+  _globals['_MARKKIND']._serialized_end=1760
   _globals['_HELLOREQUEST']._serialized_start=65
   _globals['_HELLOREQUEST']._serialized_end=96
   _globals['_HELLORESPONSE']._serialized_start=98
@@ -54,16 +54,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHFILERESPONSE']._serialized_end=745
   _globals['_FETCHFILEREQUEST']._serialized_start=747
   _globals['_FETCHFILEREQUEST']._serialized_end=857
-  _globals['_UPDATEREPLICASREQUEST']._serialized_start=859
-  _globals['_UPDATEREPLICASREQUEST']._serialized_end=965
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=967
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=991
-  _globals['_LISTMANIFESTSREQUEST']._serialized_start=993
-  _globals['_LISTMANIFESTSREQUEST']._serialized_end=1052
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=1055
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=1308
-  _globals['_NAMESPACEWRITERS']._serialized_start=1310
-  _globals['_NAMESPACEWRITERS']._serialized_end=1379
-  _globals['_PEERSERVICE']._serialized_start=1508
-  _globals['_PEERSERVICE']._serialized_end=2138
+  _globals['_BULKGRANT']._serialized_start=860
+  _globals['_BULKGRANT']._serialized_end=990
+  _globals['_BULKREQUEST']._serialized_start=992
+  _globals['_BULKREQUEST']._serialized_end=1112
+  _globals['_UPDATEREPLICASREQUEST']._serialized_start=1114
+  _globals['_UPDATEREPLICASREQUEST']._serialized_end=1220
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=1222
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=1246
+  _globals['_LISTMANIFESTSREQUEST']._serialized_start=1248
+  _globals['_LISTMANIFESTSREQUEST']._serialized_end=1307
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=1310
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=1563
+  _globals['_NAMESPACEWRITERS']._serialized_start=1565
+  _globals['_NAMESPACEWRITERS']._serialized_end=1634
+  _globals['_PEERSERVICE']._serialized_start=1763
+  _globals['_PEERSERVICE']._serialized_end=2462
 # @@protoc_insertion_point(module_scope)

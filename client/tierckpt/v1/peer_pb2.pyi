@@ -304,6 +304,85 @@ class FetchFileRequest(_message.Message):
 Global___FetchFileRequest: _TypeAlias = FetchFileRequest  # noqa: Y015
 
 @_typing.final
+class BulkGrant(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_FIELD_NUMBER: _builtins.int
+    grant: _builtins.bytes
+    """32 random bytes, one use"""
+    port: _builtins.int
+    """the bulk listener, on the host of the peer address"""
+    offset: _builtins.int
+    """the range granted"""
+    length: _builtins.int
+    expires_in: _builtins.float
+    """seconds the grant stays valid"""
+    @_builtins.property
+    def file(self) -> _common_pb2.FileEntry:
+        """the file served (size, checksums), as GrantFetch's"""
+
+    def __init__(
+        self,
+        *,
+        grant: _builtins.bytes = ...,
+        port: _builtins.int = ...,
+        file: _common_pb2.FileEntry | None = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+        expires_in: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["file", b"file"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in", b"expires_in", "file", b"file", "grant", b"grant", "length", b"length", "offset", b"offset", "port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BulkGrant: _TypeAlias = BulkGrant  # noqa: Y015
+
+@_typing.final
+class BulkRequest(_message.Message):
+    """The first message on a bulk connection, after the 4 bytes "TCB1" and its length as a
+    big-endian uint16 (at most 4096): the grant and what it was granted for, which must
+    match. The answer: one status byte (0 = OK, then the range's length as a big-endian
+    uint64 and its bytes; else a code, a big-endian uint16 length and a UTF-8 message).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANT_FIELD_NUMBER: _builtins.int
+    REF_FIELD_NUMBER: _builtins.int
+    FILE_NAME_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    grant: _builtins.bytes
+    file_name: _builtins.str
+    offset: _builtins.int
+    length: _builtins.int
+    @_builtins.property
+    def ref(self) -> _common_pb2.CheckpointRef: ...
+    def __init__(
+        self,
+        *,
+        grant: _builtins.bytes = ...,
+        ref: _common_pb2.CheckpointRef | None = ...,
+        file_name: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_name", b"file_name", "grant", b"grant", "length", b"length", "offset", b"offset", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BulkRequest: _TypeAlias = BulkRequest  # noqa: Y015
+
+@_typing.final
 class UpdateReplicasRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -55,6 +55,11 @@ class PeerServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.GrantFetch = channel.unary_unary(
+                '/tierckpt.v1.PeerService/GrantFetch',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.BulkGrant.FromString,
+                _registered_method=True)
         self.UpdateReplicas = channel.unary_unary(
                 '/tierckpt.v1.PeerService/UpdateReplicas',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.UpdateReplicasRequest.SerializeToString,
@@ -107,6 +112,17 @@ class PeerServiceServicer:
     def FetchFile(self, request, context):
         """Streams a byte range of a file this node holds, verified before it is sent: the
         header first, then chunks of up to 4 checksum blocks at increasing offsets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GrantFetch(self, request, context):
+        """Grants one transfer of a byte range of a file this node holds over its bulk
+        listener (plain TCP, TLS when the peer port speaks TLS; peers/bulk_server.py): a
+        one-use grant, valid for seconds, bound to the caller, the file and the range. The
+        data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
+        without a bulk listener (an older one): the fetcher uses FetchFile.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +182,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.FetchFile,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.FileChunk.SerializeToString,
+            ),
+            'GrantFetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantFetch,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.BulkGrant.SerializeToString,
             ),
             'UpdateReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateReplicas,
@@ -296,6 +317,33 @@ class PeerService:
             '/tierckpt.v1.PeerService/FetchFile',
             tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.PeerService/GrantFetch',
+            tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.BulkGrant.FromString,
             options,
             channel_credentials,
             insecure,

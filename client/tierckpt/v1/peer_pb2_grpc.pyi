@@ -50,6 +50,13 @@ class PeerServiceStub:
     """Streams a byte range of a file this node holds, verified before it is sent: the
     header first, then chunks of up to 4 checksum blocks at increasing offsets.
     """
+    GrantFetch: _grpc.UnaryUnaryMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.BulkGrant]
+    """Grants one transfer of a byte range of a file this node holds over its bulk
+    listener (plain TCP, TLS when the peer port speaks TLS; peers/bulk_server.py): a
+    one-use grant, valid for seconds, bound to the caller, the file and the range. The
+    data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
+    without a bulk listener (an older one): the fetcher uses FetchFile.
+    """
     UpdateReplicas: _grpc.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]
@@ -83,6 +90,13 @@ class PeerServiceAsyncStub(PeerServiceStub):
     FetchFile: _aio.UnaryStreamMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.FileChunk]  # type: ignore[assignment]
     """Streams a byte range of a file this node holds, verified before it is sent: the
     header first, then chunks of up to 4 checksum blocks at increasing offsets.
+    """
+    GrantFetch: _aio.UnaryUnaryMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.BulkGrant]  # type: ignore[assignment]
+    """Grants one transfer of a byte range of a file this node holds over its bulk
+    listener (plain TCP, TLS when the peer port speaks TLS; peers/bulk_server.py): a
+    one-use grant, valid for seconds, bound to the caller, the file and the range. The
+    data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
+    without a bulk listener (an older one): the fetcher uses FetchFile.
     """
     UpdateReplicas: _aio.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]  # type: ignore[assignment]
     """A file gained (or lost) verified copies; every node updates its manifest."""
@@ -138,6 +152,19 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_peer_pb2.FileChunk], _abc.AsyncIterator[_peer_pb2.FileChunk]]:
         """Streams a byte range of a file this node holds, verified before it is sent: the
         header first, then chunks of up to 4 checksum blocks at increasing offsets.
+        """
+
+    @_abc_1.abstractmethod
+    def GrantFetch(
+        self,
+        request: _peer_pb2.FetchFileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.BulkGrant, _abc.Awaitable[_peer_pb2.BulkGrant]]:
+        """Grants one transfer of a byte range of a file this node holds over its bulk
+        listener (plain TCP, TLS when the peer port speaks TLS; peers/bulk_server.py): a
+        one-use grant, valid for seconds, bound to the caller, the file and the range. The
+        data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
+        without a bulk listener (an older one): the fetcher uses FetchFile.
         """
 
     @_abc_1.abstractmethod

@@ -10,7 +10,9 @@ complete, through one call to the catalog (`Landing.land`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -19,7 +21,15 @@ from tierckpt.errors import CheckpointNotFound, InvalidArgument
 
 from tierckptd.model import CheckpointRecord, FileRecord
 
-__all__ = ["IncomingFile", "Landing", "install_copy", "restore_plan"]
+__all__ = [
+    "IncomingFile",
+    "Landing",
+    "RangeFetch",
+    "install_copy",
+    "install_ranges",
+    "restore_plan",
+    "split_ranges",
+]
 
 
 class Landing(Protocol):
@@ -43,15 +53,37 @@ class Landing(Protocol):
 
 class IncomingFile:
     """Writes a file arriving in chunks at increasing offsets, verifying every block
-    against the manifest's checksums as soon as it is complete."""
+    against the manifest's checksums as soon as it is complete.
 
-    def __init__(self, path: Path, size: int, checksums: BlockChecksums, what: str) -> None:
+    `start`/`end`: only that range of the file arrives here (`start` on a block
+    boundary, `end` on one or at the end of the file), so several ranges of one file can
+    land at once, each through its own IncomingFile (`install_ranges`); the file is cut
+    to `size` by the writer of its last range."""
+
+    def __init__(
+        self,
+        path: Path,
+        size: int,
+        checksums: BlockChecksums,
+        what: str,
+        *,
+        start: int = 0,
+        end: int | None = None,
+    ) -> None:
+        end = size if end is None else end
+        step = checksums.block_size
+        if start % step or not (0 <= start <= end <= size) or (end % step and end != size):
+            raise InvalidArgument(
+                f"{what}: range {start}..{end} does not fall on blocks of {step} bytes"
+            )
         self.size = size
         self.what = what
+        self.end = end
         self._checksums = checksums
         self._fd = os.open(path, os.O_WRONLY)
-        self._position = 0
-        self._hasher = BlockHasher(checksums.block_size)
+        self._position = start
+        self._first_block = start // step
+        self._hasher = BlockHasher(step)
         self._checked = 0
 
     def write(self, offset: int, data: BytesLike) -> None:
@@ -59,8 +91,12 @@ class IncomingFile:
             raise InvalidArgument(
                 f"{self.what}: chunk at offset {offset}, expected {self._position}"
             )
-        if offset + len(data) > self.size:
-            raise InvalidArgument(f"{self.what}: chunk past the end of its {self.size} bytes")
+        if offset + len(data) > self.end:
+            raise InvalidArgument(
+                f"{self.what}: chunk past the end of its {self.end} bytes"
+                if self.end == self.size
+                else f"{self.what}: chunk past the end of its range ({self.end})"
+            )
         view = memoryview(data)
         while view.nbytes:
             view = view[os.pwrite(self._fd, view, self._position) :]
@@ -70,18 +106,19 @@ class IncomingFile:
             self._check(block, self._hasher.block_digest(block))
 
     def _check(self, block: int, digest: bytes) -> None:
-        self._checksums.check_block(block, digest, what=self.what)
+        self._checksums.check_block(self._first_block + block, digest, what=self.what)
         self._checked = block + 1
 
     def finish(self) -> None:
-        if self._position != self.size:
+        if self._position != self.end:
             raise InvalidArgument(
-                f"{self.what}: stream ended at {self._position} of {self.size} bytes"
+                f"{self.what}: stream ended at {self._position} of {self.end} bytes"
             )
         final = self._hasher.finish()
         for block in range(self._checked, final.block_count):
             self._check(block, final.digest(block))
-        os.ftruncate(self._fd, self.size)
+        if self.end == self.size:
+            os.ftruncate(self._fd, self.size)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -115,6 +152,70 @@ def install_copy(
             incoming.finish()
         finally:
             incoming.close()
+
+    return catalog.land(namespace, checkpoint_id, f.name, write, what=what, restored=restored)
+
+
+RangeFetch = Callable[[int, int], Iterable[tuple[int, BytesLike]]]
+"""(offset, length) -> that range's (offset, bytes) pieces, at increasing offsets."""
+
+
+def split_ranges(f: FileRecord, parts: int) -> list[tuple[int, int]]:
+    """`f` cut into at most `parts` (offset, length) ranges of whole checksum blocks."""
+    assert f.checksums is not None
+    step = f.checksums.block_size
+    blocks = -(-f.size // step)
+    per = -(-blocks // max(1, parts))
+    out = []
+    for first in range(0, blocks, per):
+        start = first * step
+        out.append((start, min((first + per) * step, f.size) - start))
+    return out or [(0, 0)]
+
+
+def install_ranges(
+    catalog: Landing,
+    namespace: str,
+    checkpoint_id: str,
+    f: FileRecord,
+    ranges: Sequence[tuple[int, int, RangeFetch]],
+    *,
+    what: str,
+    restored: bool = False,
+) -> FileRecord | None:
+    """`install_copy` with the file arriving as several ranges at once, each from its
+    own fetch (`ranges`: (offset, length, fetch), covering `f` in whole blocks, e.g.
+    `split_ranges`), each in its own thread into the same staging file and verified
+    block by block as it lands. Any range failing fails the copy (its error raised, the
+    others stopped at their next piece); nothing is installed unless all verify."""
+    checksums = f.checksums
+    if checksums is None:
+        raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
+    stop = threading.Event()
+
+    def one(tmp: Path, start: int, length: int, fetch: RangeFetch) -> None:
+        incoming = IncomingFile(
+            tmp, f.size, checksums, f"copy of {what}", start=start, end=start + length
+        )
+        try:
+            for offset, data in fetch(start, length):
+                if stop.is_set():
+                    raise InvalidArgument(f"{what}: another range failed")
+                incoming.write(offset, data)
+            incoming.finish()
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            incoming.close()
+
+    def write(tmp: Path) -> None:
+        with ThreadPoolExecutor(len(ranges), thread_name_prefix="tierckptd-range") as pool:
+            futures = [pool.submit(one, tmp, start, n, fetch) for start, n, fetch in ranges]
+            errors = [e for e in (fut.exception() for fut in futures) if e is not None]
+        if errors:
+            first = next((e for e in errors if "another range failed" not in str(e)), errors[0])
+            raise first
 
     return catalog.land(namespace, checkpoint_id, f.name, write, what=what, restored=restored)
 

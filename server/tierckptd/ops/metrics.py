@@ -60,6 +60,7 @@ __all__ = [
     "MEMBERSHIP_REFUSED",
     "MEMBERSHIP_ROUNDS",
     "PEER_REFUSED",
+    "PEER_SENT_BYTES",
     "POOL_HITS",
     "POOL_MISSES",
     "PREWARM_BYTES",
@@ -169,6 +170,12 @@ PEER_REFUSED = Counter(
     "Peer calls and peer-sent manifests refused (unknown peer, not authorized, invalid, "
     "conflicting, over budget, busy), by reason",
     ["reason"],
+)
+PEER_SENT_BYTES = Counter(
+    "tierckpt_peer_sent_bytes",
+    "File bytes this node served to peers that fetch them, by path (bulk: the bulk "
+    "stream; grpc: FetchFile): how a restore wave spreads over the holders",
+    ["path"],
 )
 MEMBERSHIP_REFUSED = Counter(
     "tierckpt_membership_refused",

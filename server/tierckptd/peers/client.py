@@ -33,6 +33,7 @@ from tierckptd.ops import metrics
 from tierckptd.ops.events import Listeners
 from tierckptd.ops.faults import fault
 from tierckptd.peers.breaker import MISSED_CODES, Breaker
+from tierckptd.peers.bulk_client import BulkError, BulkFetcher, BulkTicket
 from tierckptd.peers.chunk_wire import PeerStub, encode_data_chunk
 from tierckptd.peers.cluster_marks import MAX_MARKS, Mark, MarkKind, check_mark
 from tierckptd.peers.membership import Membership
@@ -257,13 +258,23 @@ class PeerClient:
     """Every RPC to the peers of one `Membership` (see the module docstring).
 
     Args:
-        fetch_stall: seconds without data after which a FetchFile is cancelled.
+        fetch_stall: seconds without data after which a FetchFile (or a bulk stream) is
+            cancelled.
+        bulk: how to open bulk streams (`bulk_client`); None: every fetch goes over
+            FetchFile.
     """
 
-    def __init__(self, membership: Membership, *, fetch_stall: float | None = None) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        *,
+        fetch_stall: float | None = None,
+        bulk: BulkFetcher | None = None,
+    ) -> None:
         self.membership = membership
         self.node_id = membership.node_id
         self.fetch_stall = _fetch_stall() if fetch_stall is None else fetch_stall
+        self.bulk = bulk
         # Peers that did not answer their last call: skipped by `each` for a back-off.
         self.breaker = Breaker()
         # Cluster marks a peer's ListManifests answer carried (validated), by node: told
@@ -578,8 +589,67 @@ class PeerClient:
         return resp.node_id, resp.failure_domain, resp.knows_caller
 
     # ---- transfers --------------------------------------------------------------------
+    def grant(
+        self, node: str, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
+    ) -> BulkTicket | None:
+        """GrantFetch: a one-use grant to fetch `length` bytes of a file `node` holds
+        from `offset` over its bulk stream; None when this node has no bulk fetcher or
+        `node` offers no bulk stream (UNIMPLEMENTED: an older node, or one without a
+        bulk listener), so the caller fetches over FetchFile. NOT_FOUND when it holds no
+        copy, RESOURCE_EXHAUSTED when it runs its limit of sends (busy)."""
+        if self.bulk is None:
+            return None
+        fault("peer.grant", lambda: PeerCallError(node, "GrantFetch", "INJECTED"))
+        stub = self._stub(node, "GrantFetch")
+        request = peer_pb2.FetchFileRequest(
+            ref=ref(namespace, checkpoint_id), file_name=name, offset=offset, length=length
+        )
+        try:
+            resp: peer_pb2.BulkGrant = stub.GrantFetch(
+                request, timeout=CONTROL_TIMEOUT, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                metrics.peer_answered(node)
+                return None
+            raise _error(node, "GrantFetch", e) from None
+        metrics.peer_answered(node)
+        address = self.membership.address_of(node) or ""
+        host = address.rpartition(":")[0].strip("[]")
+        if not host or not 0 < resp.port < 65536 or len(resp.grant) > 64:
+            raise PeerCallError(node, "GrantFetch", "INVALID_ARGUMENT", "a malformed grant")
+        if resp.offset != offset or (length and resp.length != length):
+            raise PeerCallError(
+                node,
+                "GrantFetch",
+                "INVALID_ARGUMENT",
+                f"granted bytes {resp.offset}+{resp.length}, asked {offset}+{length}",
+            )
+        return BulkTicket(
+            resp.grant, host, resp.port, namespace, checkpoint_id, name, resp.offset, resp.length
+        )
+
+    def fetch_bulk(self, node: str, ticket: BulkTicket) -> Iterator[tuple[int, memoryview]]:
+        """The range a grant names, over `node`'s bulk stream: (offset, view) pieces, each
+        valid until the next is asked for (`bulk_client`); a failure is a PeerCallError."""
+        assert self.bulk is not None
+        try:
+            for piece in self.bulk.fetch(node, ticket, self.fetch_stall):
+                fault("peer.bulk.chunk", lambda: PeerCallError(node, "BulkFetch", "INJECTED"))
+                yield piece
+        except BulkError as e:
+            if e.code not in ("NOT_FOUND", "PERMISSION_DENIED", "INVALID_ARGUMENT"):
+                metrics.peer_answered(node, e.code)
+            raise PeerCallError(node, "BulkFetch", e.code, e.details) from None
+
     def fetch(
-        self, node: str, namespace: str, checkpoint_id: str, name: str
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        offset: int = 0,
+        length: int = 0,
     ) -> Iterator[tuple[int, memoryview]]:
         """FetchFile: the data of a file `node` holds, as (offset, bytes) pieces (views
         into the received messages); a failure, at any point, is a `PeerCallError`.
@@ -590,7 +660,9 @@ class PeerClient:
         (frozen, gray), else "too slow" with the bytes received and the seconds they took
         (a slow or congested link, or a peer that froze mid-file)."""
         stub = self._stub(node, "FetchFile")
-        request = peer_pb2.FetchFileRequest(ref=ref(namespace, checkpoint_id), file_name=name)
+        request = peer_pb2.FetchFileRequest(
+            ref=ref(namespace, checkpoint_id), file_name=name, offset=offset, length=length
+        )
         call = stub.FetchFile(request, timeout=TRANSFER_TIMEOUT)
         watch = StallWatch(call.cancel, self.fetch_stall)
         started = time.monotonic()

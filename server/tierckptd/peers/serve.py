@@ -68,6 +68,23 @@ class Serving:
             raise InvalidArgument(f"range {offset}..{end} outside {name}'s {f.size} bytes")
         return Served(f, self._pieces(namespace, checkpoint_id, f, path, offset, end))
 
+    def grantable(
+        self, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
+    ) -> tuple[FileRecord, int]:
+        """A held file's record and the length of its range `offset`..`offset+length`
+        (0: to the end), checked as `serve` checks it, for a bulk grant (`bulk_grants`)."""
+        f, path = self.catalog.file_view(namespace, checkpoint_id, name)
+        if not path:
+            raise CheckpointNotFound(
+                f"node {self.node_id} holds no copy of {namespace}/{checkpoint_id}/{name}"
+            )
+        if f.checksums is None:
+            raise CheckpointNotFound(f"{namespace}/{checkpoint_id}/{name}: no checksums recorded")
+        end = f.size if length == 0 else offset + length
+        if offset < 0 or offset > f.size or end > f.size:
+            raise InvalidArgument(f"range {offset}..{end} outside {name}'s {f.size} bytes")
+        return f, end - offset
+
     def _pieces(
         self, namespace: str, checkpoint_id: str, f: FileRecord, path: str, offset: int, end: int
     ) -> Iterator[tuple[int, bytes]]:

@@ -9,15 +9,21 @@ is *corrupt* (DATA_LOSS -> `ChecksumMismatch`). Bytes are verified where they la
 
 from __future__ import annotations
 
+import logging
+import random
 from collections.abc import Callable, Iterator
 
 from tierckpt.checksum import BytesLike
 from tierckpt.errors import CheckpointNotFound, ChecksumMismatch
 
 from tierckptd.model import FileRecord
+from tierckptd.peers.bulk_client import CANNOT_CONNECT
 from tierckptd.peers.client import PeerCallError, PeerClient
+from tierckptd.restore import SourceBusy
 
 __all__ = ["OnLanded", "PeerSource", "PeerSources", "peer_sources"]
+
+logger = logging.getLogger(__name__)
 
 OnLanded = Callable[[str, str, str], None]
 """Called with (namespace, checkpoint id, file name) once a peer's copy is installed here."""
@@ -46,21 +52,54 @@ class PeerSource:
     def chunks(
         self, namespace: str, checkpoint_id: str, f: FileRecord
     ) -> Iterator[tuple[int, BytesLike]]:
+        return self.range_chunks(namespace, checkpoint_id, f, 0, f.size)
+
+    def range_chunks(
+        self, namespace: str, checkpoint_id: str, f: FileRecord, offset: int, length: int
+    ) -> Iterator[tuple[int, BytesLike]]:
+        """Bytes `offset`..`offset+length` of `f` (`restore.RangeSource`): over the
+        peer's bulk stream when it grants one (a piece is then valid until the next is
+        asked for), else over FetchFile. A peer at its limit of sends is busy
+        (`restore.SourceBusy`): the restore asks another holder."""
         what = f"{namespace}/{checkpoint_id}/{f.name}"
-        # Ask first: waits for a restarting peer's channel, skips a non-holder.
-        held = self.client.holdings(self.node, namespace, checkpoint_id)
-        if f.name not in held.names:
-            raise CheckpointNotFound(f"node {self.node} holds no copy of {what}")
         try:
-            yield from self.client.fetch(self.node, namespace, checkpoint_id, f.name)
+            ticket = self.client.grant(self.node, namespace, checkpoint_id, f.name, offset, length)
+            if ticket is not None:
+                try:
+                    yield from self.client.fetch_bulk(self.node, ticket)
+                    return
+                except PeerCallError as e:
+                    if e.code != CANNOT_CONNECT:
+                        raise
+                    # Its bulk port is not reachable from here (a firewall): FetchFile.
+                    logger.warning("%s; fetching %s over gRPC instead", e, what)
+            # No bulk stream there: ask first (waits for a restarting peer's channel,
+            # skips a non-holder), then FetchFile.
+            held = self.client.holdings(self.node, namespace, checkpoint_id)
+            if f.name not in held.names:
+                raise CheckpointNotFound(f"node {self.node} holds no copy of {what}")
+            whole = offset == 0 and length == f.size
+            yield from self.client.fetch(
+                self.node, namespace, checkpoint_id, f.name, offset, 0 if whole else length
+            )
         except PeerCallError as e:
             if e.code == "NOT_FOUND":
                 raise CheckpointNotFound(
-                    f"node {self.node} no longer holds {what}: {e.details}"
+                    f"node {self.node} holds no copy of {what}: {e.details}"
                 ) from None
             if e.code == "DATA_LOSS":
                 raise ChecksumMismatch(f"node {self.node}'s copy of {what}: {e.details}") from None
+            if e.code == "RESOURCE_EXHAUSTED":
+                raise SourceBusy(self.name, e.cause) from None
             raise
+
+    def holds(self, namespace: str, checkpoint_id: str, f: FileRecord) -> bool:
+        """Whether the peer says it holds a verified copy of `f` (False when it does not
+        answer)."""
+        try:
+            return f.name in self.client.holdings(self.node, namespace, checkpoint_id).names
+        except PeerCallError:
+            return False
 
     def landed(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None:
         """The copy is installed here: have the peers learn that this node holds one
@@ -74,14 +113,24 @@ class PeerSource:
 def peer_sources(
     client: PeerClient, f: FileRecord, on_landed: OnLanded | None = None
 ) -> list[PeerSource]:
-    """The peers to ask for `f`, in order: its owner, each replica holder, then every
-    other configured peer (each once, never this node); a peer that did not answer its
-    last call (backing off, `PeerClient.breaker`) is asked last, not skipped: it may be
-    the only holder, and a restore may wait for it."""
+    """The peers to ask for `f`, in order: its owner, each replica holder (which include
+    the nodes that told this one they landed a copy), then every other configured peer
+    in random order (each once, never this node: one of them may have landed a copy in
+    this restore wave); a peer that did not answer its last call (backing off,
+    `PeerClient.breaker`) is asked last, not skipped: it may be the only holder, and a
+    restore may wait for it.
+
+    Fan-out: a holder at its limit of bulk sends answers busy, and the restore asks the
+    next; so when many nodes restore the same file at once (every rank of a data-parallel
+    job reads the files rank 0 wrote), they spill from the owner to the replica holders
+    and, in random order, to the nodes that landed it earlier in the wave
+    (docs/peer-bulk.md)."""
     me = client.node_id
     peers = client.peer_ids
-    order = [f.owner_node, *f.replica_nodes, *peers]
-    nodes = list(dict.fromkeys(n for n in order if n and n != me and n in peers))
+    holders = [n for n in dict.fromkeys([f.owner_node, *f.replica_nodes]) if n in peers]
+    others = [n for n in peers if n not in holders]
+    random.shuffle(others)
+    nodes = [n for n in dict.fromkeys([*holders, *others]) if n and n != me]
     backing_off = client.breaker.backing_off()
     nodes.sort(key=lambda n: n in backing_off)  # stable: the order above otherwise
     return [PeerSource(client, node, on_landed) for node in nodes]

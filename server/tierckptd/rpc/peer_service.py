@@ -21,7 +21,9 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
   only; any other member may only add itself (it fetched a copy).
 - ApplyMark (a cluster rm, pin or unpin): any member, for a mark it made itself (its
   origin_node is the caller); names, kind and stamp are validated.
-- Holdings, FetchFile, ListManifests: any member.
+- Holdings, FetchFile, GrantFetch, ListManifests: any member. A grant (GrantFetch) is
+  bound to the caller, its address (without mutual TLS), the file and the range
+  (`peers/bulk_server.py`).
 - Hello (who answers here: node id and failure domain): any caller the token / TLS
   admitted (a Hello may prove the token by challenge-response instead of sending it,
   and is answered with this node's proof, `security.HelloChallenge`), member or not; a
@@ -58,6 +60,7 @@ from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.model import FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
+from tierckptd.peers.bulk_server import BulkServer
 from tierckptd.peers.chunk_wire import Chunk, encode_data_chunk, register_peer_service
 from tierckptd.peers.client import TRANSFER_TIMEOUT, mark_from_wire, mark_to_wire
 from tierckptd.peers.cluster import Cluster
@@ -146,10 +149,13 @@ class PeerService:
         max_in_flight: int = MAX_IN_FLIGHT,
         max_per_peer: int = MAX_PER_PEER,
         mutual_tls: bool = False,
+        bulk: BulkServer | None = None,
     ) -> None:
         """`mutual_tls` (`[security] tls_ca`): a caller is the node its client cert
-        names, not the node it claims to be."""
+        names, not the node it claims to be. `bulk`: this node's bulk listener, whose
+        grants GrantFetch hands out (None: GrantFetch is UNIMPLEMENTED)."""
         self.cluster = cluster
+        self.bulk = bulk
         self.mutual_tls = mutual_tls
         self.stall_timeout = stall_timeout
         self.call_limit = call_limit
@@ -363,8 +369,40 @@ class PeerService:
             for offset, data in served.pieces:
                 fault("peer.serve.chunk")
                 yield encode_data_chunk(offset, data)
+                metrics.PEER_SENT_BYTES.labels(path="grpc").inc(len(data))
         except Exception as e:
             self.errors.abort(context, "FetchFile", e)
+
+    def GrantFetch(self, request: peer_pb2.FetchFileRequest, context: Any) -> peer_pb2.BulkGrant:
+        bulk = self.bulk
+        if bulk is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"node {self.cluster.node_id} has no bulk listener: use FetchFile",
+            )
+            raise AssertionError("context.abort returned")  # pragma: no cover
+
+        def grant() -> peer_pb2.BulkGrant:
+            caller = self.caller(context)
+            namespace, checkpoint_id = check_ref(request.ref)
+            name = check_file_name(request.file_name)
+            f, length = self.cluster.serving.grantable(
+                namespace, checkpoint_id, name, request.offset, request.length
+            )
+            address = "" if self.mutual_tls else _peer_host(context.peer())
+            token = bulk.grants.issue(
+                caller, address, namespace, checkpoint_id, name, request.offset, length
+            )
+            return peer_pb2.BulkGrant(
+                grant=token,
+                port=bulk.port,
+                file=file_entry(f),
+                offset=request.offset,
+                length=length,
+                expires_in=bulk.grants.ttl,
+            )
+
+        return self.errors.call(context, "GrantFetch", grant)
 
     def UpdateReplicas(
         self, request: peer_pb2.UpdateReplicasRequest, context: Any
@@ -461,6 +499,14 @@ class PeerService:
             )
 
         return self.errors.call(context, "Hello", hello)
+
+
+def _peer_host(peer: str) -> str:
+    """The IP address of a gRPC peer string ("ipv4:10.0.0.1:5000", "ipv6:[::1]:5000")."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    return rest.rpartition(":")[0].strip("[]")
 
 
 def add_peer_service(cluster: Cluster, server: Any, **limits: Any) -> PeerService:
