@@ -330,26 +330,39 @@ class TieredStorage(Storage):
     def _commit(self, namespace: str, checkpoint_id: str) -> None:
         with self._lock:
             names = set(self._written.pop((namespace, checkpoint_id), set()))
-        holders: set[str] = {self._node} if self._node else set()
+        holder_of = dict.fromkeys(names, self._node)
         store = self._job_store()
         key = self._store_key(namespace, checkpoint_id)
         if store is not None and store.check([key]):
             for line in bytes(store.get(key)).decode().splitlines():
                 node, _, name = line.partition("\t")
                 if name:
-                    names.add(name)
-                    holders.add(node)
-        if not names:
+                    holder_of.setdefault(name, node)
+        if not holder_of:
             raise CheckpointIncomplete(
                 f"tierckpt://{namespace}/{checkpoint_id}: no file was written into its "
                 "temporary directory, so there is nothing to commit"
             )
+        # The daemon takes the node holding `.metadata`, else the first file by name, as
+        # the checkpoint's coordinator (the node that commits and publishes it): that
+        # must be this rank's. With its default layout rank 0 writes `<item>_0.pt` of
+        # every item, which sorts first.
+        anchor = ".metadata" if ".metadata" in holder_of else min(holder_of)
+        if self._node and holder_of[anchor] not in ("", self._node):
+            raise UnsupportedOnTieredStore(
+                f"tierckpt://{namespace}/{checkpoint_id}: its first file by name, {anchor}, "
+                f"was written on node {holder_of[anchor]}, not on the committing rank's node "
+                f"{self._node}; tierckpt commits a checkpoint where that file is. Save every "
+                "item on the rank that renames (rank 0), as the default layout does"
+            )
+        names = set(holder_of)
+        holders = {n for n in holder_of.values() if n}
         info = self.client.commit_checkpoint(
             namespace,
             checkpoint_id,
             sorted(names),
             durable=self.config.durable,
-            holder_nodes=sorted(h for h in holders if h),
+            holder_nodes=sorted(holders),
             checkpoint_format=FORMAT_FILES,
         )
         if store is not None:
