@@ -293,7 +293,8 @@ def _shortfall(tier: Tier, copies: int, seen: TierState | None, ref: CheckpointR
         )
     if tier is Tier.DURABLE:
         return (
-            f"the persistent tier does not hold {ref.url}/{METADATA_FILE} yet (state "
+            f"the persistent tier does not hold {ref.url}'s commit marker yet ({METADATA_FILE}, "
+            f"or for a format-neutral checkpoint its bookkeeping marker; state "
             f"{seen.state}; is [persistent] url set, and is the drain due or the save "
             "made with durable=True?)"
         )

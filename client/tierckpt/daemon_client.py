@@ -25,6 +25,7 @@ from tierckpt.errors import (
     reason_in,
 )
 from tierckpt.freshness import from_wire
+from tierckpt.names import FORMAT_DCP, check_format
 from tierckpt.records import CheckpointInfo, FileEntry, NodeStatus, OpenedFile, PeerMarks
 from tierckpt.trust import Trust, check_reason, parse_trust
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
@@ -87,6 +88,7 @@ def _info_from_wire(info: common_pb2.CheckpointInfo) -> CheckpointInfo:
         lost_files=tuple(info.lost_files),
         trust=_TRUST_FROM_WIRE.get(info.trust),
         trust_reason=info.trust_reason,
+        checkpoint_format=info.format or FORMAT_DCP,
     )
 
 
@@ -211,16 +213,20 @@ class DaemonClient:
         *,
         durable: bool = False,
         holder_nodes: Iterable[str] = (),
+        checkpoint_format: str = FORMAT_DCP,
     ) -> CheckpointInfo:
         """Commit a save (the DCP coordinator). `durable`: drain this checkpoint to the
         persistent tier whatever `[persistent] every` says, and keep it in memory until it
         is durable (NoPersistentTier when the daemon has none). `holder_nodes`: the
-        nodes the ranks wrote to (the daemon asks those first; empty: every peer)."""
+        nodes the ranks wrote to (the daemon asks those first; empty: every peer).
+        `checkpoint_format`: "dcp", or "files" for any other format (its files are held,
+        drained and restored byte for byte, never decoded; `tierckpt.names.FORMATS`)."""
         req = daemon_pb2.CommitCheckpointRequest(
             ref=_ref(namespace, checkpoint_id),
             required_files=sorted(required_files),
             durable=durable,
             holder_nodes=sorted(set(holder_nodes)),
+            format=check_format(checkpoint_format),
         )
         return _info_from_wire(self._call(self._service().CommitCheckpoint, req))
 

@@ -23,6 +23,9 @@ import re
 from tierckpt.errors import InvalidName
 
 __all__ = [
+    "FORMATS",
+    "FORMAT_DCP",
+    "FORMAT_FILES",
     "LATEST",
     "LATEST_VERIFIED",
     "MAX_ID",
@@ -30,6 +33,7 @@ __all__ = [
     "METADATA_FILE",
     "check_checkpoint_id",
     "check_file_name",
+    "check_format",
     "check_namespace",
     "check_new_checkpoint_id",
     "check_persistent_url",
@@ -50,6 +54,11 @@ _URL = re.compile(r"([a-z][a-z0-9+.-]{0,31})://(/?)([^/].*?)/*")
 _URL_SEGMENT = re.compile(r"[A-Za-z0-9._~=:+-]{1,255}")
 MAX_URL = 1024
 METADATA_FILE = ".metadata"
+# A checkpoint's format: DCP (`.metadata` names its data files and commits it), or any
+# other format's set of files, which tierckpt holds and moves byte for byte, never decodes.
+FORMAT_DCP = "dcp"
+FORMAT_FILES = "files"
+FORMATS = (FORMAT_DCP, FORMAT_FILES)
 # In a `tierckpt://<namespace>/latest` URL: the newest committed checkpoint of the namespace.
 LATEST = "latest"
 # In a `tierckpt://<namespace>/latest-verified` URL: the newest one marked verified.
@@ -136,6 +145,17 @@ def is_checkpoint_id(value: object) -> bool:
 def check_file_name(value: object) -> str:
     """Return `value` if it is a valid DCP file name of a checkpoint, else raise InvalidName."""
     return _check("file name", value)
+
+
+def check_format(value: object) -> str:
+    """The checkpoint format `value` names ("" is DCP, the default), else InvalidName."""
+    if value == "":
+        return FORMAT_DCP
+    if not isinstance(value, str) or value not in FORMATS:
+        raise InvalidName(
+            f"invalid checkpoint format {_shown(value)}: use {' or '.join(map(repr, FORMATS))}"
+        )
+    return value
 
 
 def step_of(checkpoint_id: str) -> int | None:

@@ -84,6 +84,7 @@ class CheckpointInfo:
     lost_files: tuple[str, ...] = ()  # state LOST: the files no tier holds any more
     trust: Trust | None = None  # `tierckpt mark`: VERIFIED or BAD, None unmarked
     trust_reason: str = ""
+    checkpoint_format: str = "dcp"  # `tierckpt.names.FORMATS`: "dcp" or "files"
 
     def file(self, name: str) -> FileEntry:
         for entry in self.files:
@@ -107,6 +108,7 @@ class CheckpointInfo:
             "lost_files": list(self.lost_files),
             "trust": self.trust.value if self.trust is not None else None,
             "trust_reason": self.trust_reason,
+            "format": self.checkpoint_format,
         }
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from tierckpt.names import FORMAT_DCP
+
 from tierckptd.catalog import Catalog
 from tierckptd.model import CheckpointView, FileRecord
 from tierckptd.ops.faults import fault
@@ -81,10 +83,12 @@ class CommitCoordinator:
         *,
         durable: bool = False,
         holders: Sequence[str] = (),
+        checkpoint_format: str = FORMAT_DCP,
     ) -> CheckpointView:
         """The DCP coordinator's commit. `durable` (the hint) travels in the manifest:
         every owner drains its files of the checkpoint. `holders`: the nodes the ranks
-        wrote to (unverified; only an ordering of whom to ask first)."""
+        wrote to (unverified; only an ordering of whom to ask first). `checkpoint_format`:
+        `tierckpt.names.FORMATS` (validated by the caller), kept in the manifest."""
         remote: dict[str, FileRecord] = {}
         peered = self._peered
         if self._holders is not None and peered:
@@ -92,7 +96,14 @@ class CommitCoordinator:
             missing = {r for r in required if r not in local}
             if missing:
                 remote = self._holders.remote_files(namespace, checkpoint_id, missing, holders)
-        view = self.catalog.commit(namespace, checkpoint_id, required, remote, durable=durable)
+        view = self.catalog.commit(
+            namespace,
+            checkpoint_id,
+            required,
+            remote,
+            durable=durable,
+            checkpoint_format=checkpoint_format,
+        )
         fault("commit.before_publish")
         for listener in self._listeners if peered else ():
             listener.committed(view)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tierckpt.checksum import BlockChecksums
-from tierckpt.names import METADATA_FILE
+from tierckpt.names import FORMAT_DCP, METADATA_FILE
 from tierckpt.records import NodeStatus  # one record for client and daemon
 from tierckpt.trust import Trust as TrustState  # model.Trust is the newest-binding one
 
@@ -135,6 +135,10 @@ class CheckpointRecord:
     # within `[retention] memory_keep_last`. Travels with the manifest, so every node
     # holding the namespace's checkpoints (a replacement one too) applies the same window.
     memory_keep_last: int = 0
+    # Its format (`tierckpt.names.FORMATS`): "dcp" (`.metadata` commits it), or "files"
+    # (any other format's files, moved byte for byte and never decoded). Travels with
+    # the manifest, so every node drains and restores it the same way.
+    checkpoint_format: str = FORMAT_DCP
     # With `[security] local_isolation = "uid"`: the uid owning the namespace when it was
     # saved, and the node where that claim was made (None / "": saved without isolation).
     # Travels with the manifest; every isolating node refuses it to other uids.
@@ -187,6 +191,7 @@ class CheckpointView:
     durable_requested: bool = False
     persistent_url: str = ""
     memory_keep_last: int = 0  # CheckpointRecord.memory_keep_last
+    checkpoint_format: str = FORMAT_DCP  # CheckpointRecord.checkpoint_format
     lost_files: tuple[str, ...] = ()  # with state LOST: the files no tier holds
     owner_uid: int | None = None  # CheckpointRecord.owner_uid
     owner_claim_node: str = ""
@@ -203,6 +208,18 @@ class TrustMark:
     reason: str = ""
     stamp: float = 0.0  # the origin's wall clock when it marked
     origin: str = ""  # the node a user asked
+
+
+def commit_anchor(files: Mapping[str, FileRecord], checkpoint_format: str = FORMAT_DCP) -> str:
+    """The name of the file whose holder commits the checkpoint in the persistent tier:
+    DCP's `.metadata`; for a "files" checkpoint the coordinator's (`coordinator_of`):
+    `.metadata` when one is there (only a name: never decoded), else the first by name.
+    "" for none."""
+    if checkpoint_format == FORMAT_DCP:
+        return METADATA_FILE
+    if METADATA_FILE in files:
+        return METADATA_FILE
+    return min(files, default="")
 
 
 def coordinator_of(files: Mapping[str, FileRecord]) -> str:

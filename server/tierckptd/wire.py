@@ -24,6 +24,7 @@ from tierckpt.freshness import TIERS
 from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
+    check_format,
     check_namespace,
     check_persistent_url,
 )
@@ -99,6 +100,14 @@ def ref(namespace: str, checkpoint_id: str) -> common_pb2.CheckpointRef:
 def check_ref(r: common_pb2.CheckpointRef) -> tuple[str, str]:
     """(namespace, checkpoint id) of a peer's CheckpointRef, both validated."""
     return check_namespace(r.namespace), check_checkpoint_id(r.checkpoint_id)
+
+
+def _format(value: str, what: str) -> str:
+    """A manifest's checkpoint format, validated (InvalidArgument)."""
+    try:
+        return check_format(value)
+    except InvalidName as e:
+        raise InvalidArgument(f"{what}: {e}") from None
 
 
 def check_node_id(value: object, what: str = "node id") -> str:
@@ -227,6 +236,7 @@ def to_info(view: CheckpointView, *, local_paths: bool = True) -> common_pb2.Che
         durable_requested=view.durable_requested,
         persistent_url=view.persistent_url,
         memory_keep_last=view.memory_keep_last,
+        format=view.checkpoint_format,
         lost_files=list(view.lost_files),
         owner_uid=view.owner_uid,
         owner_claim_node=view.owner_claim_node,
@@ -270,6 +280,7 @@ def record_from_info(
         # (`tierckptd.persistent.roots`), against its own `[persistent] allowed_urls`.
         persistent_url=check_persistent_url(info.persistent_url),
         memory_keep_last=info.memory_keep_last,
+        checkpoint_format=_format(info.format, what),
     )
     if info.HasField("owner_uid"):  # the namespace's owner where it was saved (isolation)
         if info.owner_uid >= 0xFFFFFFFF:

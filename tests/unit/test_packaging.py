@@ -52,6 +52,7 @@ FRAMEWORKS = {
     "lightning_fabric",
     "pytorch_lightning",
     "torchtitan",
+    "torch_checkpointing",
 }
 
 

@@ -210,6 +210,7 @@ class CheckpointInfo(_message.Message):
     MEMORY_KEEP_LAST_FIELD_NUMBER: _builtins.int
     TRUST_FIELD_NUMBER: _builtins.int
     TRUST_REASON_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
     MARK_PEERS_APPLIED_FIELD_NUMBER: _builtins.int
     MARK_PEERS_PENDING_FIELD_NUMBER: _builtins.int
     MARK_PEERS_REFUSED_FIELD_NUMBER: _builtins.int
@@ -245,6 +246,10 @@ class CheckpointInfo(_message.Message):
     trust: Global___Trust.ValueType
     """The newest trust mark of the checkpoint (`tierckpt mark`) and its reason."""
     trust_reason: _builtins.str
+    format: _builtins.str
+    """CommitCheckpointRequest.format as committed ("dcp" or "files"); travels with the
+    manifest, so every node drains and restores it the same way.
+    """
     mark_peers_applied: _builtins.int
     """Set only in a PinCheckpoint answer: the pin/unpin mark on the peers, as in
     DeleteCheckpointResponse (applied, not answered yet and retried, refused).
@@ -286,13 +291,14 @@ class CheckpointInfo(_message.Message):
         memory_keep_last: _builtins.int = ...,
         trust: Global___Trust.ValueType = ...,
         trust_reason: _builtins.str = ...,
+        format: _builtins.str = ...,
         mark_peers_applied: _builtins.int = ...,
         mark_peers_pending: _abc.Iterable[_builtins.str] | None = ...,
         mark_peers_refused: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "owner_uid", b"owner_uid", "ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "lost_files", b"lost_files", "mark_peers_applied", b"mark_peers_applied", "mark_peers_pending", b"mark_peers_pending", "mark_peers_refused", b"mark_peers_refused", "memory_keep_last", b"memory_keep_last", "owner_claim_node", b"owner_claim_node", "owner_uid", b"owner_uid", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers", "trust", b"trust", "trust_reason", b"trust_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "committed_unix", b"committed_unix", "created_unix", b"created_unix", "durable_requested", b"durable_requested", "file_count", b"file_count", "files", b"files", "format", b"format", "lost_files", b"lost_files", "mark_peers_applied", b"mark_peers_applied", "mark_peers_pending", b"mark_peers_pending", "mark_peers_refused", b"mark_peers_refused", "memory_keep_last", b"memory_keep_last", "owner_claim_node", b"owner_claim_node", "owner_uid", b"owner_uid", "persistent_url", b"persistent_url", "pinned", b"pinned", "ref", b"ref", "sequence", b"sequence", "size_bytes", b"size_bytes", "state", b"state", "tiers", b"tiers", "trust", b"trust", "trust_reason", b"trust_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
     _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015

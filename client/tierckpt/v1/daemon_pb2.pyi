@@ -322,11 +322,19 @@ class CommitCheckpointRequest(_message.Message):
     REQUIRED_FILES_FIELD_NUMBER: _builtins.int
     DURABLE_FIELD_NUMBER: _builtins.int
     HOLDER_NODES_FIELD_NUMBER: _builtins.int
+    FORMAT_FIELD_NUMBER: _builtins.int
     durable: _builtins.bool
     """Drain this checkpoint to the persistent tier whatever `[persistent] every` says,
     and keep it in memory until it is durable there. FAILED_PRECONDITION when the
     daemon has no persistent tier for the namespace (no `[persistent] url` and no
     SetNamespace URL).
+    """
+    format: _builtins.str
+    """The checkpoint's format: "" or "dcp" (DCP: `.metadata` names the data files, is
+    decoded through the allow-list, and commits it in the persistent tier), or "files"
+    (any other format: a set of files committed together, held, checksummed, replicated,
+    drained and restored byte for byte, never decoded; a bookkeeping marker listing the
+    files commits it in the persistent tier).
     """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
@@ -351,10 +359,11 @@ class CommitCheckpointRequest(_message.Message):
         required_files: _abc.Iterable[_builtins.str] | None = ...,
         durable: _builtins.bool = ...,
         holder_nodes: _abc.Iterable[_builtins.str] | None = ...,
+        format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "holder_nodes", b"holder_nodes", "ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "format", b"format", "holder_nodes", b"holder_nodes", "ref", b"ref", "required_files", b"required_files"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -63,7 +63,14 @@ from tierckpt.errors import (
     PermissionDenied,
     TierckptError,
 )
-from tierckpt.names import METADATA_FILE, check_checkpoint_id, check_file_name, check_namespace
+from tierckpt.names import (
+    FORMAT_DCP,
+    METADATA_FILE,
+    check_checkpoint_id,
+    check_file_name,
+    check_format,
+    check_namespace,
+)
 from tierckpt.trust import Trust as TrustState
 from tierckpt.units import format_size
 
@@ -1613,6 +1620,7 @@ class Catalog:
         remote: dict[str, FileRecord] | None = None,
         *,
         durable: bool = False,
+        checkpoint_format: str = FORMAT_DCP,
     ) -> CheckpointView:
         """Publish a checkpoint atomically (its manifest), then collect and apply retention.
 
@@ -1620,7 +1628,9 @@ class Catalog:
         Holdings); they enter the manifest with their owner and `held` False. `durable`:
         the "make this one durable" hint, kept in the manifest (restarts, peers): due
         whatever `drain_every` says (`DurabilityLedger.due`). Refused without a persistent tier, never
-        ignored: the caller asked for a copy that would never exist.
+        ignored: the caller asked for a copy that would never exist. `checkpoint_format`
+        (`tierckpt.names.FORMATS`) is kept in the manifest: a "files" one is drained and
+        restored byte for byte, never decoded.
         """
         key = self._ref(namespace, checkpoint_id)
         url = self.persistent_url(namespace)
@@ -1677,6 +1687,7 @@ class Catalog:
                 durable_requested=durable,
                 persistent_url=url,
                 memory_keep_last=self.windows.get(namespace),
+                checkpoint_format=check_format(checkpoint_format),
             )
             fault("commit.before_manifest")
             self._write_manifest(staged)
@@ -1689,6 +1700,7 @@ class Catalog:
             rec.durable_requested = durable
             rec.persistent_url = url
             rec.memory_keep_last = staged.memory_keep_last
+            rec.checkpoint_format = staged.checkpoint_format
             self._track(rec)
             self._next_sequence = min(self._next_sequence + 1, MAX_SEQUENCE)
             metrics.COMMITS.inc()

@@ -154,6 +154,7 @@ def view_of(
         durable_requested=rec.durable_requested,
         persistent_url=rec.persistent_url,
         memory_keep_last=rec.memory_keep_last,
+        checkpoint_format=rec.checkpoint_format,
         lost_files=lost_files,
         owner_uid=rec.owner_uid,
         owner_claim_node=rec.owner_claim_node,

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.checksum import BlockChecksums
-from tierckpt.errors import MemoryBudgetExceeded
+from tierckpt.errors import InvalidName, MemoryBudgetExceeded
 from tierckpt.names import (
     check_checkpoint_id,
     check_file_name,
+    check_format,
     check_namespace,
     check_persistent_url,
 )
@@ -127,6 +128,7 @@ def to_json(record: CheckpointRecord) -> dict[str, Any]:
         "durable_requested": record.durable_requested,
         "persistent_url": record.persistent_url,
         "memory_keep_last": record.memory_keep_last,
+        "checkpoint_format": record.checkpoint_format,
         "node_id": record.node_id,
         "trust": record.trust.value,
         "owner_uid": record.owner_uid,
@@ -166,6 +168,14 @@ def _keep_last(doc: dict[str, Any]) -> int:
     return value
 
 
+def _checkpoint_format(doc: dict[str, Any]) -> str:
+    """The checkpoint's format (absent in manifests written before it existed: DCP)."""
+    try:
+        return check_format(doc.get("checkpoint_format", ""))
+    except InvalidName:
+        raise ManifestError("malformed manifest: checkpoint_format is not a known format") from None
+
+
 def _trust(doc: dict[str, Any], record: CheckpointRecord) -> Trust:
     """Whether the checkpoint may be its namespace's newest (`model.Trust`). Absent in a
     manifest written before it existed: PROVEN when the node that wrote the manifest
@@ -197,6 +207,7 @@ def from_json(doc: dict[str, Any]) -> CheckpointRecord:
             durable_requested=_flag(doc, "durable_requested"),
             persistent_url=check_persistent_url(doc.get("persistent_url", "")),
             memory_keep_last=_keep_last(doc),
+            checkpoint_format=_checkpoint_format(doc),
         )
         record.owner_uid, record.owner_claim_node = _owner(doc)
         for f in doc["files"]:

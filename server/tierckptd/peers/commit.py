@@ -26,11 +26,17 @@ from tierckpt.errors import (
     MemoryBudgetExceeded,
     TierckptError,
 )
-from tierckpt.names import METADATA_FILE
 
 from tierckptd.catalog import Catalog, Resolution
 from tierckptd.memory.incoming import restore_plan
-from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, Key, coordinator_of
+from tierckptd.model import (
+    CheckpointRecord,
+    CheckpointView,
+    FileRecord,
+    Key,
+    commit_anchor,
+    coordinator_of,
+)
 from tierckptd.ops import metrics
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 from tierckptd.peers.placement import Member, interested
@@ -448,9 +454,9 @@ class Committer:
                 view = self.catalog.get(namespace, checkpoint_id)
             except CheckpointNotFound:
                 continue
-            if coordinator_of({f.name: f for f in view.files}) != self.node_id or not (
-                view.local_paths.get(METADATA_FILE)
-            ):
+            files = {f.name: f for f in view.files}
+            anchor = commit_anchor(files, view.checkpoint_format)  # `.metadata` for DCP
+            if coordinator_of(files) != self.node_id or not view.local_paths.get(anchor):
                 continue  # another's, or adopted empty: nothing of ours the peers miss
 
             def publish(node: str, v: CheckpointView = view) -> None:

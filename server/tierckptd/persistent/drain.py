@@ -62,7 +62,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 from tierckpt.errors import (
@@ -72,12 +72,12 @@ from tierckpt.errors import (
     UnsafeMetadata,
 )
 from tierckpt.memory_files import VerifiedFile
-from tierckpt.names import METADATA_FILE
+from tierckpt.names import FORMAT_FILES, METADATA_FILE
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
 from tierckptd.jobs import Drain, JobQueue, StepAside
-from tierckptd.model import FileRecord, Key
+from tierckptd.model import FileRecord, Key, commit_anchor
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
 from tierckptd.persistent.drain_backoff import DrainBackoff
@@ -327,6 +327,8 @@ class Drainer:
         """Whether the checkpoint's `.metadata` is one refused before (then marked
         drain-failed and refused, without decoding it)."""
         try:
+            if self.catalog.get(*key).checkpoint_format == FORMAT_FILES:
+                return False  # never decoded, so never refused
             f, _ = self.catalog.file_view(*key, METADATA_FILE)
         except CheckpointNotFound:
             return False
@@ -375,20 +377,28 @@ class Drainer:
         except CheckpointNotFound:
             return Outcome.DURABLE  # deleted meanwhile
         tier = self._tier(namespace, checkpoint_id, view.persistent_url)
-        if tier.is_durable(namespace, checkpoint_id):
+        neutral = view.checkpoint_format == FORMAT_FILES
+        marked = (
+            tier.is_durable(namespace, checkpoint_id, FORMAT_FILES)
+            if neutral
+            else tier.is_durable(namespace, checkpoint_id)
+        )
+        if marked:
             # Drained before a restart cut it short: its index entry may be missing.
             _index(tier, namespace, checkpoint_id)
             self.catalog.mark_durable(namespace, checkpoint_id)
             return Outcome.DURABLE
         files = {f.name: f for f in view.files}
-        meta = files.get(METADATA_FILE)
+        # The commit's anchor: DCP's `.metadata`; a "files" checkpoint's is the file its
+        # coordinator owns (`model.commit_anchor`), uploaded like every other.
+        meta = files.get(commit_anchor(files, view.checkpoint_format))
         if meta is None:
             raise UnsafeMetadata(
                 f"{namespace}/{checkpoint_id} has no .metadata, so it is not a DCP "
                 "checkpoint and cannot be drained"
             )
         me = self.node_id
-        data = [f for f in view.files if f.name != METADATA_FILE]
+        data = [f for f in view.files if neutral or f.name != METADATA_FILE]
         meta_copy = meta.held and meta.owner_node != me  # may commit if the coordinator is gone
         listed = any(f.held for f in data) or meta_copy
         uploaded = tier.uploaded(namespace, checkpoint_id) if listed else {}
@@ -408,6 +418,8 @@ class Drainer:
             pending,
             self._presence(namespace, checkpoint_id, ask),
             everything=everything,
+            anchor=meta.name,
+            anchor_is_data=neutral,
         )
         if plan.unheld:
             logger.debug(
@@ -426,11 +438,21 @@ class Drainer:
                     len(theirs),
                     "SIGTERM" if everything else "their owner is gone",
                 )
-            metadata, items = self._metadata(namespace, checkpoint_id)
-            self._upload(tier, namespace, checkpoint_id, [files[n] for n in plan.upload], items)
+            # A "files" checkpoint is never decoded: its files go up verbatim.
+            metadata, items = (b"", {}) if neutral else self._metadata(namespace, checkpoint_id)
+            self._upload(
+                tier,
+                namespace,
+                checkpoint_id,
+                [files[n] for n in plan.upload],
+                items,
+                any_name=neutral,
+            )
         if not plan.commit:
             return Outcome.UPLOADED if everything else Outcome.WAITING
-        if metadata is None:
+        if neutral:
+            metadata = b""
+        elif metadata is None:
             metadata, _ = self._metadata(namespace, checkpoint_id)
         if not self.catalog.knows(namespace, checkpoint_id):
             # An rm's mark arrived while the files went up (audit 3 M4): no `.metadata`
@@ -438,7 +460,9 @@ class Drainer:
             # what went up (`Catalog.on_gone_durable`).
             self.catalog.mark_durable(namespace, checkpoint_id)
             return Outcome.DURABLE
-        return self._commit(tier, namespace, checkpoint_id, metadata, plan.by_rule)
+        return self._commit(
+            tier, namespace, checkpoint_id, metadata, plan.by_rule, view.files if neutral else None
+        )
 
     def _commit(
         self,
@@ -447,8 +471,10 @@ class Drainer:
         checkpoint_id: str,
         metadata: bytes,
         by_rule: bool,
+        neutral_files: Sequence[FileRecord] | None = None,
     ) -> Outcome:
-        """Bookkeeping, then `.metadata` last; persistent retention after a commit by the
+        """Bookkeeping, then `.metadata` last (for a "files" checkpoint, `neutral_files`
+        given: its `files_commit` marker last); persistent retention after a commit by the
         committer the rule names (not after SIGTERM's best-effort one)."""
         tier.put_bookkeeping(
             namespace,
@@ -456,13 +482,17 @@ class Drainer:
             MANIFEST_OBJECT,
             json.dumps(self.catalog.manifest_document(namespace, checkpoint_id)).encode(),
         )
-        tier.put_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT, metadata)
+        if neutral_files is None:
+            tier.put_bookkeeping(namespace, checkpoint_id, METADATA_OBJECT, metadata)
         trust = self.catalog.events.trust_marks(namespace).get(checkpoint_id)
         if trust is not None:  # marked before it drained: kept beside it (trust_marker)
             tier.put_bookkeeping(namespace, checkpoint_id, TRUST_OBJECT, encode_trust(trust))
         try:
             fault("drain.metadata")
-            tier.upload_metadata_last(namespace, checkpoint_id, metadata)
+            if neutral_files is not None:
+                tier.commit_files_last(namespace, checkpoint_id, neutral_files)
+            else:
+                tier.upload_metadata_last(namespace, checkpoint_id, metadata)
         except CheckpointIncomplete as e:
             logger.debug("drain of %s/%s waits for other nodes: %s", namespace, checkpoint_id, e)
             return Outcome.WAITING if by_rule else Outcome.UPLOADED
@@ -518,6 +548,8 @@ class Drainer:
         checkpoint_id: str,
         todo: list[FileRecord],
         described: dict[str, DataFile],
+        *,
+        any_name: bool = False,
     ) -> None:
         items = described if tier.compression == "zstd" else {}
         with ExitStack() as stack:
@@ -538,6 +570,7 @@ class Drainer:
                         size=f.size,
                         items=found.items if found is not None else None,
                         fingerprint=fingerprint(f),
+                        any_name=any_name,
                     )
                 )
             done = tier.upload_files(namespace, checkpoint_id, uploads)

@@ -191,6 +191,8 @@ def plan_drain(
     presence: Presence,
     *,
     everything: bool = False,
+    anchor: str = METADATA_FILE,
+    anchor_is_data: bool = False,
 ) -> DrainPlan:
     """What this node does for a checkpoint (pure; see the module doc).
 
@@ -199,6 +201,9 @@ def plan_drain(
         pending: names of the data files not (currently) in the tier.
         presence: this node's view of the others.
         everything: SIGTERM's emergency drain: every data file held here.
+        anchor: the file whose holder commits (`model.commit_anchor`): DCP's
+            `.metadata`, never uploaded as data; `anchor_is_data` ("files" format): it is
+            uploaded like the others too.
     """
     by_name = {f.name: f for f in files}
     upload: list[str] = []
@@ -206,11 +211,11 @@ def plan_drain(
     unheld: list[str] = []
     for name in sorted(set(pending)):
         f = by_name.get(name)
-        if f is None or name == METADATA_FILE:
+        if f is None or (name == anchor and not anchor_is_data):
             continue
         node = presence.me if everything and f.held else uploader(f, presence)
         (upload if node == presence.me else waiting if node else unheld).append(name)
-    meta = by_name.get(METADATA_FILE)
+    meta = by_name.get(anchor)
     by_rule = meta is not None and committer(meta, presence) == presence.me
     commit = by_rule or (everything and meta is not None and meta.held)
     return DrainPlan(tuple(upload), tuple(waiting), tuple(unheld), commit, by_rule)

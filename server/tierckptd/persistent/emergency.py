@@ -21,9 +21,8 @@ import time
 from typing import TYPE_CHECKING
 
 from tierckpt.errors import UnsafeMetadata
-from tierckpt.names import METADATA_FILE
 
-from tierckptd.model import Key, State
+from tierckptd.model import Key, State, commit_anchor
 from tierckptd.persistent.drain_plan import Outcome
 
 if TYPE_CHECKING:
@@ -61,7 +60,8 @@ def newest_held(drainer: Drainer) -> list[Key]:
     for view in catalog.list_checkpoints():
         if view.state is State.LOST:
             continue
-        meta = next((f for f in view.files if f.name == METADATA_FILE), None)
+        anchor = commit_anchor({f.name: f for f in view.files}, view.checkpoint_format)
+        meta = next((f for f in view.files if f.name == anchor), None)
         coordinates = meta is not None and meta.owner_node == me
         if coordinates or any(f.held for f in view.files):
             newest[view.namespace] = (view.namespace, view.checkpoint_id)

@@ -55,6 +55,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 from tierckpt.errors import TIER_UNAVAILABLE_PREFIX, InvalidName, TierckptError, TierUnavailable
 from tierckpt.names import (
+    FORMAT_FILES,
     check_checkpoint_id,
     check_namespace,
     checkpoint_id_of_flat,
@@ -67,6 +68,8 @@ from tierckptd.memory.manifest import ManifestError
 from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import Key
 from tierckptd.persistent.errors import tier_label
+from tierckptd.persistent.files_commit import FILES_COMMIT_OBJECT, MAX_COMMIT, check_matches
+from tierckptd.persistent.files_commit import parse as parse_files_commit
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.store import Op, PersistentTier, PersistentTierUnavailable, metadata_ids
 from tierckptd.persistent.trust_marker import read_trust
@@ -267,6 +270,13 @@ def adopt_checkpoint(
     if rec.key != key:
         raise ManifestError(f"the manifest describes {rec.namespace}/{rec.checkpoint_id}")
     check_stored_record(rec, time.time())
+    if rec.checkpoint_format == FORMAT_FILES:
+        # Its commit is the files marker, PUT last: it must be there and list exactly the
+        # manifest's files, sizes and checksums (a `.metadata` in its directory is data).
+        raw_commit = tier.read_bookkeeping(*key, FILES_COMMIT_OBJECT, max_bytes=MAX_COMMIT)
+        if raw_commit is None:
+            raise ManifestError(f"{key[0]}/{key[1]}: a files checkpoint without its commit marker")
+        check_matches(parse_files_commit(raw_commit), *key, rec.files.values())
     rec.persistent_url = url
     for f in rec.files.values():
         f.held = False

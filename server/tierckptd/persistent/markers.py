@@ -115,6 +115,9 @@ class FileUpload:
     size: int | None = None
     items: Sequence[Item] | None = None
     fingerprint: str = ""
+    # A file of a "files" checkpoint: any valid name is data (a `.metadata` too, never
+    # taken for DCP's commit marker).
+    any_name: bool = False
 
 
 def as_range_source(source: Source) -> RangeSource:

@@ -53,7 +53,11 @@ class PersistentSource:
     ) -> Iterator[tuple[int, BytesLike]]:
         what = f"{namespace}/{checkpoint_id}/{f.name} in {self.name}"
         try:
-            if f.name == METADATA_FILE:
+            # A "files" checkpoint's `.metadata` is data with an upload marker; DCP's
+            # has none (its original is in the bookkeeping). Either way the bytes are
+            # checked against the manifest's checksums where they land.
+            marker = self.tier.uploaded(namespace, checkpoint_id).get(f.name)
+            if f.name == METADATA_FILE and marker is None:
                 data = self.tier.read_bookkeeping(
                     namespace, checkpoint_id, METADATA_OBJECT, max_bytes=MAX_METADATA
                 )
@@ -61,7 +65,6 @@ class PersistentSource:
                     raise CheckpointNotFound(f"{what}: no original .metadata in the bookkeeping")
                 yield 0, data
                 return
-            marker = self.tier.uploaded(namespace, checkpoint_id).get(f.name)
             if marker is None:
                 raise CheckpointNotFound(f"{what}: not in the persistent tier")
             yield from original_chunks(

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from tierckpt.errors import CheckpointNotFound
-from tierckpt.names import METADATA_FILE
+from tierckpt.names import FORMAT_FILES, METADATA_FILE
 
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
@@ -55,7 +55,8 @@ def owned_files(catalog: Catalog, stores: Roots) -> dict[PersistentTier, set[Fil
         if tier is None:
             continue
         for f in view.files:
-            if f.owner_node == catalog.node_id and f.name != METADATA_FILE:
+            data = f.name != METADATA_FILE or view.checkpoint_format == FORMAT_FILES
+            if f.owner_node == catalog.node_id and data:
                 found.setdefault(tier, set()).add((namespace, checkpoint_id, f.name))
     return found
 

@@ -6,6 +6,12 @@ Layout under ``url``::
     <url>/<namespace>/<checkpoint_id>/.metadata          uploaded last: the commit marker
     <url>/.tierckpt/<namespace>/<flat id>/files/<name>.json
                                                          one upload marker per data file
+    <url>/.tierckpt/<namespace>/<flat id>/files-commit.json
+                                                         a "files" checkpoint's commit
+
+A checkpoint of another format than DCP ("files": `tierckpt.names.FORMATS`) has no
+`.metadata` to decode: all its files are data, uploaded verbatim, and the commit marker
+`files_commit` (listing each file, its size and checksum fingerprint) is PUT last.
 
 An id that is a folder path (``run1/step-10``) nests as a local folder would
 (``<url>/<ns>/run1/step-10/.metadata``), so stock DCP opens ``<url>/<ns>/run1/step-10``;
@@ -47,6 +53,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import fsspec
 from tierckpt.errors import CheckpointIncomplete, InvalidName
 from tierckpt.names import (
+    FORMAT_DCP,
+    FORMAT_FILES,
     METADATA_FILE,
     check_checkpoint_id,
     check_file_name,
@@ -57,8 +65,10 @@ from tierckpt.names import (
     step_of,
 )
 
+from tierckptd.model import FileRecord
 from tierckptd.ops.faults import fault
 from tierckptd.persistent.errors import Backend, PersistentTierUnavailable, backend_for
+from tierckptd.persistent.files_commit import FILES_COMMIT_OBJECT, FilesCommit
 from tierckptd.persistent.format import (
     DEFAULT_CHUNK_SIZE,
     FileIndex,
@@ -75,6 +85,7 @@ from tierckptd.persistent.markers import (
     UploadedFile,
     as_range_source,
     check_relative_path,
+    fingerprint,
 )
 from tierckptd.persistent.retry import Calls, Op, RetryPolicy
 
@@ -248,6 +259,7 @@ class PersistentTier:
         *,
         items: Sequence[Item] | None = None,
         fingerprint: str = "",
+        any_name: bool = False,
     ) -> UploadedFile:
         """Upload one data file (streaming, multipart), then its marker.
 
@@ -260,11 +272,13 @@ class PersistentTier:
 
         Args:
             size: the source's size, checked when given.
+            any_name: a file of a "files" checkpoint, where `.metadata` is data too.
 
         Raises:
             PersistentTierUnavailable: the tier stayed down past the retry policy.
         """
-        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{check_relative_path(name)}"
+        checked = check_relative_path(name, data_only=not any_name)
+        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{checked}"
         marker = self._marker_path(namespace, checkpoint_id, name)
         src = as_range_source(source)
         if size is not None and src.size != size:
@@ -342,6 +356,7 @@ class PersistentTier:
                     u.size,
                     items=u.items,
                     fingerprint=u.fingerprint,
+                    any_name=u.any_name,
                 )
                 for u in uploads
             ]
@@ -445,6 +460,52 @@ class PersistentTier:
         logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
         return body
 
+    def commit_files_last(
+        self, namespace: str, checkpoint_id: str, files: Sequence[FileRecord]
+    ) -> None:
+        """Commit a "files" checkpoint: PUT its commit marker (`files_commit`) once every
+        file has an upload marker of its bytes (the fingerprint of its checksums) and an
+        object of that size.
+
+        Raises:
+            CheckpointIncomplete: a file is not (fully) up; nothing was committed.
+            PersistentTierUnavailable: the tier stayed down past the retry policy.
+        """
+        ckpt = self.checkpoint_path(namespace, checkpoint_id)
+        for f in files:
+            check_relative_path(f.name, data_only=False)
+        markers = self.uploaded(namespace, checkpoint_id)
+
+        def stored_sizes() -> dict[str, int]:
+            self.fs.invalidate_cache(ckpt)
+            try:
+                found = self.find(ckpt, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
+
+        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}", Op.LIST)
+        problems = [
+            f.name
+            for f in files
+            if (m := markers.get(f.name)) is None
+            or m.fingerprint != fingerprint(f)
+            or sizes.get(f.name) != m.size
+        ]
+        if problems:
+            shown = ", ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
+            raise CheckpointIncomplete(
+                f"{namespace}/{checkpoint_id}: {len(problems)} file(s) not (fully) in the "
+                f"persistent tier: {shown}; upload them before the commit marker"
+            )
+        self.put_bookkeeping(
+            namespace,
+            checkpoint_id,
+            FILES_COMMIT_OBJECT,
+            FilesCommit.of(namespace, checkpoint_id, files).to_json(),
+        )
+        logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
+
     # ---- bookkeeping ---------------------------------------------------------------
 
     def put_bookkeeping(self, namespace: str, checkpoint_id: str, name: str, data: bytes) -> None:
@@ -484,17 +545,28 @@ class PersistentTier:
 
     # ---- queries -----------------------------------------------------------------
 
-    def is_durable(self, namespace: str, checkpoint_id: str) -> bool:
-        """Whether the checkpoint's `.metadata` is in the tier (an outage raises)."""
-        path = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+    def is_durable(
+        self, namespace: str, checkpoint_id: str, checkpoint_format: str | None = None
+    ) -> bool:
+        """Whether the checkpoint's commit marker is in the tier (an outage raises): its
+        `.metadata` for "dcp", its bookkeeping `files_commit` marker for "files", either
+        when the format is not known yet (adoption reads it from the manifest, and then
+        checks the marker its format has: `listing.adopt_checkpoint`)."""
+        dcp = f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+        files = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{FILES_COMMIT_OBJECT}"
+        paths = {FORMAT_DCP: [dcp], FORMAT_FILES: [files]}.get(
+            checkpoint_format or "", [dcp, files]
+        )
 
         def probe() -> bool:
-            self.fs.invalidate_cache(path)
-            try:
-                self.fs.info(path)
-            except FileNotFoundError:
-                return False
-            return True
+            for path in paths:
+                self.fs.invalidate_cache(path)
+                try:
+                    self.fs.info(path)
+                except FileNotFoundError:
+                    continue
+                return True
+            return False
 
         return self.retrying(probe, f"probe {namespace}/{checkpoint_id}", Op.READ)
 
@@ -526,6 +598,7 @@ class PersistentTier:
 
         found = self.retrying(scan, f"list {namespace}", Op.LIST)
         ids, bad = metadata_ids(found, base)
+        ids |= self._files_committed_ids(namespace)
         if bad:
             logger.warning(
                 "%s: skipped %d object(s) whose checkpoint id is not valid, e.g. %.64r",
@@ -545,6 +618,29 @@ class PersistentTier:
                 sorted(foreign)[0],
             )
         return sorted(ids - foreign, key=step_order)
+
+    def _files_committed_ids(self, namespace: str) -> set[str]:
+        """Ids of the namespace's "files" checkpoints with a commit marker (one listing of
+        its bookkeeping; invalid names skipped)."""
+        base = f"{self.root}/{BOOKKEEPING_DIR}/{check_namespace(namespace)}"
+
+        def scan() -> list[str]:
+            self.fs.invalidate_cache(base)
+            try:
+                return [str(p) for p in self.find(base)]
+            except FileNotFoundError:
+                return []
+
+        ids: set[str] = set()
+        for p in self.retrying(scan, f"list {namespace} bookkeeping", Op.LIST):
+            flat, _, name = p[len(base) + 1 :].partition("/")
+            if name != FILES_COMMIT_OBJECT:
+                continue
+            try:
+                ids.add(checkpoint_id_of_flat(flat))
+            except InvalidName:
+                continue
+        return ids
 
     def bookkept_ids(self, namespace: str) -> set[str]:
         """Ids with a bookkeeping directory (``<url>/.tierckpt/<ns>/<id>/``: upload markers,
@@ -663,6 +759,8 @@ class PersistentTier:
         self.retrying(
             lambda: self.remove_object(f"{ckpt}/{METADATA_FILE}"), f"{what} (.metadata)", Op.DELETE
         )
+        marker = f"{self._bookkeeping_path(namespace, checkpoint_id)}/{FILES_COMMIT_OBJECT}"
+        self.retrying(lambda: self.remove_object(marker), f"{what} (commit marker)", Op.DELETE)
         self.retrying(lambda: self._remove_own_files(ckpt), f"{what} (data)", Op.DELETE)
         book = self._bookkeeping_path(namespace, checkpoint_id)
         self.retrying(

@@ -23,7 +23,12 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 from tierckpt.errors import CheckpointNotFound, PermissionDenied, TierUnavailable
-from tierckpt.names import check_checkpoint_id, check_namespace, check_new_checkpoint_id
+from tierckpt.names import (
+    check_checkpoint_id,
+    check_format,
+    check_namespace,
+    check_new_checkpoint_id,
+)
 from tierckpt.trust import Trust as TrustState
 from tierckpt.v1 import common_pb2, daemon_pb2, daemon_pb2_grpc
 
@@ -237,6 +242,7 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
                 ref.checkpoint_id,
                 list(request.required_files),
                 durable=request.durable,
+                checkpoint_format=check_format(request.format),
                 # A hint: only names of configured peers count (the commit filters).
                 holders=list(request.holder_nodes[:MAX_FILES]),
             )
