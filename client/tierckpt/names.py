@@ -25,6 +25,7 @@ from tierckpt.errors import InvalidName
 __all__ = [
     "LATEST",
     "LATEST_VERIFIED",
+    "NEXT_GENERATION",
     "MAX_ID",
     "MAX_ID_SEGMENTS",
     "METADATA_FILE",
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint_id_of_flat",
     "flat_checkpoint_id",
     "is_checkpoint_id",
+    "next_generation_id",
     "step_of",
 ]
 
@@ -50,6 +52,10 @@ _URL = re.compile(r"([a-z][a-z0-9+.-]{0,31})://(/?)([^/].*?)/*")
 _URL_SEGMENT = re.compile(r"[A-Za-z0-9._~=:+-]{1,255}")
 MAX_URL = 1024
 METADATA_FILE = ".metadata"
+# Ends the daemon's internal id of a save that replaces a committed checkpoint (an
+# overwrite): "~" is outside the id grammar, so no user id spells it, no RPC reaches it,
+# and a memory-tier directory named so is never adopted (a restart collects it).
+NEXT_GENERATION = "~next"
 # In a `tierckpt://<namespace>/latest` URL: the newest committed checkpoint of the namespace.
 LATEST = "latest"
 # In a `tierckpt://<namespace>/latest-verified` URL: the newest one marked verified.
@@ -102,6 +108,12 @@ def check_checkpoint_id(value: object) -> str:
 def flat_checkpoint_id(checkpoint_id: str) -> str:
     """`checkpoint_id` as one path component ("/" spelled "+"); one-segment ids unchanged."""
     return check_checkpoint_id(checkpoint_id).replace(FOLDER_SEPARATOR, FLAT_SEPARATOR)
+
+
+def next_generation_id(checkpoint_id: str) -> str:
+    """The internal id under which a save replacing the committed `checkpoint_id` is
+    written until it commits (`NEXT_GENERATION`)."""
+    return check_checkpoint_id(checkpoint_id) + NEXT_GENERATION
 
 
 def checkpoint_id_of_flat(name: object) -> str:

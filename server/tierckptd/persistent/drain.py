@@ -62,7 +62,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 from tierckpt.errors import (
@@ -77,6 +77,8 @@ from tierckpt.names import METADATA_FILE
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
 from tierckptd.jobs import Drain, JobQueue, StepAside
+from tierckptd.memory.manifest import ManifestError
+from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord, Key
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
@@ -93,6 +95,7 @@ from tierckptd.persistent.emergency import emergency_drain
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.listing import (
     MANIFEST_OBJECT,
+    MAX_MANIFEST,
     adopt_all,
     write_index_entry,
 )
@@ -100,6 +103,7 @@ from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.refusals import FILE_NAME as REFUSALS_FILE
 from tierckptd.persistent.refusals import RefusedMetadata
 from tierckptd.persistent.retention import PersistentRetention
+from tierckptd.persistent.retry import Op
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
@@ -135,6 +139,47 @@ def _index(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
         write_index_entry(tier, namespace, checkpoint_id)
     except (PersistentTierUnavailable, OSError) as e:
         logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
+
+
+def _replaced(
+    tier: PersistentTier, namespace: str, checkpoint_id: str, files: Sequence[FileRecord]
+) -> bool:
+    """Whether the tier holds another generation of the id than `files` (a save that
+    overwrote it committed since it drained): its bookkeeping manifest describes other
+    bytes. None stored, or one refused: not known to differ (drained before bookkeeping
+    existed), so it is taken as this one, as before re-saves existed."""
+    try:
+        raw = tier.read_bookkeeping(
+            namespace, checkpoint_id, MANIFEST_OBJECT, max_bytes=MAX_MANIFEST
+        )
+        stored = manifest_from_json(json.loads(raw)) if raw is not None else None
+    except (ManifestError, ValueError, TypeError, KeyError):
+        stored = None
+    if stored is None:
+        return False
+    mine = {f.name: (f.size, fingerprint(f)) for f in files if f.checksums is not None}
+    theirs = {f.name: (f.size, fingerprint(f)) for f in stored.files.values() if f.checksums}
+    return mine != theirs
+
+
+def _retire_metadata(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
+    """Delete the `.metadata` of the generation an overwrite replaced, before any byte of
+    the new one goes up: a reader of the bucket (stock DCP) never pairs it with the new
+    data files. The new generation then drains as any checkpoint, `.metadata` last."""
+    path = f"{tier.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+    fault("drain.retire_metadata")
+    tier.retrying(
+        lambda: tier.remove_object(path),
+        f"retire the replaced {namespace}/{checkpoint_id}/.metadata",
+        Op.DELETE,
+    )
+    logger.info(
+        "%s/%s was re-saved: the replaced generation's .metadata is removed from %s; the new "
+        "one drains next",
+        namespace,
+        checkpoint_id,
+        tier.url,
+    )
 
 
 class _StepAsideForSaves:
@@ -376,10 +421,12 @@ class Drainer:
             return Outcome.DURABLE  # deleted meanwhile
         tier = self._tier(namespace, checkpoint_id, view.persistent_url)
         if tier.is_durable(namespace, checkpoint_id):
-            # Drained before a restart cut it short: its index entry may be missing.
-            _index(tier, namespace, checkpoint_id)
-            self.catalog.mark_durable(namespace, checkpoint_id)
-            return Outcome.DURABLE
+            if not _replaced(tier, namespace, checkpoint_id, view.files):
+                # Drained before a restart cut it short: its index entry may be missing.
+                _index(tier, namespace, checkpoint_id)
+                self.catalog.mark_durable(namespace, checkpoint_id)
+                return Outcome.DURABLE
+            _retire_metadata(tier, namespace, checkpoint_id)
         files = {f.name: f for f in view.files}
         meta = files.get(METADATA_FILE)
         if meta is None:
