@@ -865,17 +865,22 @@ class Catalog:
             }
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
-        """(this node's state of the checkpoint or None, the committed files held here;
-        while a save replaces it, that save's: the replacing commit asks them)."""
+        """(this node's state of the checkpoint or None, the committed files held here).
+        While a save replaces it, its files are answered in place of the old ones of the
+        same name (the replacing commit asks them), the old one's others as well (a heal
+        of the old one meanwhile still finds its copies here)."""
         key = self._ref(namespace, checkpoint_id)
         with self._lock:
-            rec = self._save_of(key)
+            rec = self._records.get(key)
             if rec is None or rec.state is State.ABORTED:
                 return None, []
+            held = {f.name: f for f in rec.files.values() if f.committed and f.held}
+            pending = self._replacing(key)
+            if pending is not None:
+                held.update((f.name, f) for f in pending.files.values() if f.committed and f.held)
             files = [
                 dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
-                for f in sorted(rec.files.values(), key=lambda f: f.name)
-                if f.committed and f.held
+                for f in sorted(held.values(), key=lambda f: f.name)
             ]
             return rec.state, files
 

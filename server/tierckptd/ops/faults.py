@@ -64,8 +64,8 @@ POINTS: Mapping[str, str] = MappingProxyType(
         "peer.receive.chunk": "PushFile handler, each chunk of a replica received",
         "peer.fetch.chunk": "PeerClient.fetch, each chunk of a file fetched",
         "peer.serve.chunk": "PeerService.FetchFile, each chunk of a file served",
-        "drain.retire_metadata": "Drainer._drain of a re-saved id, before the replaced "
-        "generation's .metadata is removed from the persistent tier",
+        "drain.retire_metadata": "Drainer._drain of a re-saved id, the replaced generation's "
+        ".metadata removed from the persistent tier, no byte of the new one up yet",
         "drain.upload": "Drainer._upload, before each data file goes up",
         "drain.marker": "PersistentTier.upload_file, data file up, its marker not yet",
         "drain.metadata": "Drainer._commit, every data file up, .metadata not yet",

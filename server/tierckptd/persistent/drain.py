@@ -167,12 +167,12 @@ def _retire_metadata(tier: PersistentTier, namespace: str, checkpoint_id: str) -
     the new one goes up: a reader of the bucket (stock DCP) never pairs it with the new
     data files. The new generation then drains as any checkpoint, `.metadata` last."""
     path = f"{tier.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
-    fault("drain.retire_metadata")
     tier.retrying(
         lambda: tier.remove_object(path),
         f"retire the replaced {namespace}/{checkpoint_id}/.metadata",
         Op.DELETE,
     )
+    fault("drain.retire_metadata")
     logger.info(
         "%s/%s was re-saved: the replaced generation's .metadata is removed from %s; the new "
         "one drains next",
