@@ -1866,7 +1866,9 @@ class Catalog:
     def list_checkpoints(
         self, namespace: str = "", include_uncommitted: bool = False
     ) -> list[CheckpointView]:
-        """Committed checkpoints by sequence, then (optionally) saves in progress."""
+        """Committed checkpoints by sequence, then (optionally) saves in progress; a save
+        replacing a committed id is shown under that id (WRITING, beside the committed one),
+        never under its internal id."""
         if namespace:
             check_namespace(namespace)
         with self._lock:
@@ -1879,8 +1881,14 @@ class Catalog:
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
             writers = self.writers.by_namespace(namespace)
             trust = {ns: self.events.trust_marks(ns) for ns in {r.namespace for r in recs}}
-            return [
+            views = [
                 self._view(r, writers.get(r.namespace, set()), trust[r.namespace]) for r in recs
+            ]
+            return [
+                dataclasses.replace(v, checkpoint_id=v.checkpoint_id.removesuffix(NEXT_GENERATION))
+                if v.checkpoint_id.endswith(NEXT_GENERATION)
+                else v
+                for v in views
             ]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:

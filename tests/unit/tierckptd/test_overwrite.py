@@ -38,6 +38,11 @@ def test_the_old_generation_stays_until_the_new_one_commits(catalog: Catalog, sa
     assert catalog.get("run", "step-1").sequence == old.sequence
     assert _bytes(catalog) == {"__0_0.distcp": b"old" * 100, ".metadata": b"m1"}
     assert [v.checkpoint_id for v in catalog.list_checkpoints("run")] == ["step-1"]
+    shown = catalog.list_checkpoints("run", include_uncommitted=True)
+    assert [(v.checkpoint_id, v.state) for v in shown] == [
+        ("step-1", State.COMMITTED),
+        ("step-1", State.WRITING),  # the re-save in progress, under the id it replaces
+    ]
     assert catalog.get("run").checkpoint_id == "step-1"
     view = catalog.commit("run", "step-1", FILES)
     assert view.sequence > old.sequence and view.state is State.COMMITTED
