@@ -485,7 +485,7 @@ class Drainer:
             # what went up (`Catalog.on_gone_durable`).
             self.catalog.mark_durable(namespace, checkpoint_id)
             return Outcome.DURABLE
-        return self._commit(tier, namespace, checkpoint_id, metadata, plan.by_rule)
+        return self._commit(tier, namespace, checkpoint_id, metadata, plan.by_rule, view.sequence)
 
     def _commit(
         self,
@@ -494,9 +494,14 @@ class Drainer:
         checkpoint_id: str,
         metadata: bytes,
         by_rule: bool,
+        sequence: int,
     ) -> Outcome:
         """Bookkeeping, then `.metadata` last; persistent retention after a commit by the
-        committer the rule names (not after SIGTERM's best-effort one)."""
+        committer the rule names (not after SIGTERM's best-effort one). Not when a save
+        replaced the checkpoint since this attempt began (`sequence`, the generation it
+        drained, is no longer the one committed): that one drains next."""
+        if not self._still(namespace, checkpoint_id, sequence):
+            return Outcome.WAITING
         tier.put_bookkeeping(
             namespace,
             checkpoint_id,
@@ -507,6 +512,8 @@ class Drainer:
         trust = self.catalog.events.trust_marks(namespace).get(checkpoint_id)
         if trust is not None:  # marked before it drained: kept beside it (trust_marker)
             tier.put_bookkeeping(namespace, checkpoint_id, TRUST_OBJECT, encode_trust(trust))
+        if not self._still(namespace, checkpoint_id, sequence):
+            return Outcome.WAITING
         try:
             fault("drain.metadata")
             tier.upload_metadata_last(namespace, checkpoint_id, metadata)
@@ -531,6 +538,15 @@ class Drainer:
         if by_rule:
             self.retention.apply(tier, namespace)
         return Outcome.DURABLE
+
+    def _still(self, namespace: str, checkpoint_id: str, sequence: int) -> bool:
+        """Whether the generation of the checkpoint committed here is still `sequence`
+        (False: re-saved since the drain attempt began). A deleted one is left to the
+        rm's own handling of a drain that raced it (`mark_durable`, `gone_durable`)."""
+        try:
+            return self.catalog.get(namespace, checkpoint_id).sequence == sequence
+        except CheckpointNotFound:
+            return True
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
         """The memory tier's `.metadata`, verified (fetched from a peer if not held), and
