@@ -167,9 +167,15 @@ class DaemonClient:
         return error
 
     # --- save path -------------------------------------------------------------------
-    def begin_checkpoint(self, namespace: str, checkpoint_id: str, rank: int) -> str:
-        """Start (or join) a save on this rank's daemon; returns the daemon's node id."""
-        req = daemon_pb2.BeginCheckpointRequest(ref=_ref(namespace, checkpoint_id), rank=rank)
+    def begin_checkpoint(
+        self, namespace: str, checkpoint_id: str, rank: int, *, overwrite: bool = False
+    ) -> str:
+        """Start (or join) a save on this rank's daemon; returns the daemon's node id.
+        `overwrite`: a committed id is replaced when this save commits (else
+        CheckpointExists)."""
+        req = daemon_pb2.BeginCheckpointRequest(
+            ref=_ref(namespace, checkpoint_id), rank=rank, overwrite=overwrite
+        )
         return str(self._call(self._service().BeginCheckpoint, req).node_id)
 
     def reserve_space(self, namespace: str, checkpoint_id: str, rank: int, nbytes: int) -> int:

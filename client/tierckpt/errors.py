@@ -76,9 +76,10 @@ class PermissionDenied(TierckptError, PermissionError):
 
 class CheckpointExists(TierckptError, FileExistsError):
     """Raised when a save would change what is already there: a `BeginCheckpoint` of an
-    id already committed on the node, or a file opened or committed twice in one save.
-    Committed checkpoints are immutable: save under a new `checkpoint_id` (or remove the
-    old one first with `tierckpt rm`)."""
+    id already committed on the node by a save that does not overwrite
+    (`TieredStorageWriter(overwrite=False)`), or a file opened or committed twice in one
+    save. Save under a new `checkpoint_id`, save with overwrite (the default: an atomic
+    replace), or remove the old one first with `tierckpt rm`."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
 

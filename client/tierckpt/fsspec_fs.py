@@ -11,9 +11,14 @@ reserved from the plan, several writer threads, reads straight into the tensors)
 How stock DCP's calls map to the daemon (torch 2.6-2.13):
 
 - ``makedirs`` checks names only; ``_open(..., "wb")`` of a file begins the save
-  (BeginCheckpoint: a committed id raises CheckpointExists, a FileExistsError), reserves
-  budget as the stream grows and commits the file on close (`MemoryTierFile`, the save
-  path TieredStorageWriter uses too).
+  (BeginCheckpoint), reserves budget as the stream grows and commits the file on close
+  (`MemoryTierFile`, the save path TieredStorageWriter uses too).
+- A save into a committed id replaces it, as a local folder is overwritten with DCP's
+  default ``overwrite=True``, but atomically: the save is a new generation, and the old
+  checkpoint stays listed and loadable until the new one commits, which retires it on
+  every tier; an aborted or crashed re-save leaves it as it was. ``FsspecWriter(...,
+  overwrite=False)`` keeps committed ids immutable: DCP sees ``.metadata`` exist and
+  raises before writing a byte.
 - ``.metadata.tmp`` is written as the checkpoint's ``.metadata``; ``mv(.metadata.tmp,
   .metadata)`` is the commit (CommitCheckpoint of every file the metadata names).
   Writing ``.metadata`` directly commits on close (writers that skip the rename).
@@ -266,8 +271,11 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
         elif name == METADATA_FILE:
             on_committed = self._metadata_written_final
         target = SaveTarget(p.namespace, checkpoint_id, _rank_for(name))
-        # No set-up hook on this route: each file begins (or joins) the save.
-        self.client.begin_checkpoint(target.namespace, target.checkpoint_id, target.rank)
+        # No set-up hook on this route: each file begins (or joins) the save; DCP checked
+        # its own `overwrite` already (an existing `.metadata`), so this one replaces.
+        self.client.begin_checkpoint(
+            target.namespace, target.checkpoint_id, target.rank, overwrite=True
+        )
         return MemoryTierFile(
             self.client,
             target,
@@ -389,7 +397,13 @@ class TierckptFileSystem(AbstractFileSystem):  # type: ignore[misc]
             raise IsADirectoryError(
                 f"tierckpt://{p.name} names a checkpoint: rm(..., recursive=True) deletes it"
             )
-        checkpoint_id, _ = p.as_file()
+        checkpoint_id, name = p.as_file()
+        with _STATE_LOCK:
+            written = (client.address, p.namespace, checkpoint_id) in _PENDING
+        if name == METADATA_FILE and written:
+            # DCP's overwrite removes the old `.metadata` before its rename: the commit
+            # that rename makes replaces the old generation atomically, so nothing goes now.
+            return
         try:
             client.abort_checkpoint(p.namespace, checkpoint_id)
         except CheckpointIncomplete:  # committed: its files are immutable

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import _weights_only_unpickler  # the unpickler torch.load(weights_only=True) uses
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -39,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierckpt.daemon_client import DaemonClient
-from tierckpt.errors import CheckpointExists, CheckpointNotFound, InvalidName
+from tierckpt.errors import CheckpointNotFound, InvalidName
 from tierckpt.fsspec_fs import LATEST, PROTOCOL, parse_path
 from tierckpt.names import check_namespace, check_new_checkpoint_id
 from tierckpt.storage_reader import TieredStorageReader
@@ -184,11 +183,12 @@ class TierCheckpointIO(CheckpointIO):
     Use it with a local ``ModelCheckpoint`` folder; the folder holds pointer files only:
     ``Trainer(plugins=[TierCheckpointIO("run7")], callbacks=[ModelCheckpoint(dirpath=...,
     save_last=True)])`` and ``trainer.fit(model, ckpt_path="last")``. Saving a file name
-    that exists (``last.ckpt`` every time) removes the older checkpoint first, as
-    committed ids are immutable; a crash in between leaves ``last.ckpt`` naming nothing,
-    so resume from the top-k checkpoint of that step (``save_last="link"`` saves nothing
-    twice and has no such window). Only the global-zero rank saves (Lightning's strategies
-    call it there), so the save runs DCP without collectives; every rank may load.
+    that exists (``last.ckpt`` every time) replaces that checkpoint atomically, as
+    ``torch.save`` over a local file would, but with no window: the new one is a new
+    generation that retires the old one only when it commits, so a crash mid-save leaves
+    ``last.ckpt`` naming the previous checkpoint, whole. Only the global-zero rank saves
+    (Lightning's strategies call it there), so the save runs DCP without collectives;
+    every rank may load.
     """
 
     def __init__(
@@ -253,17 +253,7 @@ class TierCheckpointIO(CheckpointIO):
             namespace, checkpoint_id = self._parse(str(path))
         else:
             namespace, checkpoint_id = self.namespace, self._id_of(path)
-        state = _split(checkpoint)
-        if not self._save(state, namespace, checkpoint_id):
-            logger.info(
-                "replacing %s/%s: Lightning saves that path again", namespace, checkpoint_id
-            )
-            self._delete(namespace, checkpoint_id)
-            if not self._save(state, namespace, checkpoint_id):
-                raise CheckpointExists(
-                    f"{POINTER_PREFIX}{namespace}/{checkpoint_id} exists again after it was "
-                    "removed: another process saves the same path"
-                )
+        self._save(_split(checkpoint), namespace, checkpoint_id)
         if not _is_url(path):
             self._write_pointer(Path(path), f"{POINTER_PREFIX}{namespace}/{checkpoint_id}")
 
@@ -278,21 +268,19 @@ class TierCheckpointIO(CheckpointIO):
                 f"tierckpt checkpoint id in namespace {self.namespace!r}: {e}"
             ) from e
 
-    def _save(self, state: dict[str, Any], namespace: str, checkpoint_id: str) -> bool:
-        """Save `state`; False when the id is already taken (nothing was written)."""
+    def _save(self, state: dict[str, Any], namespace: str, checkpoint_id: str) -> None:
+        """Save `state`; a committed id is replaced when this save commits (overwrite)."""
         writer = TieredStorageWriter(
-            namespace, daemon=self.daemon, thread_count=self.thread_count, durable=self.durable
+            namespace,
+            daemon=self.daemon,
+            thread_count=self.thread_count,
+            durable=self.durable,
+            overwrite=True,
         )
         try:
             dcp_save(state, checkpoint_id=checkpoint_id, storage_writer=writer, no_dist=True)
-        except CheckpointException as e:
-            # failures: rank -> (exception, traceback)
-            if any(isinstance(f[0], CheckpointExists) for f in e.failures.values()):
-                return False
-            raise
         finally:
             writer.client.close()
-        return True
 
     @staticmethod
     def _write_pointer(path: Path, url: str) -> None:

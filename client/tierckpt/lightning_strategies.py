@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt.errors import CheckpointNotFound
 from tierckpt.fsspec_fs import LATEST
 from tierckpt.lightning import (
     _REST_KEY,
@@ -97,16 +96,15 @@ class _TieredShards:
     def _save_shards(self, state: dict[str, Any], path: str, namespace: str, ckpt: str) -> None:
         """One collective DCP save of every rank's shards; global zero adds the rest of
         the checkpoint and writes the pointer at `path`. A path saved before (``last.ckpt``)
-        is removed first, as committed ids are immutable (the plugin's rule)."""
+        is replaced atomically when this save commits (`TieredStorageWriter` overwrite):
+        until then the older checkpoint stays loadable."""
         tier = self._tier_io
-        if self.global_rank == 0:
-            try:
-                tier.client.delete_checkpoint(namespace, ckpt)
-            except CheckpointNotFound:
-                pass
-        self.barrier("tierckpt-replace")
         writer = TieredStorageWriter(
-            namespace, daemon=tier.daemon, thread_count=tier.thread_count, durable=tier.durable
+            namespace,
+            daemon=tier.daemon,
+            thread_count=tier.thread_count,
+            durable=tier.durable,
+            overwrite=True,
         )
         try:
             dcp_save(state, checkpoint_id=ckpt, storage_writer=writer)

@@ -28,6 +28,7 @@ __all__ = [
     "FORMAT_FILES",
     "LATEST",
     "LATEST_VERIFIED",
+    "NEXT_GENERATION",
     "MAX_ID",
     "MAX_ID_SEGMENTS",
     "METADATA_FILE",
@@ -40,6 +41,7 @@ __all__ = [
     "checkpoint_id_of_flat",
     "flat_checkpoint_id",
     "is_checkpoint_id",
+    "next_generation_id",
     "step_of",
 ]
 
@@ -59,6 +61,10 @@ METADATA_FILE = ".metadata"
 FORMAT_DCP = "dcp"
 FORMAT_FILES = "files"
 FORMATS = (FORMAT_DCP, FORMAT_FILES)
+# Ends the daemon's internal id of a save that replaces a committed checkpoint (an
+# overwrite): "~" is outside the id grammar, so no user id spells it, no RPC reaches it,
+# and a memory-tier directory named so is never adopted (a restart collects it).
+NEXT_GENERATION = "~next"
 # In a `tierckpt://<namespace>/latest` URL: the newest committed checkpoint of the namespace.
 LATEST = "latest"
 # In a `tierckpt://<namespace>/latest-verified` URL: the newest one marked verified.
@@ -111,6 +117,12 @@ def check_checkpoint_id(value: object) -> str:
 def flat_checkpoint_id(checkpoint_id: str) -> str:
     """`checkpoint_id` as one path component ("/" spelled "+"); one-segment ids unchanged."""
     return check_checkpoint_id(checkpoint_id).replace(FOLDER_SEPARATOR, FLAT_SEPARATOR)
+
+
+def next_generation_id(checkpoint_id: str) -> str:
+    """The internal id under which a save replacing the committed `checkpoint_id` is
+    written until it commits (`NEXT_GENERATION`)."""
+    return check_checkpoint_id(checkpoint_id) + NEXT_GENERATION
 
 
 def checkpoint_id_of_flat(name: object) -> str:

@@ -156,9 +156,16 @@ class TieredStorageWriter(FileSystemWriter):
             (NoPersistentTier at commit when the daemon has no persistent tier). A plain
             attribute: a reused writer may flip ``writer.durable`` between saves; what the
             coordinator's writer holds at ``finish`` counts.
+        overwrite: saving an id already committed replaces it, as DCP's
+            ``FileSystemWriter(overwrite=True)`` (its default) overwrites a folder, but
+            atomically: the save is a new generation, and the old checkpoint stays listed
+            and loadable (bit-exact, on every tier) until the new one commits, which
+            retires it everywhere; an aborted or crashed re-save leaves it as it was.
+            False keeps committed ids immutable: reusing one raises CheckpointExists
+            before anything is written.
 
     The checkpoint id is DCP's ``checkpoint_id`` (``dcp.save(sd, checkpoint_id="step-000100",
-    storage_writer=...)``); a committed id is immutable, reusing it raises CheckpointExists.
+    storage_writer=...)``).
     The writer pickles (``AsyncCheckpointerType.PROCESS``): it holds configuration only.
     """
 
@@ -169,6 +176,7 @@ class TieredStorageWriter(FileSystemWriter):
         daemon: str | None = None,
         thread_count: int = 2,
         durable: bool = False,
+        overwrite: bool = True,
     ) -> None:
         super().__init__(
             path=check_namespace(namespace),
@@ -176,7 +184,7 @@ class TieredStorageWriter(FileSystemWriter):
             sync_files=False,  # tmpfs: fsync is meaningless; the commit RPC publishes
             thread_count=thread_count,
             cache_staged_state_dict=True,
-            overwrite=False,
+            overwrite=overwrite,
         )
         self.namespace = namespace
         self.durable = durable
@@ -243,8 +251,11 @@ class TieredStorageWriter(FileSystemWriter):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._rank = rank
-        # Fails fast (before planning) on a reused id or an unreachable daemon.
-        self._node_id = self.client.begin_checkpoint(self.namespace, self._require_id(), rank)
+        # Fails fast (before planning) on a reused id (overwrite=False) or an unreachable
+        # daemon.
+        self._node_id = self.client.begin_checkpoint(
+            self.namespace, self._require_id(), rank, overwrite=self.overwrite
+        )
         note_writer(self.namespace, self.client.address, self._require_id())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

@@ -83,10 +83,10 @@ def test_latest_is_refused_as_a_new_checkpoint_id_by_the_daemon(daemon: Any) -> 
     assert ls_ids(daemon.address, NS) == ["latest-000001"]
 
 
-def test_reusing_a_committed_id_fails_on_every_rank_and_keeps_the_first(
+def test_reusing_a_committed_id_without_overwrite_fails_on_every_rank_and_keeps_the_first(
     daemon: Any, tmp_path: Path
 ) -> None:
-    backend = Tiered(NS, daemon.address)
+    backend = Tiered(NS, daemon.address, overwrite=False)  # immutable ids, as asked
     first = str(tmp_path / "exp" / "first")
     results = run_job(
         jobs.run_steps,
@@ -105,8 +105,8 @@ def test_reusing_a_committed_id_fails_on_every_rank_and_keeps_the_first(
     assert ls_ids(daemon.address, NS) == ["step-000100"]
 
 
-def test_reusing_a_committed_id_without_pg(daemon: Any) -> None:
-    backend = Tiered(NS, daemon.address)
+def test_reusing_a_committed_id_without_overwrite_without_pg(daemon: Any) -> None:
+    backend = Tiered(NS, daemon.address, overwrite=False)
     state = plain_tensor_state(1, 64 << 10)
     expected = snapshot(state)
     backend.save(state, "step-1")

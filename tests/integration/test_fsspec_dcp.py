@@ -5,7 +5,8 @@ helpers, and check that nothing imported tierckpt before their first DCP call: t
 `fsspec.specs` entry point is what routes `checkpoint_id="tierckpt://..."` to the daemon.
 Each load is bit-exact against a snapshot taken at save time (FSDP2 model, AdamW, a
 Stateful loader, RNG state, a replicated tensor). Also: a 3-rank save loaded by 2 ranks; a
-second save into a committed id refused with CheckpointExists, the first intact; loads that
+second save into a committed id replacing it (DCP's overwrite=True), or refused with
+overwrite=False, the committed one intact; loads that
 fall through to a peer and to the persistent tier (moto S3) after the node lost its memory.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.support import fsspec_jobs, moto_s3
@@ -113,24 +115,29 @@ def test_load_at_another_world_size_in_a_multi_rank_job(daemon: Any, tmp_path: P
     assert all(r["leaves"] >= 20 for r in results), results
 
 
-def test_a_second_save_into_a_committed_id_is_refused_and_the_first_survives(
+def test_a_second_save_into_a_committed_id_replaces_it_or_is_refused_when_asked(
     daemon: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Stock DCP's default (overwrite=True) re-saves the id as it overwrites a local
+    # folder, atomically; FsspecWriter(overwrite=False) keeps the committed one.
     monkeypatch.setenv("TIERCKPT_DAEMON", daemon.address)
     url = f"tierckpt://{NS}/step-000042"
-    first = plain_tensor_state(42, 1 << 20)
-    expected = snapshot(first)
-    dcp.save(first, checkpoint_id=url)
-    with pytest.raises(CheckpointException) as raised:  # DCP wraps the rank's error
-        dcp.save(plain_tensor_state(43, 1 << 20), checkpoint_id=url)
-    ((failure, _),) = raised.value.failures.values()  # (exception, traceback)
-    assert isinstance(failure, FileExistsError) and type(failure).__name__ == "CheckpointExists"
-    assert f"{NS}/step-000042 is already committed" in str(failure), failure
+    dcp.save(plain_tensor_state(42, 1 << 20), checkpoint_id=url)
+    (first,) = [r["sequence"] for r in ls_json(daemon.address, NS) if r["id"] == "step-000042"]
+    second = plain_tensor_state(43, 1 << 20)
+    expected = snapshot(second)
+    with pytest.warns(UserWarning, match="overwriting"):  # DCP's own warning
+        dcp.save(second, checkpoint_id=url)
     (row,) = [r for r in ls_json(daemon.address, NS) if r["id"] == "step-000042"]
-    assert row["state"] == "COMMITTED"
+    assert row["state"] == "COMMITTED" and row["sequence"] > first
     target = plain_tensor_state(44, 1 << 20)
     dcp.load(target, checkpoint_id=url)
-    assert_state_equal(actual=target, expected=expected, what="the first save, after a refused one")
+    assert_state_equal(actual=target, expected=expected, what="the re-save")
+    with pytest.raises(CheckpointException, match="already exists"):
+        dcp.save(plain_tensor_state(45, 1 << 20), storage_writer=FsspecWriter(url, overwrite=False))
+    target = plain_tensor_state(46, 1 << 20)
+    dcp.load(target, checkpoint_id=url)
+    assert_state_equal(actual=target, expected=expected, what="the re-save, after a refused one")
 
 
 def test_a_load_falls_through_to_the_persistent_tier(

@@ -20,7 +20,7 @@ from tierckpt.storage_reader import TieredStorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.support import lightning_job
-from tests.support.cli import ls_ids
+from tests.support.cli import ls_ids, ls_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -170,4 +170,34 @@ def test_remove_checkpoint_retires_it_from_the_tiers_and_a_link_only_unlinks(
     with pytest.raises(pickle.UnpicklingError, match="Fraction"):
         plugin.load_checkpoint(tmp_path / "odd.ckpt")
     _assert_exact(plugin.load_checkpoint(tmp_path / "odd.ckpt", weights_only=False), odd, "odd")
+    plugin.teardown()
+
+
+def test_saving_a_path_again_replaces_it_with_no_window(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    # `last.ckpt` saved again is replaced atomically: the new save commits as a new
+    # generation; one that fails (here: over the memory budget) leaves the previous one.
+    daemon = daemon_factory({"memory": {"budget": "8MiB"}})
+    plugin = TierCheckpointIO(NS, daemon=daemon.address)
+    path = tmp_path / "last.ckpt"
+
+    def state(step: int, n: int) -> dict[str, Any]:
+        gen = torch.Generator().manual_seed(step)
+        return {"state_dict": {"w": torch.randn(n, generator=gen)}, "global_step": step}
+
+    def sequence() -> int:
+        (row,) = ls_json(daemon.address, NS)
+        assert row["id"] == "last.ckpt"
+        return int(row["sequence"])
+
+    plugin.save_checkpoint(state(1, 1 << 16), path)
+    first = sequence()
+    plugin.save_checkpoint(state(2, 1 << 16), path)
+    assert sequence() > first
+    _assert_exact(plugin.load_checkpoint(path), state(2, 1 << 16), "last.ckpt saved again")
+    with pytest.raises(BaseException, match="budget"):  # DCP's CheckpointException
+        plugin.save_checkpoint(state(3, 4 << 20), path)  # 16 MiB: over the budget
+    _assert_exact(plugin.load_checkpoint(path), state(2, 1 << 16), "after a failed save")
+    assert path.read_text() == f"tierckpt://{NS}/last.ckpt\n"
     plugin.teardown()

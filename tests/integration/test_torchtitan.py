@@ -7,8 +7,9 @@ LRSchedulersContainer and ParallelAwareDataloader, a train state -- and call its
 its own node's daemon; two real daemons, one buddy copy (copies=1). Every resume runs in new
 processes and is compared bit-exact with what the saving run recorded. Also: the resume
 after a node is lost (its replacement serves the files from its buddy), one save in
-``async_mode="async"``, and the known gap: a restart from an older step that re-saves an
-existing step is refused with CheckpointExists naming the id.
+``async_mode="async"``, and a restart from an older step that re-saves an existing step
+(other bytes): the save replaces it atomically on both nodes, the resume loads the new
+bytes bit-exact, and so does the resume served from the buddy after a node is lost.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support import torchtitan_jobs
 from tests.support.cluster import LocalCluster, local_cluster
 from tests.support.dist_job import run_job
+from tests.support.state_dicts import load_expected
 
 pytestmark = pytest.mark.integration
 
@@ -74,12 +77,10 @@ def test_new_processes_resume_the_latest_step_bit_exact(cluster: LocalCluster, s
     assert all(r["leaves"] > 10 for r in results), results
 
 
-@pytest.mark.timeout(300)
-def test_a_restart_from_an_older_step_cannot_resave_an_existing_step(
-    cluster: LocalCluster, saved: Path
-) -> None:
-    # Known gap (documented): torchtitan re-saves step 30 after resuming from step 20, as
-    # it would overwrite a local folder; tierckpt refuses the committed id on every rank.
+@pytest.fixture(scope="module")
+def resaved(cluster: LocalCluster, saved: Path) -> Path:
+    """torchtitan restarted from step 20 re-saves step 30 (other bytes); its record."""
+    record = saved.parent / "step-30-resaved"
     results = run_job(
         torchtitan_jobs.resave_existing_step,
         2,
@@ -87,16 +88,33 @@ def test_a_restart_from_an_older_step_cannot_resave_an_existing_step(
         FOLDER,
         20,
         30,
+        str(record),
         timeout=200,
     )
-    for r in results:
-        assert r["loaded"] == 20
-        assert r["error"] is not None and r["error"].startswith("CheckpointException"), r
-        assert "CheckpointExists: checkpoint team/run1/step-30 is already committed" in r["error"]
-    # Nothing was purged and step 30 is the one first saved (the node-loss resume below
-    # compares it bit-exact with the first run's record).
+    assert [(r["loaded"], r["found"]) for r in results] == [(20, 30)] * 2
+    return record
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_from_an_older_step_resaves_an_existing_step(
+    cluster: LocalCluster, saved: Path, resaved: Path
+) -> None:
+    # torchtitan re-saves step 30 after resuming from step 20, as it overwrites a local
+    # folder: the save replaces the committed id atomically, on both nodes.
+    old, new = load_expected(str(saved), 0), load_expected(str(resaved), 0)
+    changed = [
+        not torch.equal(a, b)
+        for a, b in zip(old["model"].values(), new["model"].values(), strict=True)
+    ]
+    assert any(changed), "the re-saved step holds the first run's bytes: it would prove nothing"
+    cluster.wait_state("run1/step-30", "REPLICATED")
     for node in (0, 1):
         assert _ids(cluster, node) == ["run1/step-20", "run1/step-30"]
+    # New processes resume the re-saved step 30, bit-exact with what the restart saved.
+    results = run_job(
+        torchtitan_jobs.resume, 2, list(cluster.addresses), FOLDER, str(resaved), 7, timeout=200
+    )
+    assert [r["step"] for r in results] == [30, 30]
 
 
 @pytest.mark.timeout(300)
@@ -114,7 +132,7 @@ def test_one_async_save_resumes_bit_exact(cluster: LocalCluster, tmp_path: Path)
 
 @pytest.mark.timeout(300)
 def test_a_lost_node_is_replaced_and_the_resume_is_served_from_its_buddy(
-    cluster: LocalCluster, saved: Path
+    cluster: LocalCluster, resaved: Path
 ) -> None:
     # Runs last: node 1 dies with its RAM; a replacement daemon starts on the same config,
     # empty, and rank 1 (pointed at it as before) resumes from node 0's copy.
@@ -123,7 +141,7 @@ def test_a_lost_node_is_replaced_and_the_resume_is_served_from_its_buddy(
     assert not cluster.nodes[1].memory_dir.exists()
     cluster.replace(1)
     results = run_job(
-        torchtitan_jobs.resume, 2, list(cluster.addresses), FOLDER, str(saved), 6, timeout=200
+        torchtitan_jobs.resume, 2, list(cluster.addresses), FOLDER, str(resaved), 6, timeout=200
     )
     assert [r["step"] for r in results] == [30, 30]
     # Rank 1's shard is back on the replacement; node 0 held the only other copy.

@@ -21,11 +21,14 @@ class Tiered:
     namespace: str
     address: str
     durable: bool = False  # commit with the "make this one durable" hint
+    overwrite: bool = True  # False: a committed id is immutable (CheckpointExists)
 
     def writer(self) -> Any:
         from tierckpt import TieredStorageWriter
 
-        return TieredStorageWriter(self.namespace, daemon=self.address, durable=self.durable)
+        return TieredStorageWriter(
+            self.namespace, daemon=self.address, durable=self.durable, overwrite=self.overwrite
+        )
 
     def reader(self) -> Any:
         from tierckpt import TieredStorageReader

@@ -208,17 +208,26 @@ def resume(
 
 
 def resave_existing_step(
-    ctx: RankContext, addresses: list[str], folder: str, load_step: int, until: int
+    ctx: RankContext,
+    addresses: list[str],
+    folder: str,
+    load_step: int,
+    until: int,
+    record_dir: str,
 ) -> dict[str, Any]:
-    """A job restarted from an older step trains on and saves a step that exists."""
+    """A job restarted from an older step trains on and saves steps that exist, as it
+    would overwrite them in a local folder. Its weights are nudged after the load (a
+    restart with a changed setting), so the re-saved steps hold other bytes than the
+    first run's; the last one is recorded."""
     _point_at_own_daemon(ctx, addresses)
     t = _Trainer(ctx, folder, 5, keep_latest_k=2, load_step=load_step)
     assert t.checkpointer.load(load_step) is True
     loaded = t.train_state.step
-    try:
-        t.train(until)
-    except BaseException as e:  # DCP raises CheckpointException, a BaseException
-        return {"loaded": loaded, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        t.checkpointer.close()
-    return {"loaded": loaded, "error": None}
+    with torch.no_grad():
+        for param in t.model.parameters():
+            param.mul_(1.01)
+    t.train(until)
+    t.record(record_dir, ctx.rank)
+    t.checkpointer.close()
+    dist.barrier()
+    return {"loaded": loaded, "found": t.checkpointer._find_load_step()}

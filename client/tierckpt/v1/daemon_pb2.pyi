@@ -131,7 +131,14 @@ class BeginCheckpointRequest(_message.Message):
 
     REF_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    OVERWRITE_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
+    overwrite: _builtins.bool
+    """An id already committed: false refuses it (ALREADY_EXISTS, committed checkpoints
+    immutable); true saves a new generation that replaces it atomically when it
+    commits (the old one stays listed and loadable until then). DCP's
+    FileSystemWriter(overwrite=True) is the client's default.
+    """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     def __init__(
@@ -139,10 +146,11 @@ class BeginCheckpointRequest(_message.Message):
         *,
         ref: _common_pb2.CheckpointRef | None = ...,
         rank: _builtins.int = ...,
+        overwrite: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rank", b"rank", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overwrite", b"overwrite", "rank", b"rank", "ref", b"ref"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -66,10 +66,12 @@ from tierckpt.errors import (
 from tierckpt.names import (
     FORMAT_DCP,
     METADATA_FILE,
+    NEXT_GENERATION,
     check_checkpoint_id,
     check_file_name,
     check_format,
     check_namespace,
+    next_generation_id,
 )
 from tierckpt.trust import Trust as TrustState
 from tierckpt.units import format_size
@@ -403,9 +405,22 @@ class Catalog:
         verb = "not found" if checkpoint_id else "found"
         return CheckpointNotFound(f"{what} {verb} on node {self.node_id}; {tail}")
 
+    def _replacing(self, key: Key) -> CheckpointRecord | None:
+        """The save replacing the committed `key` (WRITING under its internal id,
+        `names.next_generation_id`), if one is under way (call under the lock)."""
+        rec = self._records.get(key)
+        if rec is None or rec.state is not State.COMMITTED:
+            return None
+        return self._records.get((key[0], next_generation_id(key[1])))
+
+    def _save_of(self, key: Key) -> CheckpointRecord | None:
+        """The record a save's RPCs on `key` change: its replacing save while one is
+        under way, else its own."""
+        return self._replacing(key) or self._records.get(key)
+
     def _writing(self, namespace: str, checkpoint_id: str) -> CheckpointRecord:
         key = self._ref(namespace, checkpoint_id)
-        rec = self._records.get(key)
+        rec = self._save_of(key)
         if rec is None or rec.state is not State.WRITING:
             state = rec.state.value if rec else "unknown"
             raise CheckpointIncomplete(
@@ -534,6 +549,36 @@ class Catalog:
         self.peer_marks.label(rec.key, None)
         self.durability.forget(rec.key)
         return self._collect(rec)
+
+    def _replace_generation(self, old: CheckpointRecord) -> CheckpointRecord | None:
+        """Retire the committed `old` for the generation that replaces it (call under
+        the lock, right before that one's manifest is written): its manifest first, as a
+        delete, then its files; a publish of it again (its sequence or below) is refused,
+        as after a delete. The replacing save written here (if any) takes its place, still
+        WRITING; returned. A crash between here and the new manifest leaves that save's
+        files without a manifest: an unfinished save, salvaged from the peers' manifests."""
+        key = old.key
+        self.tier.remove_file(self.tier.manifest_path(*key))
+        self.peer_marks.forget_sequence(key, old.sequence)
+        self.peer_marks.label(key, None)
+        self.durability.forget(key)
+        pending = self._records.get((key[0], next_generation_id(key[1])))
+        freed = self._collect(old)
+        logger.info(
+            "retired %s/%s (sequence %d, %s) for its replacing save",
+            *key,
+            old.sequence,
+            format_size(freed),
+        )
+        if pending is None or pending.state is not State.WRITING:
+            return None
+        self._budget.forget(pending.key)
+        del self._records[pending.key]
+        self.tier.move_checkpoint_dir(key[0], pending.checkpoint_id, key[1])
+        pending.checkpoint_id = key[1]
+        self._records[key] = pending
+        self._track(pending)
+        return pending
 
     # ---- memory retention ---------------------------------------------------------------
     def _holds(self, rec: CheckpointRecord) -> bool:
@@ -812,7 +857,7 @@ class Catalog:
         """Committed files this node holds of a save (WRITING or COMMITTED); {} if unknown."""
         key = self._ref(namespace, checkpoint_id)
         with self._lock:
-            rec = self._records.get(key)
+            rec = self._save_of(key)  # a replacing save's: what its commit asks
             if rec is None or rec.state is State.ABORTED:
                 return {}
             return {
@@ -822,16 +867,22 @@ class Catalog:
             }
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
-        """(this node's state of the checkpoint or None, the committed files held here)."""
+        """(this node's state of the checkpoint or None, the committed files held here).
+        While a save replaces it, its files are answered in place of the old ones of the
+        same name (the replacing commit asks them), the old one's others as well (a heal
+        of the old one meanwhile still finds its copies here)."""
         key = self._ref(namespace, checkpoint_id)
         with self._lock:
             rec = self._records.get(key)
             if rec is None or rec.state is State.ABORTED:
                 return None, []
+            held = {f.name: f for f in rec.files.values() if f.committed and f.held}
+            pending = self._replacing(key)
+            if pending is not None:
+                held.update((f.name, f) for f in pending.files.values() if f.committed and f.held)
             files = [
                 dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
-                for f in sorted(rec.files.values(), key=lambda f: f.name)
-                if f.committed and f.held
+                for f in sorted(held.values(), key=lambda f: f.name)
             ]
             return rec.state, files
 
@@ -866,6 +917,8 @@ class Catalog:
             if self.peer_marks.refuses(published, durable=durable):
                 return False  # deleted or evicted here: a peer does not bring it back
             rec = self._records.get(key)
+            if rec is not None and self._newer_generation(rec, published):
+                rec = self._replace_generation(rec)  # an overwrite committed: old goes
             if rec is not None and rec.state is State.COMMITTED:
                 self._merge_published(rec, published)
                 return True
@@ -953,6 +1006,17 @@ class Catalog:
             self._apply_retention(key[0])
             return True
 
+    def _newer_generation(self, rec: CheckpointRecord, published: CheckpointRecord) -> bool:
+        """Whether `published` is a save that replaced the committed `rec` (an
+        overwrite): a later sequence, from the coordinator this node recorded or one that
+        writes the namespace here (no other peer retires a checkpoint by publishing)."""
+        if rec.state is not State.COMMITTED or published.sequence <= rec.sequence:
+            return False
+        claimed = coordinator_of(published.files)
+        return bool(claimed) and (
+            claimed == coordinator_of(rec.files) or claimed in self.writers.of(rec.namespace)
+        )
+
     def _check_same(self, key: Key, mine: FileRecord, theirs: FileRecord) -> None:
         """Refuse a manifest that describes a file committed here with other bytes."""
         if (mine.size, mine.checksums) != (theirs.size, theirs.checksums):
@@ -1029,23 +1093,25 @@ class Catalog:
         the file next. Returns the record as held here now, or None when the file was
         already held (nothing taken, `write` not called); CheckpointNotFound when the
         checkpoint was deleted or evicted while the copy arrived."""
-        tmp = self._stage_copy(namespace, checkpoint_id, name, restored)
-        if tmp is None:
+        staged = self._stage_copy(namespace, checkpoint_id, name, restored)
+        if staged is None:
             return None
+        tmp, sequence = staged
         ok = False
         try:
             write(tmp)
             ok = True
         finally:
-            held = self._install_copy(namespace, checkpoint_id, name, tmp, ok, restored)
+            held = self._install_copy(namespace, checkpoint_id, name, tmp, ok, restored, sequence)
         if held is None:
             raise CheckpointNotFound(f"{what}: deleted or evicted while it arrived")
         return held
 
     def _stage_copy(
         self, namespace: str, checkpoint_id: str, name: str, restored: bool
-    ) -> Path | None:
-        """`land`'s first step: the staging file, its bytes reserved; None if already held."""
+    ) -> tuple[Path, int] | None:
+        """`land`'s first step: the staging file, its bytes reserved, and the sequence of
+        the generation it is a copy of; None if already held."""
         with self._lock:
             self.pool.wait_for(name)  # a segment being preallocated for this very file
             rec = self._committed(namespace, checkpoint_id)
@@ -1078,18 +1144,32 @@ class Catalog:
                 self.tier.create_file(path)
             # Reserved until installed: at least the copy's size, or the segment's pages.
             self._budget.start_incoming(ikey, max(f.size, seg.size if seg is not None else 0))
-            return path
+            return path, rec.sequence
 
     def _install_copy(
-        self, namespace: str, checkpoint_id: str, name: str, tmp: Path, ok: bool, restored: bool
+        self,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        tmp: Path,
+        ok: bool,
+        restored: bool,
+        sequence: int,
     ) -> FileRecord | None:
         """`land`'s last step: install (ok) or drop the staged copy, its reservation
-        released; its record as held here now, or None."""
+        released; its record as held here now, or None (also when a save replaced the
+        checkpoint meanwhile: `sequence`, the copied generation's, is not its)."""
         with self._lock:
             self._budget.finish_incoming((namespace, checkpoint_id, name))
             rec = self._records.get((namespace, checkpoint_id))
             f = rec.files.get(name) if rec is not None else None
-            if not ok or rec is None or rec.state is not State.COMMITTED or f is None:
+            if (
+                not ok
+                or rec is None
+                or rec.state is not State.COMMITTED
+                or f is None
+                or rec.sequence != sequence
+            ):
                 self.tier.remove_file(tmp)
                 return None
             final = self.tier.file_path(namespace, checkpoint_id, name)
@@ -1283,7 +1363,10 @@ class Catalog:
                 (
                     r.key,
                     now - r.last_activity,
-                    any(f.committed and f.held for f in r.files.values()),
+                    # A replacing save is never asked of the peers (its internal id is
+                    # no RPC's); its commit's publish or gossip takes it into place.
+                    not r.checkpoint_id.endswith(NEXT_GENERATION)
+                    and any(f.committed and f.held for f in r.files.values()),
                 )
                 for r in self._records.values()
                 if r.state is State.WRITING and now - r.last_activity > self.abandon_after
@@ -1453,19 +1536,29 @@ class Catalog:
             return sum(r.state is State.COMMITTED for r in self._records.values())
 
     # ---- lifecycle --------------------------------------------------------------------
-    def begin(self, namespace: str, checkpoint_id: str, rank: int) -> None:
-        """Open a save; idempotent for every rank. Committed ids are immutable."""
+    def begin(
+        self, namespace: str, checkpoint_id: str, rank: int, *, overwrite: bool = False
+    ) -> None:
+        """Open a save; idempotent for every rank. A committed id is refused
+        (CheckpointExists) unless `overwrite`: then the save is a new generation, written
+        under an internal id beside the committed one, which stays listed and loadable
+        until the new one commits and retires it (`_replace_generation`)."""
         fault("save.begin")
         key = self._ref(namespace, checkpoint_id)
         owner = self.events.owner_of(namespace)  # uid isolation: the manifest names the owner
         with self._lock:
             rec = self._records.get(key)
             if rec is not None and rec.state is State.COMMITTED:
-                raise CheckpointExists(
-                    f"checkpoint {namespace}/{checkpoint_id} is already committed on node "
-                    f"{self.node_id}; committed checkpoints are immutable: pick a new checkpoint_id"
-                )
-            self.peer_marks.saved_again(key)  # after a delete: peers may publish it
+                if not overwrite:
+                    raise CheckpointExists(
+                        f"checkpoint {namespace}/{checkpoint_id} is already committed on node "
+                        f"{self.node_id} and this save does not overwrite (immutable): pick a "
+                        "new checkpoint_id, or save with overwrite"
+                    )
+                key = (namespace, next_generation_id(checkpoint_id))
+                rec = self._records.get(key)
+            else:
+                self.peer_marks.saved_again(key)  # after a delete: peers may publish it
             if rec is None:
                 admit_namespace(
                     self._records,
@@ -1476,7 +1569,7 @@ class Catalog:
                 )
                 rec = CheckpointRecord(
                     namespace=namespace,
-                    checkpoint_id=checkpoint_id,
+                    checkpoint_id=key[1],
                     state=State.WRITING,
                     created_unix=self._wall(),
                     node_id=self.node_id,
@@ -1519,7 +1612,7 @@ class Catalog:
                     f"file {name} of {namespace}/{checkpoint_id} is already open or committed; "
                     "each file is opened once per save"
                 )
-            path = self.tier.file_path(namespace, checkpoint_id, name)
+            path = self.tier.file_path(namespace, rec.checkpoint_id, name)
             remaining = rec.reservations.get(rank, 0)
             seg = self.pool.pick_segment(name, remaining, namespace)
             self.pool_use.record(seg)
@@ -1603,7 +1696,7 @@ class Catalog:
                         "before committing"
                     )
 
-            self.tier.seal_file(self.tier.file_path(namespace, checkpoint_id, name), same_size)
+            self.tier.seal_file(self.tier.file_path(namespace, rec.checkpoint_id, name), same_size)
             fault("save.commit_file.sealed")
             rec.reservations[rank] = reservation - size
             f.size = size
@@ -1654,6 +1747,7 @@ class Catalog:
             if (
                 rec is not None
                 and rec.state is State.COMMITTED
+                and self._replacing(key) is None
                 and all(r in rec.files for r in required_files)
             ):
                 return self._view(rec)  # a retried commit
@@ -1670,6 +1764,9 @@ class Catalog:
                     f"missing files: {listing(missing)}; "
                     f"open but not committed: {listing(still_open)}"
                 )
+            old = self._records.get(key)
+            if rec is not old and old is not None:  # an overwrite: the old generation goes
+                rec = self._replace_generation(old) or rec
             added = {
                 name: dataclasses.replace(f, held=False)
                 for name, f in remote.items()
@@ -1729,7 +1826,7 @@ class Catalog:
     def abort(self, namespace: str, checkpoint_id: str) -> None:
         key = self._ref(namespace, checkpoint_id)
         with self._lock:
-            rec = self._records.get(key)
+            rec = self._save_of(key)
             if rec is None:
                 raise self._not_found(namespace, checkpoint_id)
             if rec.state is State.COMMITTED:
@@ -1776,7 +1873,9 @@ class Catalog:
     def list_checkpoints(
         self, namespace: str = "", include_uncommitted: bool = False
     ) -> list[CheckpointView]:
-        """Committed checkpoints by sequence, then (optionally) saves in progress."""
+        """Committed checkpoints by sequence, then (optionally) saves in progress; a save
+        replacing a committed id is shown under that id (WRITING, beside the committed one),
+        never under its internal id."""
         if namespace:
             check_namespace(namespace)
         with self._lock:
@@ -1789,8 +1888,14 @@ class Catalog:
             recs.sort(key=lambda r: (r.state is not State.COMMITTED, r.order, r.created_unix))
             writers = self.writers.by_namespace(namespace)
             trust = {ns: self.events.trust_marks(ns) for ns in {r.namespace for r in recs}}
-            return [
+            views = [
                 self._view(r, writers.get(r.namespace, set()), trust[r.namespace]) for r in recs
+            ]
+            return [
+                dataclasses.replace(v, checkpoint_id=v.checkpoint_id.removesuffix(NEXT_GENERATION))
+                if v.checkpoint_id.endswith(NEXT_GENERATION)
+                else v
+                for v in views
             ]
 
     def verify(self, namespace: str, checkpoint_id: str) -> VerifyResult:

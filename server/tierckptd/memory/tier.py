@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tierckpt.checksum import ALGORITHM, BlockChecksums, BlockHasher
 from tierckpt.errors import CheckpointIncomplete, InvalidName, MemoryBudgetExceeded, TierckptError
-from tierckpt.names import check_file_name, check_namespace, flat_checkpoint_id
+from tierckpt.names import NEXT_GENERATION, check_file_name, check_namespace, flat_checkpoint_id
 
 from tierckptd.ops.events import Listeners
 
@@ -130,8 +130,15 @@ class MemoryTier:
             raise UnsafePath(f"memory tier path {str(path)[:200]!r} leaves memory.dir")
         return path
 
+    @staticmethod
+    def _flat(checkpoint_id: str) -> str:
+        """The id as one path component; a replacing save's internal id
+        (`names.next_generation_id`) keeps its suffix, which adoption never takes."""
+        base = checkpoint_id.removesuffix(NEXT_GENERATION)
+        return flat_checkpoint_id(base) + checkpoint_id[len(base) :]
+
     def data_dir(self, namespace: str, checkpoint_id: str) -> Path:
-        ns, cid = check_namespace(namespace), flat_checkpoint_id(checkpoint_id)
+        ns, cid = check_namespace(namespace), self._flat(checkpoint_id)
         return self._under_root(self.data_root / ns / cid)
 
     def file_path(self, namespace: str, checkpoint_id: str, name: str) -> Path:
@@ -143,7 +150,7 @@ class MemoryTier:
         return self._under_root(directory / f".{check_file_name(name)}.incoming")
 
     def manifest_path(self, namespace: str, checkpoint_id: str) -> Path:
-        ns, cid = check_namespace(namespace), flat_checkpoint_id(checkpoint_id)
+        ns, cid = check_namespace(namespace), self._flat(checkpoint_id)
         return self._under_root(self.manifest_root / ns / f"{cid}.json")
 
     def check_no_links(self, path: Path) -> None:
@@ -382,6 +389,18 @@ class MemoryTier:
         if not stat.S_ISREG(os.lstat(src).st_mode):
             raise UnsafePath(f"memory tier file {src.name!r} is not a regular file")
         os.replace(src, dest)
+
+    def move_checkpoint_dir(self, namespace: str, from_id: str, to_id: str) -> None:
+        """Rename a save's data dir into another id's place (a replacing save taking the
+        place of the generation it retired; that one's dir is gone). Missing is fine: a
+        save with no file here yet has no dir."""
+        src, dest = self.data_dir(namespace, from_id), self.data_dir(namespace, to_id)
+        self.check_no_links(src)
+        self.check_no_links(dest)
+        try:
+            os.rename(src, dest)
+        except FileNotFoundError:
+            pass
 
     def remove_checkpoint_dir(self, namespace: str, checkpoint_id: str) -> None:
         """Remove what is left of a checkpoint's data dir and the namespace dir if empty.

@@ -67,6 +67,8 @@ POINTS: Mapping[str, str] = MappingProxyType(
         "peer.grant": "PeerClient.grant, asking a peer for a bulk transfer",
         "peer.bulk.chunk": "PeerClient.fetch_bulk, each piece of a bulk stream received",
         "peer.bulk.send": "BulkServer, a granted range accepted, before its bytes are sent",
+        "drain.retire_metadata": "Drainer._drain of a re-saved id, the replaced generation's "
+        ".metadata removed from the persistent tier, no byte of the new one up yet",
         "drain.upload": "Drainer._upload, before each data file goes up",
         "drain.marker": "PersistentTier.upload_file, data file up, its marker not yet",
         "drain.metadata": "Drainer._commit, every data file up, .metadata not yet",

@@ -75,7 +75,9 @@ def claims(
             )
             continue
         for f in held.files:
-            if f.name not in missing:
+            # A copy the node keeps of another owner's file is no claim: a replica of the
+            # generation a re-save replaces is other bytes under the same name.
+            if f.name not in missing or f.owner_node not in ("", node):
                 continue
             f.owner_node, f.replica_nodes = node, []
             other = remote.get(f.name)

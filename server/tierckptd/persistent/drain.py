@@ -77,6 +77,8 @@ from tierckpt.names import FORMAT_FILES, METADATA_FILE
 from tierckptd.catalog import Catalog
 from tierckptd.config_secrets import redact
 from tierckptd.jobs import Drain, JobQueue, StepAside
+from tierckptd.memory.manifest import ManifestError
+from tierckptd.memory.manifest import from_json as manifest_from_json
 from tierckptd.model import FileRecord, Key, commit_anchor
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
@@ -93,6 +95,7 @@ from tierckptd.persistent.emergency import emergency_drain
 from tierckptd.persistent.format import DataFile, data_files
 from tierckptd.persistent.listing import (
     MANIFEST_OBJECT,
+    MAX_MANIFEST,
     adopt_all,
     write_index_entry,
 )
@@ -100,6 +103,7 @@ from tierckptd.persistent.markers import fingerprint
 from tierckptd.persistent.refusals import FILE_NAME as REFUSALS_FILE
 from tierckptd.persistent.refusals import RefusedMetadata
 from tierckptd.persistent.retention import PersistentRetention
+from tierckptd.persistent.retry import Op
 from tierckptd.persistent.roots import Roots
 from tierckptd.persistent.source import METADATA_OBJECT
 from tierckptd.persistent.store import FileUpload, PersistentTier, PersistentTierUnavailable
@@ -135,6 +139,50 @@ def _index(tier: PersistentTier, namespace: str, checkpoint_id: str) -> None:
         write_index_entry(tier, namespace, checkpoint_id)
     except (PersistentTierUnavailable, OSError) as e:
         logger.warning("%s/%s: no index entry written: %s", namespace, checkpoint_id, e)
+
+
+def _replaced(
+    tier: PersistentTier, namespace: str, checkpoint_id: str, files: Sequence[FileRecord]
+) -> bool:
+    """Whether the tier holds another generation of the id than `files` (a save that
+    overwrote it committed since it drained): its bookkeeping manifest describes other
+    bytes. None stored, or one refused: not known to differ (drained before bookkeeping
+    existed), so it is taken as this one, as before re-saves existed."""
+    try:
+        raw = tier.read_bookkeeping(
+            namespace, checkpoint_id, MANIFEST_OBJECT, max_bytes=MAX_MANIFEST
+        )
+        stored = manifest_from_json(json.loads(raw)) if raw is not None else None
+    except (ManifestError, ValueError, TypeError, KeyError):
+        stored = None
+    if stored is None:
+        return False
+    mine = {f.name: (f.size, fingerprint(f)) for f in files if f.checksums is not None}
+    theirs = {f.name: (f.size, fingerprint(f)) for f in stored.files.values() if f.checksums}
+    return mine != theirs
+
+
+def _retire_commit(tier: PersistentTier, namespace: str, checkpoint_id: str, neutral: bool) -> None:
+    """Delete the commit of the generation an overwrite replaced (DCP's `.metadata`, or a
+    "files" checkpoint's `files-commit.json` marker), before any byte of the new one goes
+    up: a reader of the bucket (stock DCP, another cluster's adoption) never pairs it with
+    the new data files. The new generation then drains as any checkpoint, its commit last."""
+    path = tier.commit_path(namespace, checkpoint_id, files=neutral)
+    what = path.rsplit("/", 1)[-1]
+    tier.retrying(
+        lambda: tier.remove_object(path),
+        f"retire the replaced {namespace}/{checkpoint_id}/{what}",
+        Op.DELETE,
+    )
+    fault("drain.retire_metadata")
+    logger.info(
+        "%s/%s was re-saved: the replaced generation's %s is removed from %s; the new "
+        "one drains next",
+        namespace,
+        checkpoint_id,
+        what,
+        tier.url,
+    )
 
 
 class _StepAsideForSaves:
@@ -384,10 +432,12 @@ class Drainer:
             else tier.is_durable(namespace, checkpoint_id)
         )
         if marked:
-            # Drained before a restart cut it short: its index entry may be missing.
-            _index(tier, namespace, checkpoint_id)
-            self.catalog.mark_durable(namespace, checkpoint_id)
-            return Outcome.DURABLE
+            if not _replaced(tier, namespace, checkpoint_id, view.files):
+                # Drained before a restart cut it short: its index entry may be missing.
+                _index(tier, namespace, checkpoint_id)
+                self.catalog.mark_durable(namespace, checkpoint_id)
+                return Outcome.DURABLE
+            _retire_commit(tier, namespace, checkpoint_id, neutral)
         files = {f.name: f for f in view.files}
         # The commit's anchor: DCP's `.metadata`; a "files" checkpoint's is the file its
         # coordinator owns (`model.commit_anchor`), uploaded like every other.
@@ -461,7 +511,13 @@ class Drainer:
             self.catalog.mark_durable(namespace, checkpoint_id)
             return Outcome.DURABLE
         return self._commit(
-            tier, namespace, checkpoint_id, metadata, plan.by_rule, view.files if neutral else None
+            tier,
+            namespace,
+            checkpoint_id,
+            metadata,
+            plan.by_rule,
+            view.sequence,
+            view.files if neutral else None,
         )
 
     def _commit(
@@ -471,11 +527,16 @@ class Drainer:
         checkpoint_id: str,
         metadata: bytes,
         by_rule: bool,
+        sequence: int,
         neutral_files: Sequence[FileRecord] | None = None,
     ) -> Outcome:
         """Bookkeeping, then `.metadata` last (for a "files" checkpoint, `neutral_files`
         given: its `files_commit` marker last); persistent retention after a commit by the
-        committer the rule names (not after SIGTERM's best-effort one)."""
+        committer the rule names (not after SIGTERM's best-effort one). Not when a save
+        replaced the checkpoint since this attempt began (`sequence`, the generation it
+        drained, is no longer the one committed): that one drains next."""
+        if not self._still(namespace, checkpoint_id, sequence):
+            return Outcome.WAITING
         tier.put_bookkeeping(
             namespace,
             checkpoint_id,
@@ -487,6 +548,8 @@ class Drainer:
         trust = self.catalog.events.trust_marks(namespace).get(checkpoint_id)
         if trust is not None:  # marked before it drained: kept beside it (trust_marker)
             tier.put_bookkeeping(namespace, checkpoint_id, TRUST_OBJECT, encode_trust(trust))
+        if not self._still(namespace, checkpoint_id, sequence):
+            return Outcome.WAITING
         try:
             fault("drain.metadata")
             if neutral_files is not None:
@@ -514,6 +577,15 @@ class Drainer:
         if by_rule:
             self.retention.apply(tier, namespace)
         return Outcome.DURABLE
+
+    def _still(self, namespace: str, checkpoint_id: str, sequence: int) -> bool:
+        """Whether the generation of the checkpoint committed here is still `sequence`
+        (False: re-saved since the drain attempt began). A deleted one is left to the
+        rm's own handling of a drain that raced it (`mark_durable`, `gone_durable`)."""
+        try:
+            return self.catalog.get(namespace, checkpoint_id).sequence == sequence
+        except CheckpointNotFound:
+            return True
 
     def _metadata(self, namespace: str, checkpoint_id: str) -> tuple[bytes, dict[str, DataFile]]:
         """The memory tier's `.metadata`, verified (fetched from a peer if not held), and

@@ -244,6 +244,13 @@ class PersistentTier:
         self.checkpoint_path(namespace, checkpoint_id)
         return f"{self.root}/{BOOKKEEPING_DIR}/{namespace}/{flat_checkpoint_id(checkpoint_id)}"
 
+    def commit_path(self, namespace: str, checkpoint_id: str, *, files: bool) -> str:
+        """The object whose presence commits the checkpoint here: DCP's `.metadata`, or a
+        "files" checkpoint's `files-commit.json` marker."""
+        if files:
+            return f"{self._bookkeeping_path(namespace, checkpoint_id)}/{FILES_COMMIT_OBJECT}"
+        return f"{self.checkpoint_path(namespace, checkpoint_id)}/{METADATA_FILE}"
+
     def _marker_path(self, namespace: str, checkpoint_id: str, name: str) -> str:
         return f"{self._bookkeeping_path(namespace, checkpoint_id)}/files/{name}.json"
 

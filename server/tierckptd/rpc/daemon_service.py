@@ -169,7 +169,9 @@ class DaemonService(daemon_pb2_grpc.DaemonServiceServicer):
         ref = request.ref
         self._allow(context, "BeginCheckpoint", ref.namespace, begin=True)
         check_new_checkpoint_id(ref.checkpoint_id)  # a new id: `latest` is taken by URLs
-        self.catalog.begin(ref.namespace, ref.checkpoint_id, request.rank)
+        self.catalog.begin(
+            ref.namespace, ref.checkpoint_id, request.rank, overwrite=request.overwrite
+        )
         return daemon_pb2.BeginCheckpointResponse(node_id=self.catalog.node_id)
 
     @rpc_method

@@ -23,7 +23,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import (
-    CheckpointExists,
     ChecksumMismatch,
     DaemonUnavailable,
     InvalidName,
@@ -36,6 +35,8 @@ from tierckptd.catalog import Catalog
 from tierckptd.memory.tier import MemoryTier
 from tierckptd.rpc.health import Health
 from tierckptd.rpc.servers import start_servers
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.support.daemon_parts import daemon_service
 
@@ -269,12 +270,29 @@ def test_folders_list_resolve_and_remove_like_local_ones(daemon: Catalog) -> Non
         fs.rm("tierckpt://team/run2/../run1", recursive=True)
 
 
-def test_a_committed_id_is_immutable(daemon: Catalog) -> None:
+def test_a_committed_id_is_replaced_atomically_or_kept_immutable(daemon: Catalog) -> None:
+    """DCP's default (overwrite=True) re-saves a committed id as a local folder would,
+    but as a new generation: the old one loads until the new one commits; a re-save
+    aborted midway leaves it; FsspecWriter(overwrite=False) refuses before a byte."""
     fs = _fs()
     dcp.save(_state(1), checkpoint_id="tierckpt://run7/step-1")
-    with pytest.raises(CheckpointExists, match="immutable") as e:
-        fs.open("tierckpt://run7/step-1/__0_0.distcp", "wb")
-    assert isinstance(e.value, FileExistsError)
+    first = daemon.get("run7", "step-1").sequence
+    # A re-save under way (one file written, not committed): the old one is what loads.
+    with fs.open("tierckpt://run7/step-1/__0_0.distcp", "wb") as f:
+        f.write(b"half of a new generation")
+    _assert_loads("tierckpt://run7/step-1", _state(1))
+    fs.rm("tierckpt://run7/step-1/__0_0.distcp")  # DCP's error clean-up: the re-save aborts
+    _assert_loads("tierckpt://run7/step-1", _state(1))
+    assert daemon.get("run7", "step-1").sequence == first
+    with pytest.warns(UserWarning, match="overwriting"):
+        dcp.save(_state(2), checkpoint_id="tierckpt://run7/step-1")
+    _assert_loads("tierckpt://run7/step-1", _state(2))
+    assert [c.checkpoint_id for c in daemon.list_checkpoints("run7")] == ["step-1"]
+    assert daemon.get("run7", "step-1").sequence > first
+    writer = FsspecWriter("tierckpt://run7/step-1", overwrite=False)
+    with pytest.raises(CheckpointException, match="already exists"):
+        dcp.save(_state(3), storage_writer=writer)
+    _assert_loads("tierckpt://run7/step-1", _state(2))  # untouched
     with pytest.raises(FileExistsError):
         fs.makedirs("tierckpt://run7/step-1", exist_ok=False)
     fs.makedirs("tierckpt://run7/step-1", exist_ok=True)
@@ -282,7 +300,6 @@ def test_a_committed_id_is_immutable(daemon: Catalog) -> None:
         fs.open("tierckpt://run7/latest/__0_0.distcp", "wb")
     with pytest.raises(ValueError, match="not 'ab'"):
         fs.open("tierckpt://run7/step-2/__0_0.distcp", "ab")
-    _assert_loads("tierckpt://run7/step-1", _state(1))  # untouched
 
 
 def test_writes_reserve_as_they_grow_and_a_full_budget_aborts_the_save(daemon: Catalog) -> None:
