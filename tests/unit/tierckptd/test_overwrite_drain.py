@@ -84,8 +84,8 @@ def test_a_resave_during_a_drain_attempt_keeps_its_metadata_out(
     _save(node, second)
     upload = drainer._upload
 
-    def upload_then_resave(*args: Any) -> None:
-        upload(*args)  # the second generation's data files are up ...
+    def upload_then_resave(*args: Any, **kwargs: Any) -> None:
+        upload(*args, **kwargs)  # the second generation's data files are up ...
         _save(node, third)  # ... when a third one commits
 
     monkeypatch.setattr(drainer, "_upload", upload_then_resave)
