@@ -240,7 +240,6 @@ def _bulk_server(
     host = peer.rpartition(":")[0]
     return BulkServer(
         catalog.file_view,
-        catalog.mapped,
         Grants(),
         f"{host}:{cfg.listen.peer_bulk_port}",
         node_id=cfg.node.id,

@@ -41,14 +41,13 @@ the peers have been asked: the catalog keeps them (`idle_saves`, `abort_idle`,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
@@ -237,9 +236,6 @@ class Catalog:
         self.node_id = node_id
         self.failure_domain = failure_domain
         self.recycle = recycle
-        # Files a peer is being sent from a mapping of (`mapped`): released by unlinking,
-        # never recycled into the pool, whose next save would truncate them (SIGBUS).
-        self._mapped: dict[str, int] = {}
         self.memory_keep_last = memory_keep_last
         self.abandon_after = abandon_after
         self.max_namespaces = max_namespaces
@@ -494,21 +490,6 @@ class Catalog:
             rec = self._committed(namespace, checkpoint_id)
             return manifest_to_json(rec)
 
-    @contextlib.contextmanager
-    def mapped(self, path: str) -> Iterator[None]:
-        """While a memory-tier file is mapped (the bulk sender hashes it in place), its
-        release unlinks it instead of recycling it: the mapping keeps the old inode's pages,
-        where a recycled segment would be truncated by its next save under the mapping."""
-        with self._lock:
-            self._mapped[path] = self._mapped.get(path, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                left = self._mapped.pop(path) - 1
-                if left:
-                    self._mapped[path] = left
-
     # ---- collection ---------------------------------------------------------------------
     def _release_files(self, rec: CheckpointRecord) -> int:
         """Take a checkpoint's files out of the memory tier (into the pool when
@@ -523,7 +504,7 @@ class Catalog:
             if stat.S_ISREG(st.st_mode):
                 freed += st.st_size
             try:
-                if self.recycle and str(path) not in self._mapped:
+                if self.recycle:
                     self.pool.to_pool(path, f.name, rec.namespace, touched_once=f.fresh_pages)
                 else:
                     self.tier.remove_file(path)

@@ -29,7 +29,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager, suppress
+from contextlib import suppress
 
 import xxhash
 from tierckpt.errors import (
@@ -134,7 +134,6 @@ class BulkServer:
     def __init__(
         self,
         files: FileView,
-        mapped: Callable[[str], AbstractContextManager[None]],
         grants: Grants,
         address: str,
         *,
@@ -147,7 +146,6 @@ class BulkServer:
         on_corrupt: OnCorrupt | None = None,
     ) -> None:
         self.files = files
-        self.mapped = mapped  # Catalog.mapped: a file mapped here is never recycled
         self.on_corrupt = on_corrupt
         self.grants = grants
         self.node_id = node_id
@@ -266,12 +264,6 @@ class BulkServer:
         return f, path
 
     def _send(self, conn: socket.socket, grant: Grant, path: str, f: FileRecord) -> None:
-        # Held before the open: a file recycled into the pool after it would be truncated
-        # by the next save while `_Blocks` maps it, and touching the mapping would SIGBUS.
-        with self.mapped(path):
-            self._send_held(conn, grant, path, f)
-
-    def _send_held(self, conn: socket.socket, grant: Grant, path: str, f: FileRecord) -> None:
         try:
             file = open(path, "rb", buffering=0)  # noqa: SIM115 (closed below)
         except FileNotFoundError:

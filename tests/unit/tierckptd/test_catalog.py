@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 from pathlib import Path
 
@@ -181,24 +180,6 @@ def test_recycle_off_unlinks(make_catalog, save) -> None:  # type: ignore[no-unt
     save(catalog, "run", "s1", {"a": b"a" * KiB})
     assert catalog.delete("run", "s1") == KiB
     assert catalog.status().pool_bytes == 0
-
-
-def test_a_file_mapped_for_a_peer_is_unlinked_not_recycled(catalog: Catalog, save) -> None:  # type: ignore[no-untyped-def]
-    """The bulk sender hashes a file through a mapping: released meanwhile, it must not
-    become a pool segment, whose next save would truncate it under the mapping (SIGBUS)."""
-    save(catalog, "run", "s1", {"a": b"a" * (64 * KiB), "b": b"b" * (64 * KiB)})
-    mapped = catalog.file_view("run", "s1", "a")[1]
-    with open(mapped, "rb") as f, catalog.mapped(mapped):
-        view = mmap.mmap(f.fileno(), 64 * KiB, access=mmap.ACCESS_READ)
-        catalog.delete("run", "s1")
-        # "b" was recycled as usual; "a" was unlinked, its pages alive under the mapping.
-        assert sorted(s.previous_name for s in catalog.pool.segments) == ["b"]
-        catalog.begin("run", "s2", 0)
-        catalog.reserve("run", "s2", 0, 128 * KiB)
-        catalog.open_file("run", "s2", "a", 0)  # takes the pool segment, never "a"'s inode
-        assert view[:4] == b"aaaa" and view[-1:] == b"a"
-        view.close()
-    assert not catalog._mapped
 
 
 def test_retention_keeps_newest_and_pinned(make_catalog, save) -> None:  # type: ignore[no-untyped-def]
