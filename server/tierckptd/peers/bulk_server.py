@@ -23,7 +23,6 @@ timeout), so a fetcher that stops reading frees its slot.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import socket
 import ssl
@@ -76,8 +75,12 @@ _ERROR_NAMES: dict[type[Exception], str] = {
 
 
 class _Blocks:
-    """Checks a held file's blocks against its checksums from a read-only mapping of it
-    (hashed where the pages are: no copy), each block once."""
+    """Checks a held file's blocks against its checksums before they are sent, each block
+    once, read with `preadv` into one reused buffer. Not a mapping of the file: a file
+    released meanwhile may be recycled into the pool and truncated by the next save, and
+    touching a mapping past its end kills the daemon (SIGBUS); a read there is short and a
+    mismatch. Measured on a 1 GiB tmpfs file: preadv + xxh3 0.31 CPU s, mapping + xxh3
+    0.35 (the page faults cost more than the copy saves)."""
 
     def __init__(self, fd: int, f: FileRecord, node_id: str, grant: Grant) -> None:
         assert f.checksums is not None
@@ -85,29 +88,27 @@ class _Blocks:
         self.step = f.checksums.block_size
         self.size = f.size
         self.what = f"{grant.namespace}/{grant.checkpoint_id}/{f.name} on node {node_id}"
-        self._map = mmap.mmap(fd, f.size, access=mmap.ACCESS_READ) if f.size else None
+        self._fd = fd
+        self._buffer = memoryview(bytearray(min(self.step, f.size)))
         self._done = -1
 
     def __enter__(self) -> _Blocks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._map is not None:
-            self._map.close()
+        self._buffer.release()
 
     def verify(self, start: int, end: int) -> None:
         """Every block bytes `start`..`end` touch (ChecksumMismatch naming the first bad one)."""
-        if self._map is None or end <= start:
+        if not self.size or end <= start:
             return
-        view = memoryview(self._map)
-        try:
-            for block in range(max(start // self.step, self._done + 1), -(-end // self.step)):
-                lo = block * self.step
-                digest = xxhash.xxh3_128_digest(view[lo : min(lo + self.step, self.size)])
-                self.checksums.check_block(block, digest, what=self.what)
-                self._done = block
-        finally:
-            view.release()
+        for block in range(max(start // self.step, self._done + 1), -(-end // self.step)):
+            lo = block * self.step
+            piece = self._buffer[: min(self.step, self.size - lo)]
+            got = os.preadv(self._fd, [piece], lo)
+            digest = xxhash.xxh3_128_digest(piece[:got])
+            self.checksums.check_block(block, digest, what=self.what)
+            self._done = block
 
 
 def _status(e: BaseException) -> str:
