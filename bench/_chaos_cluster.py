@@ -104,7 +104,7 @@ class ChaosCluster:
         self.sample = 6  # older or new checkpoints a check loads at random
         self.final_sample = 20  # the final sweep: the newest this many, as many at random
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
-        self.moto = MotoServer()
+        self.moto = self.make_moto()
         for name in (*AWS_UNSET, FAULT_ENV):
             os.environ.pop(name, None)
         os.environ.update(aws_environment(self.moto.endpoint_url))
@@ -112,34 +112,10 @@ class ChaosCluster:
         self.s3 = s3fs.S3FileSystem(**options)
         self.s3.mkdir(BUCKET)
         self.retired_seen: set[str] = set()
-        ports = free_ports(2 * NODES)
-        ids = [f"c{i}" for i in range(NODES)]
-        self.nodes: list[DaemonProcess] = []
-        for i in range(NODES):
-            config: dict[str, Any] = {
-                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
-                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
-                "memory": {"budget": budget, "abandon_after": 30.0},
-                "replication": {"copies": 1, "heal_interval": 1.0},
-                # S3 keeps the newest 30, as an operator would bound it: with every
-                # checkpoint kept, each node lists them all and a replacement's start
-                # (manifests pulled, durable adoption) grows with the job's history.
-                "retention": {"memory_keep_last": 3, "persistent_keep_last": PERSISTENT_KEEP},
-                "persistent": {
-                    "url": f"s3://{BUCKET}",
-                    "storage_options": options,
-                    "compression": "none",
-                    "relist_interval": 2.0,
-                },
-                "metrics": {"listen": f"127.0.0.1:{ports[NODES + i]}"},
-                "peers": [
-                    {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
-                    for j in range(NODES)
-                    if j != i
-                ],
-            }
-            self.nodes.append(DaemonProcess(config, name=ids[i], start=False))
-        starting = [threading.Thread(target=self.start_node, args=(i,)) for i in range(NODES)]
+        self.nodes: list[DaemonProcess] = self.make_nodes(budget, options)
+        starting = [
+            threading.Thread(target=self.start_node, args=(i,)) for i in range(len(self.nodes))
+        ]
         for thread in starting:  # in parallel: each start waits for its health check
             thread.start()
         for thread in starting:
@@ -150,7 +126,7 @@ class ChaosCluster:
             )
         self.clients = [DaemonClient(d.address, timeout_s=15) for d in self.nodes]
         self.plan = ChaosPlan(NS, tuple(d.address for d in self.nodes), rank_bytes, pause)
-        self.loader = Loader(rank_bytes)
+        self.loader = self.make_loader(rank_bytes)
         self.job: DistJob | None = None
         self.epoch = 0
         self.saves_ok = self.saves_failed = self.job_restarts = self.loads_ok = 0
@@ -173,6 +149,51 @@ class ChaosCluster:
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_budget, daemon=True)
         self._sampler.start()
+
+    # ---- construction hooks (bench/net_chaos.py puts the nodes in network namespaces) --
+    def make_moto(self) -> MotoServer:
+        return MotoServer()
+
+    def make_loader(self, rank_bytes: int) -> Loader:
+        return Loader(rank_bytes)
+
+    @staticmethod
+    def node_config(budget: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The tables every node shares (its id, listen addresses and peers aside)."""
+        return {
+            "memory": {"budget": budget, "abandon_after": 30.0},
+            "replication": {"copies": 1, "heal_interval": 1.0},
+            # S3 keeps the newest 30, as an operator would bound it: with every
+            # checkpoint kept, each node lists them all and a replacement's start
+            # (manifests pulled, durable adoption) grows with the job's history.
+            "retention": {"memory_keep_last": 3, "persistent_keep_last": PERSISTENT_KEEP},
+            "persistent": {
+                "url": f"s3://{BUCKET}",
+                "storage_options": options,
+                "compression": "none",
+                "relist_interval": 2.0,
+            },
+        }
+
+    def make_nodes(self, budget: str, options: dict[str, Any]) -> list[DaemonProcess]:
+        """NODES daemons on loopback, each peering with the others."""
+        ports = free_ports(2 * NODES)
+        ids = [f"c{i}" for i in range(NODES)]
+        nodes = []
+        for i in range(NODES):
+            config: dict[str, Any] = {
+                "node": {"id": ids[i], "failure_domain": f"rack{i}"},
+                "listen": {"peer": f"127.0.0.1:{ports[i]}"},
+                **self.node_config(budget, options),
+                "metrics": {"listen": f"127.0.0.1:{ports[NODES + i]}"},
+                "peers": [
+                    {"id": ids[j], "address": f"127.0.0.1:{ports[j]}", "failure_domain": f"rack{j}"}
+                    for j in range(NODES)
+                    if j != i
+                ],
+            }
+            nodes.append(DaemonProcess(config, name=ids[i], start=False))
+        return nodes
 
     # ---- nodes --------------------------------------------------------------------------
     def start_node(self, i: int, fault: str = "") -> None:

@@ -405,10 +405,14 @@ class Cluster:
         `started`: the asking node has just started (restarted, or a replacement that
         came back empty): every checkpoint it owned or held copies of is healed at once,
         so a copy lost with its memory is re-made, or the checkpoint listed LOST, within
-        seconds (not at the next heal round). Queued, deduplicated."""
+        seconds (not at the next heal round). Queued, deduplicated. Until that heal finds
+        the copies again, such a checkpoint is listed under-replicated here, never
+        REPLICATED on the restarted node's name alone (`Healer.suspect`)."""
         views = self.catalog.list_checkpoints(namespace)
         for v in views if started else ():
             if any(f.owner_node == started or started in f.replica_nodes for f in v.files):
+                if v.state in (State.COMMITTED, State.REPLICATED):
+                    self.healer.suspect(v.namespace, v.checkpoint_id)
                 self.jobs.put(Heal(v.namespace, v.checkpoint_id))
         return views
 

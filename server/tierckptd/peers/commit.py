@@ -28,6 +28,7 @@ from tierckpt.errors import (
 )
 
 from tierckptd.catalog import Catalog, Resolution
+from tierckptd.catalog.views import listing
 from tierckptd.memory.incoming import restore_plan
 from tierckptd.model import (
     CheckpointRecord,
@@ -167,7 +168,10 @@ class Committer:
         if not peers:
             return {}
 
+        silent: dict[str, str] = {}  # the peers that did not answer, and their codes
+
         def unanswered(node: str, e: PeerCallError) -> None:
+            silent[node] = e.code
             logger.warning(
                 "commit %s/%s: no holdings from %s: %s", namespace, checkpoint_id, node, e.code
             )
@@ -198,6 +202,16 @@ class Committer:
             )
             ordered = {node: held[node] for node in nodes if node in held}
             remote = dict(claims(namespace, checkpoint_id, ordered, missing))
+        unreachable = sorted(n for n in silent if n not in held)
+        if missing - remote.keys() and unreachable:
+            # The save fails either way (`Catalog.commit`); say which nodes it could not
+            # reach: a partitioned writer's node is the likely holder of what is missing.
+            raise CheckpointIncomplete(
+                f"cannot commit {namespace}/{checkpoint_id}: missing files: "
+                f"{listing(sorted(missing - remote.keys()))}; peers not reachable: "
+                + ", ".join(f"{n} ({silent[n]})" for n in unreachable[:8])
+                + ": the files may be there; retry once they answer"
+            )
         logger.info(
             "commit %s/%s: asked %d of %d peers for their files (%d hinted by the writer)",
             namespace,

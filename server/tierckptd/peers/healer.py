@@ -188,6 +188,15 @@ def involved(
     return tuple(files), asked
 
 
+def asked_all(view: CheckpointView, members: Sequence[Member], k: int) -> set[str]:
+    """The union of every file's neighbourhood: whom a heal of all of `view` asks."""
+    asked: set[str] = set()
+    for f in view.files:
+        key = file_key(view.namespace, view.checkpoint_id, f.name)
+        asked |= neighbourhood(key, f.owner_node, f.replica_nodes, members, k)
+    return asked
+
+
 def told_nodes(
     view: CheckpointView,
     f: FileRecord,
@@ -243,11 +252,29 @@ class Healer:
         self._lock = threading.Lock()
         self._labels: dict[Key, str] = {}
         self._lost: dict[Key, tuple[str, ...]] = {}  # the files of a "lost" label
+        # Checkpoints naming a peer that restarted (it may have come back empty): listed
+        # under-replicated, every file healed, until a heal finds every copy again.
+        self._suspect: set[Key] = set()
 
     def label(self, namespace: str, checkpoint_id: str) -> str:
         """The health label the last heal of a checkpoint left ("" when healthy)."""
         with self._lock:
             return self._labels.get((namespace, checkpoint_id), "")
+
+    def suspect(self, namespace: str, checkpoint_id: str) -> None:
+        """A peer this checkpoint names (owner or replica) has just restarted and may
+        have come back empty (kill -9, memory wiped): its copies no longer count. The
+        checkpoint is listed under-replicated at once, not REPLICATED on names alone,
+        and its heals take every file (asking their neighbourhoods, even where none
+        involves this node) until one finds every copy again; then the label goes as
+        any heal's does."""
+        key = (namespace, checkpoint_id)
+        with self._lock:
+            self._suspect.add(key)
+            if self._labels.get(key):
+                return  # already under-replicated or lost: that label stays
+            self._labels[key] = UNDER
+        self.catalog.set_health(namespace, checkpoint_id, UNDER)
 
     def heal(self, namespace: str, checkpoint_id: str, *, full: bool = False) -> HealPlan | None:
         """Heal one checkpoint (None: not a committed one here, or none of its files
@@ -265,6 +292,7 @@ class Healer:
             with self._lock:  # deleted (retention, rm): its label must not outlive it
                 self._labels.pop((namespace, checkpoint_id), None)
                 self._lost.pop((namespace, checkpoint_id), None)
+                self._suspect.discard((namespace, checkpoint_id))
             return None
         if view.state not in (State.COMMITTED, State.REPLICATED, State.DURABLE, State.LOST):
             return None
@@ -279,8 +307,12 @@ class Healer:
         coordinator = coordinator_of({f.name: f for f in view.files})
         manifest = view  # every file: what a push publishes to a node that lacks it
         asked: list[str] = self.client.peer_ids
+        with self._lock:
+            suspect = (namespace, checkpoint_id) in self._suspect
         if not (full or self.label(namespace, checkpoint_id) == LOST):
             files, near = involved(view, members, k, me)
+            if suspect:  # every file, even one not involving this node: its label is here
+                files, near = view.files, asked_all(view, members, k)
             if not files:  # none of it involves this node (membership may have moved)
                 if self.label(namespace, checkpoint_id):
                     self._record(namespace, checkpoint_id, HealPlan(), k)
@@ -475,6 +507,8 @@ class Healer:
                 self._lost[key] = plan.lost
             else:
                 self._lost.pop(key, None)
+            if not label:
+                self._suspect.discard(key)  # a heal found every copy again
         self.catalog.set_health(namespace, checkpoint_id, label, plan.lost)
         if (label, plan.lost) != previous:
             if plan.lost:

@@ -18,7 +18,7 @@ from tierckptd.peers.client import Holdings, Manifests
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.commit import claims
 from tierckptd.peers.healer import FilePush, HealPlan, plan_heal, responsible
-from tierckptd.peers.placement import Member, file_key, preference
+from tierckptd.peers.placement import Member, file_key, neighbourhood, preference
 from tierckptd.restore import Restorer, no_sources
 
 from tests.support.daemon_parts import coordinator
@@ -427,3 +427,49 @@ def test_a_peer_that_knows_it_durable_keeps_it_from_being_lost() -> None:
     durable = Holdings(True, frozenset(), (), durable=True)
     plan = plan_heal(view, {"c": _held(), "a": durable, "b": durable}, MEMBERS, 1, "c")
     assert plan.lost == () and plan.under == ("f",)
+
+
+def test_a_restarted_holder_is_unconfirmed_even_where_no_file_involves_this_node(
+    catalog: Catalog,
+) -> None:
+    """Issue 28: a peer that restarts may have come back empty. A node outside every
+    file's neighbourhood never heals the checkpoint, so it used to list it REPLICATED on
+    the restarted holder's name alone; now it lists it under-replicated from the
+    announce (`manifests(started=...)`) until a heal finds the copies again."""
+    peers = {"b": "r2", "c": "r3", "d": "r4", "e": "r5"}
+    members = [Member(n, d) for n, d in {"node-a": "r1", **peers}.items()]
+
+    def outside(name: str, owner: str, replica: str) -> bool:
+        near = neighbourhood(file_key("run", "s3", name), owner, [replica], members, 1)
+        return "node-a" not in near
+
+    owner, replica = next(
+        (o, r) for o in peers for r in peers if o != r and outside(".metadata", o, r)
+    )
+    name = next(n for n in (f"__0_{i}.distcp" for i in range(200)) if outside(n, owner, replica))
+    fake = FakePeers("node-a", peers)
+    cluster = _cluster(catalog, fake)
+    rec = CheckpointRecord("run", "s3", State.COMMITTED, 1.0, "", 2.0, 5)
+    for n in (name, ".metadata"):
+        f = _file(n, owner, [replica])
+        f.held = False
+        rec.files[n] = f
+    assert catalog.publish(rec)
+    for node in (owner, replica):
+        fake.knows[node] = True
+        fake.held[node] = {name: b"data", ".metadata": b"data"}
+    assert catalog.get("run", "s3").state is State.REPLICATED
+    assert cluster.healer.heal("run", "s3") is None  # no file involves this node
+
+    cluster.manifests("run", started=replica)  # the replica holder restarted
+    view = catalog.get("run", "s3")
+    assert view.state is State.COMMITTED and "under-replicated" in view.tiers
+    fake.held[replica] = {}  # it came back empty; nobody pushed yet
+    assert (
+        cluster.healer.heal("run", "s3") is not None
+    )  # every file healed, though none involves it
+    assert catalog.get("run", "s3").state is State.COMMITTED
+    fake.held[replica] = {name: b"data", ".metadata": b"data"}  # the copies are back
+    cluster.heal("run", "s3")
+    assert catalog.get("run", "s3").state is State.REPLICATED
+    assert cluster.healer.label("run", "s3") == ""
