@@ -33,6 +33,7 @@ class ReadStream(io.RawIOBase):
         namespace: str,
         checkpoint_id: str,
         entry: FileEntry,
+        opened: VerifiedFile | None = None,
     ) -> None:
         super().__init__()
         self.client = client
@@ -43,7 +44,9 @@ class ReadStream(io.RawIOBase):
         self.size = entry.size
         self._pos = 0
         self._repaired = False
-        self._file: VerifiedFile | None = self._open(entry)
+        # `opened`: the caller's open copy of `entry` (shared by concurrent ranged reads,
+        # see `_release`), so no second GetCheckpoint/open is needed.
+        self._file: VerifiedFile | None = opened if opened is not None else self._open(entry)
 
     def _open(self, entry: FileEntry | None, *, repair: bool = False) -> VerifiedFile:
         """The local copy of `entry`; fetched by the daemon when this node has none (or,
@@ -99,7 +102,7 @@ class ReadStream(io.RawIOBase):
         logger.warning("%s; asking tierckptd to repair it from another copy", mismatch)
         corrupt, self._file = self._file, None
         if corrupt is not None:
-            corrupt.close()
+            self._release(corrupt, corrupt=True)
         try:
             return self._open(None, repair=True)
         except TierckptError as e:
@@ -110,8 +113,21 @@ class ReadStream(io.RawIOBase):
         self.readinto(out)
         return bytes(out)
 
+    def detach(self) -> VerifiedFile:
+        """Close this stream and hand its open file to the caller, who closes it."""
+        file, self._file = self._file, None
+        if file is None:
+            raise ValueError(f"{self.what} is closed")
+        self.close()
+        return file
+
+    def _release(self, file: VerifiedFile, *, corrupt: bool = False) -> None:
+        """Done with `file` (`corrupt`: it failed its checksums): closed here; a subclass
+        over a shared `opened` file hands it back instead."""
+        file.close()
+
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            self._release(file)
         super().close()
