@@ -78,6 +78,16 @@ class ReadStream(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
+        try:
+            return self._readinto(buffer)
+        except BaseException as failure:
+            # The failure's frames hold views of `buffer`; a caller that frees it on the
+            # error (torch_checkpointing closes its mmap) would get a BufferError that
+            # hides this one. Keep the message and the chain, not our frames.
+            _drop_frames(failure)
+            raise failure.with_traceback(None) from failure.__cause__
+
+    def _readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         count = max(0, min(view.nbytes, self.size - self._pos))
         if count == 0:
@@ -131,3 +141,16 @@ class ReadStream(io.RawIOBase):
             file, self._file = self._file, None
             self._release(file)
         super().close()
+
+
+def _drop_frames(failure: BaseException) -> None:
+    """Forget the tracebacks (and so the locals) of `failure` and the errors it chains."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [failure]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("torch_checkpointing")
 
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
-from tierckpt.errors import ChecksumMismatch  # noqa: E402
+from tierckpt.errors import CheckpointLost, ChecksumMismatch  # noqa: E402
 from tierckpt.integrations.torch_checkpointing import StorageConfig  # noqa: E402
 from torch_checkpointing import CheckpointManager, SyncCheckpointSaverConfig  # noqa: E402
 from torch_checkpointing.storage.torch_serialization import (  # noqa: E402
@@ -85,3 +85,22 @@ def test_a_corrupt_block_fails_a_shared_stream_and_spares_the_other(daemon: Any)
         first.seek(5 << 20)
         with pytest.raises(ChecksumMismatch):
             first.read(16)
+
+
+def test_a_corrupt_sole_copy_fails_the_load_with_its_own_error(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a BufferError from torch_checkpointing closing its mmap while the failure's
+    frames still held views of it."""
+    storage, _ = _saved(daemon)
+    monkeypatch.setenv("TORCH_CKPT_PARALLEL_FILL_CHUNK_MB", "1")
+    path = daemon.data_dir(NS, "step-1") / "model_0.pt"
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff" * 8, 5 << 20)
+    finally:
+        os.close(fd)
+    # the parallel fill fails on the corrupt block (the daemon drops that copy); its
+    # serial retry finds no copy left
+    with pytest.raises((ChecksumMismatch, CheckpointLost), match="model_0.pt"):
+        load_torch_serialized_from_storage(FILE, storage, num_workers=4)
