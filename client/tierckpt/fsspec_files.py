@@ -33,6 +33,7 @@ class ReadStream(io.RawIOBase):
         namespace: str,
         checkpoint_id: str,
         entry: FileEntry,
+        opened: VerifiedFile | None = None,
     ) -> None:
         super().__init__()
         self.client = client
@@ -43,7 +44,9 @@ class ReadStream(io.RawIOBase):
         self.size = entry.size
         self._pos = 0
         self._repaired = False
-        self._file: VerifiedFile | None = self._open(entry)
+        # `opened`: the caller's open copy of `entry` (shared by concurrent ranged reads,
+        # see `_release`), so no second GetCheckpoint/open is needed.
+        self._file: VerifiedFile | None = opened if opened is not None else self._open(entry)
 
     def _open(self, entry: FileEntry | None, *, repair: bool = False) -> VerifiedFile:
         """The local copy of `entry`; fetched by the daemon when this node has none (or,
@@ -75,6 +78,16 @@ class ReadStream(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
+        try:
+            return self._readinto(buffer)
+        except BaseException as failure:
+            # The failure's frames hold views of `buffer`; a caller that frees it on the
+            # error (torch_checkpointing closes its mmap) would get a BufferError that
+            # hides this one. Keep the message and the chain, not our frames.
+            _drop_frames(failure)
+            raise failure.with_traceback(None) from failure.__cause__
+
+    def _readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         count = max(0, min(view.nbytes, self.size - self._pos))
         if count == 0:
@@ -99,7 +112,7 @@ class ReadStream(io.RawIOBase):
         logger.warning("%s; asking tierckptd to repair it from another copy", mismatch)
         corrupt, self._file = self._file, None
         if corrupt is not None:
-            corrupt.close()
+            self._release(corrupt, corrupt=True)
         try:
             return self._open(None, repair=True)
         except TierckptError as e:
@@ -110,8 +123,34 @@ class ReadStream(io.RawIOBase):
         self.readinto(out)
         return bytes(out)
 
+    def detach(self) -> VerifiedFile:
+        """Close this stream and hand its open file to the caller, who closes it."""
+        file, self._file = self._file, None
+        if file is None:
+            raise ValueError(f"{self.what} is closed")
+        self.close()
+        return file
+
+    def _release(self, file: VerifiedFile, *, corrupt: bool = False) -> None:
+        """Done with `file` (`corrupt`: it failed its checksums): closed here; a subclass
+        over a shared `opened` file hands it back instead."""
+        file.close()
+
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            self._release(file)
         super().close()
+
+
+def _drop_frames(failure: BaseException) -> None:
+    """Forget the tracebacks (and so the locals) of `failure` and the errors it chains."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [failure]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]

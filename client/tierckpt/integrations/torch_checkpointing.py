@@ -27,7 +27,9 @@ then rank 0 renames the directory onto ``<id>``; that rename is the commit:
   downloaded copy), restored byte for byte; the daemon never decodes them.
 - reads (`stream_read`, `read`, its mmap fill's concurrent ranged reads) are verified
   against the block checksums; a file this node lacks is fetched by the daemon from a
-  peer or the persistent tier first (EnsureLocal), a corrupt copy repaired once.
+  peer or the persistent tier first (EnsureLocal), a corrupt copy repaired once. The
+  streams of one file open at once (its mmap fill's ranges) share one open copy: one
+  GetCheckpoint per fill, not one per range (`_OpenFiles`).
 - ``exists``/``ls``/``getsize``/``isdir``/``glob`` answer from the catalog: committed
   checkpoints and their files, folders of ids, and a save in progress (``tmp_<id>``).
 - ``rmdir(<id>)`` removes a committed checkpoint from every tier (``tierckpt rm``); on a
@@ -53,6 +55,7 @@ import io
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +75,7 @@ from tierckpt.errors import (
     TierckptError,
 )
 from tierckpt.fsspec_files import ReadStream
+from tierckpt.memory_files import VerifiedFile
 from tierckpt.memory_tier_file import MemoryTierFile, SaveTarget
 from tierckpt.names import (
     FORMAT_FILES,
@@ -79,7 +83,7 @@ from tierckpt.names import (
     check_file_name,
     check_namespace,
 )
-from tierckpt.records import CheckpointInfo
+from tierckpt.records import CheckpointInfo, FileEntry
 
 __all__ = ["StorageConfig", "TieredStorage", "UnsupportedOnTieredStore"]
 
@@ -159,6 +163,92 @@ class _Path:
         return f"tierckpt://{self.namespace}/{self.joined}".rstrip("/")
 
 
+_FileKey = tuple[str, str, str]  # (namespace, checkpoint id, file name)
+
+
+class _OpenFiles:
+    """Committed files open for reading, shared by the streams reading them at once.
+
+    Its mmap fill opens one stream per range (16 for a 1 GiB file at its default 64 MiB
+    ranges), each of which would otherwise cost a GetCheckpoint and an open, issued at
+    once by its workers and answered one after another by the daemon: on a loaded node
+    that was tens of ms each, on the load's critical path. A stream of a file that is
+    already open here reuses its descriptor and checksums (one open per file, single
+    flight: concurrent first opens wait for one RPC), and the last one out closes it. The
+    descriptor pins what was opened, so every range of one fill reads the same version
+    of the file, verified against its own checksums.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the tables
+        self._opening = threading.Lock()  # one first open at a time (single flight)
+        self._open: dict[_FileKey, tuple[FileEntry, VerifiedFile]] = {}
+        self._users: dict[int, int] = {}  # id(VerifiedFile) -> streams holding it
+
+    def _take(self, key: _FileKey) -> tuple[FileEntry, VerifiedFile] | None:
+        with self._lock:
+            found = self._open.get(key)
+            if found is not None:
+                self._users[id(found[1])] += 1
+            return found
+
+    def acquire(
+        self, key: _FileKey, opener: Callable[[], tuple[FileEntry, VerifiedFile]]
+    ) -> tuple[FileEntry, VerifiedFile]:
+        """(entry, the shared open file) of `key`; `opener()` opens it when none is."""
+        found = self._take(key)
+        if found is not None:
+            return found
+        with self._opening:
+            found = self._take(key)
+            if found is not None:
+                return found
+            entry, file = opener()
+            with self._lock:
+                self._open[key] = (entry, file)
+                self._users[id(file)] = 1
+            return entry, file
+
+    def release(self, key: _FileKey, file: VerifiedFile, *, corrupt: bool = False) -> None:
+        """A stream is done with `file`; `corrupt`: no later stream may take it (each
+        reader repairs the local copy and reads its own). The last one out closes it."""
+        with self._lock:
+            left = self._users.get(id(file), 1) - 1
+            if (corrupt or left == 0) and self._open.get(key, (None, None))[1] is file:
+                del self._open[key]
+            if left > 0:
+                self._users[id(file)] = left
+                return
+            self._users.pop(id(file), None)
+        file.close()
+
+
+class _SharedReadStream(ReadStream):
+    """A `ReadStream` over a file shared through `_OpenFiles` (a repaired copy, which it
+    opens itself, stays its own)."""
+
+    def __init__(
+        self,
+        client: DaemonClient,
+        info_of: tuple[str, str],
+        entry: FileEntry,
+        opened: VerifiedFile,
+        files: _OpenFiles,
+    ) -> None:
+        self._files = files
+        self._shared: VerifiedFile | None = opened
+        super().__init__(client, *info_of, entry, opened=opened)
+
+    def _release(self, file: VerifiedFile, *, corrupt: bool = False) -> None:
+        if file is self._shared:
+            self._shared = None
+            self._files.release(
+                (self.namespace, self.checkpoint_id, self.name), file, corrupt=corrupt
+            )
+        else:
+            file.close()
+
+
 class TieredStorage(Storage):
     """torch_checkpointing's `Storage` over the node's tierckptd (module docstring)."""
 
@@ -171,6 +261,7 @@ class TieredStorage(Storage):
         self._lock = threading.Lock()
         self._written: dict[tuple[str, str], set[str]] = {}  # this process's, per save
         self._node = ""
+        self._open_files = _OpenFiles()
 
     # --- plumbing ---------------------------------------------------------------------
     @property
@@ -380,8 +471,19 @@ class TieredStorage(Storage):
         """A verified, seekable stream of a committed file. No pre-read into a second
         buffer even when `read_args.pre_read_full_file` asks: the memory tier is already
         memory, and every read is verified where it lands."""
-        info, entry = self._entry_of(path)
-        return ReadStream(self.client, info.namespace, info.checkpoint_id, entry)
+        p = self._parse(path)
+        checkpoint_id, name, temp = self._as_file(p)
+        key = (p.namespace, checkpoint_id, name)
+        if temp:
+            self._entry_of(path)  # raises: not readable before its commit
+
+        def opener() -> tuple[FileEntry, VerifiedFile]:
+            info, entry = self._entry_of(path)
+            stream = ReadStream(self.client, info.namespace, info.checkpoint_id, entry)
+            return entry, stream.detach()
+
+        entry, file = self._open_files.acquire(key, opener)
+        return _SharedReadStream(self.client, key[:2], entry, file, self._open_files)
 
     def read(self, path: Path, read_args: ReadArgs | None = None) -> bytes:
         with self.stream_read(path, read_args) as f:
