@@ -15,7 +15,9 @@ and its default mmap load; the same state and manager configuration for both bac
   (``/dev/shm``: O_DIRECT is refused there anyway).
 
 Per backend: `--repeat` saves and loads (each save under a new id, the previous one
-removed untimed); the fastest after the first is "steady". Every load is checked
+removed untimed), the backends alternating round by round (which goes first alternates
+too), so a burst of load from elsewhere on a shared machine lands on both; the fastest
+after the first is "steady". Every load is checked
 bit-exact, untimed. Printed and written (`--out`): seconds per backend and the ratios
 tierckpt / local.
 
@@ -57,30 +59,28 @@ def _manager(storage: Any) -> Any:
     )
 
 
-def _run(
-    storage: Any, ids: list[str], state: dict[str, torch.Tensor], remove: Any
-) -> dict[str, list[float]]:
-    """Save then load each id in turn; the seconds of each."""
-    saves: list[float] = []
-    loads: list[float] = []
-    manager = _manager(storage)
-    try:
-        for i, checkpoint_id in enumerate(ids):
-            started = time.perf_counter()
-            manager.save(checkpoint_id, {"model": state})
-            saves.append(time.perf_counter() - started)
-            into = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
-            started = time.perf_counter()
-            loaded = manager.load(checkpoint_id, into=into)
-            loads.append(time.perf_counter() - started)
-            for k, v in state.items():
-                if not torch.equal(loaded["model"][k], v):
-                    raise AssertionError(f"{checkpoint_id}: {k} differs after the load")
-            if i:
-                remove(ids[i - 1])
-    finally:
-        manager.close()
-    return {"save_s": saves, "load_s": loads}
+def _round(
+    manager: Any,
+    checkpoint_id: str,
+    previous: str | None,
+    state: dict[str, torch.Tensor],
+    remove: Any,
+) -> tuple[float, float]:
+    """Save then load one id (seconds of each, the load checked bit-exact untimed), then
+    remove the previous id untimed."""
+    started = time.perf_counter()
+    manager.save(checkpoint_id, {"model": state})
+    save_s = time.perf_counter() - started
+    into = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
+    started = time.perf_counter()
+    loaded = manager.load(checkpoint_id, into=into)
+    load_s = time.perf_counter() - started
+    for k, v in state.items():
+        if not torch.equal(loaded["model"][k], v):
+            raise AssertionError(f"{checkpoint_id}: {k} differs after the load")
+    if previous is not None:
+        remove(previous)
+    return save_s, load_s
 
 
 def _steady(seconds: list[float]) -> float:
@@ -103,30 +103,39 @@ def main() -> int:
     state = _state(mib)
     ids = [f"step-{i:06d}" for i in range(1, repeat + 1)]
     results: dict[str, Any] = {"mib": mib, "repeat": repeat, "machine": machine_facts()}
+    results["tierckpt"] = {"save_s": [], "load_s": []}
+    results["local"] = {"save_s": [], "load_s": []}
 
     d = make_daemon(budget=f"{max(1, int(mib * 4 // 1024) + 1)}GiB", keep_last=None)
     d.start()
     client = DaemonClient(d.address)
+    local_root = Path(tempfile.mkdtemp(prefix="tc-local-", dir=tmpfs_root()))
+    tier = _manager(StorageConfig(namespace=NS, daemon=d.address))
+    local = _manager(LocalFileSystemStorageConfig(use_direct_io=False))
+
+    def delete(checkpoint_id: str) -> None:
+        client.delete_checkpoint(NS, checkpoint_id)
+
+    def rmtree(path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
     try:
-        results["tierckpt"] = _run(
-            StorageConfig(namespace=NS, daemon=d.address),
-            ids,
-            state,
-            lambda cid: client.delete_checkpoint(NS, cid),
-        )
+        for i, checkpoint_id in enumerate(ids):
+            previous = ids[i - 1] if i else None
+            local_previous = str(local_root / previous) if previous else None
+            rounds: list[tuple[str, Any, str, str | None, Any]] = [
+                ("tierckpt", tier, checkpoint_id, previous, delete),
+                ("local", local, str(local_root / checkpoint_id), local_previous, rmtree),
+            ]
+            for name, manager, target, before, remove in rounds[:: 1 if i % 2 == 0 else -1]:
+                save_s, load_s = _round(manager, target, before, state, remove)
+                results[name]["save_s"].append(save_s)
+                results[name]["load_s"].append(load_s)
     finally:
+        tier.close()
+        local.close()
         client.close()
         d.stop()
-
-    local_root = Path(tempfile.mkdtemp(prefix="tc-local-", dir=tmpfs_root()))
-    try:
-        results["local"] = _run(
-            LocalFileSystemStorageConfig(use_direct_io=False),
-            [str(local_root / cid) for cid in ids],
-            state,
-            lambda path: shutil.rmtree(path, ignore_errors=True),
-        )
-    finally:
         shutil.rmtree(local_root, ignore_errors=True)
 
     for what in ("save_s", "load_s"):

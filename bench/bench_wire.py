@@ -146,7 +146,7 @@ def save(client: DaemonClient, cid: str, files: dict[str, bytes]) -> None:
     client.commit_checkpoint(NS, cid, list(files))
 
 
-def wait_known(clients: list[DaemonClient], cid: str, timeout: float = 120.0) -> None:
+def wait_known(clients: list[DaemonClient], cid: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     for c in clients:
         while cid not in {i.checkpoint_id for i in c.list_checkpoints(NS)}:
