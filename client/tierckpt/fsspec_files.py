@@ -152,5 +152,5 @@ def _drop_frames(failure: BaseException) -> None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        e.__traceback__ = None
+        e.with_traceback(None)
         pending += [e.__cause__, e.__context__]

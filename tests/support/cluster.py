@@ -114,7 +114,7 @@ class LocalCluster:
         checkpoint_id: str,
         state: str,
         *,
-        timeout: float = 60.0,
+        timeout: float = 120.0,
         nodes: tuple[int, ...] | None = None,
     ) -> None:
         """Until every node (or the `nodes` given) lists the checkpoint in `state` (the

@@ -39,6 +39,8 @@ GENERATED = ROOT / "client" / "tierckpt" / "v1"
 # (file relative to the repository, attribute): records and per-thread state from outside
 # the two packages' dataclasses, written where they are filled.
 OUTSIDE_RECORDS: dict[tuple[str, str], str] = {
+    ("server/tierckptd/peers/bulk_wire.py", "minimum_version"): "an ssl.SSLContext, set up",
+    ("server/tierckptd/peers/bulk_wire.py", "verify_mode"): "an ssl.SSLContext, set up",
     ("client/tierckpt/dcp_metadata.py", "maxstring"): "a module-private reprlib.Repr, set up",
     ("client/tierckpt/dcp_metadata.py", "maxother"): "a module-private reprlib.Repr, set up",
     ("client/tierckpt/dcp_metadata.py", "maxlevel"): "a module-private reprlib.Repr, set up",
