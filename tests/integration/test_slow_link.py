@@ -5,6 +5,12 @@ fails saying "too slow" with the bytes that came, never "no data" while bytes fl
 The link is a TCP relay between the two real daemons that forwards the holder's answers
 at a fixed byte rate (no netem here; the daemons speak plain gRPC through it). The
 fetcher's stall window is shortened by the daemon's test hook so the test stays short.
+
+Both ways a file's bytes travel go over the slow link: gRPC FetchFile (the holder's bulk
+listener off), whose progress is a whole message (1 MiB), and the granted bulk stream
+(GrantFetch), whose progress is any byte. For the bulk stream the holder listens on
+127.0.0.2 and the relay takes its bulk port on 127.0.0.1, where the fetcher connects
+(the host of the holder's peer address, the port of the grant).
 """
 
 from __future__ import annotations
@@ -33,14 +39,26 @@ STALL = 2.0  # seconds without a message before the fetcher gives up (test hook)
 
 
 class SlowRelay:
-    """Forwards TCP connections on `port` to `target`; the answers (target -> client)
-    at `rate` bytes per second, the requests as they come."""
+    """Forwards TCP connections on `port` to `target` (on `target_host`); the answers
+    (target -> client) at `rate` bytes per second, the requests as they come. With
+    `quiet_after`, each connection's answers stop after that many bytes (a congested
+    link: the bytes came, then nothing), the connection left open."""
 
-    def __init__(self, target: int, rate: float) -> None:
+    def __init__(
+        self,
+        target: int,
+        rate: float,
+        *,
+        port: int = 0,
+        target_host: str = "127.0.0.1",
+        quiet_after: int = 0,
+    ) -> None:
         self.rate = rate
+        self.quiet_after = quiet_after
         self._target = target
+        self._target_host = target_host
         self._stop = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = [self._listener]
@@ -53,7 +71,7 @@ class SlowRelay:
             except OSError:
                 continue
             try:
-                server = socket.create_connection(("127.0.0.1", self._target))
+                server = socket.create_connection((self._target_host, self._target))
             except OSError:  # the holder is not listening yet
                 client.close()
                 continue
@@ -69,6 +87,10 @@ class SlowRelay:
             while not self._stop.is_set():
                 data = src.recv(16 << 10)
                 if not data:
+                    break
+                if rate and self.quiet_after and sent + len(data) > self.quiet_after:
+                    dst.sendall(data[: self.quiet_after - sent])
+                    self._stop.wait()  # the link goes quiet; the connection stays open
                     break
                 dst.sendall(data)
                 sent += len(data)
@@ -92,20 +114,32 @@ class SlowRelay:
 
 
 @contextmanager
-def two_nodes(rate: float) -> Iterator[tuple[DaemonClient, DaemonClient, DaemonProcess]]:
-    """Node a fetches from node b over a relay that carries b's answers at `rate` B/s."""
+def two_nodes(
+    rate: float, *, bulk: bool, quiet_after: int = 0
+) -> Iterator[tuple[DaemonClient, DaemonClient, DaemonProcess]]:
+    """Node a fetches from node b over a relay that carries b's answers at `rate` B/s:
+    over the bulk stream (`bulk`, relayed as well) or gRPC FetchFile (b has no bulk
+    listener). `quiet_after`: see SlowRelay; for the bulk stream only (the control calls
+    keep flowing)."""
     with ExitStack() as stack:
-        port_a, port_b = free_ports(2)
-        relay = SlowRelay(port_b, rate)
+        port_a, port_b, bulk_b = free_ports(3)
+        relay = SlowRelay(port_b, rate, target_host="127.0.0.2")
         stack.callback(relay.close)
+        if bulk:
+            bulk_relay = SlowRelay(
+                bulk_b, rate, port=bulk_b, target_host="127.0.0.2", quiet_after=quiet_after
+            )
+            stack.callback(bulk_relay.close)
         nodes = []
-        for me, port, other, other_address in (
-            ("a", port_a, "b", f"127.0.0.1:{relay.port}"),
-            ("b", port_b, "a", f"127.0.0.1:{port_a}"),
+        for me, listen, other, other_address in (
+            ("a", f"127.0.0.1:{port_a}", "b", f"127.0.0.1:{relay.port}"),
+            ("b", f"127.0.0.2:{port_b}", "a", f"127.0.0.1:{port_a}"),
         ):
             config: dict[str, Any] = {
                 "node": {"id": me, "failure_domain": f"rack-{me}"},
-                "listen": {"peer": f"127.0.0.1:{port}"},
+                "listen": {"peer": listen}
+                | ({"peer_bulk_port": bulk_b} if me == "b" and bulk else {})
+                | ({} if me == "a" or bulk else {"peer_bulk": False}),
                 "replication": {"copies": 0, "heal_interval": 3600.0},
                 "peers": [
                     {"id": other, "address": other_address, "failure_domain": f"rack-{other}"}
@@ -153,8 +187,9 @@ def short_stall(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_link_too_slow_for_the_stall_window_says_too_slow_not_no_data() -> None:
     # 256 KiB/s: bytes flow all along, but a 1 MiB message takes 4 s, past the 2 s window
     # (before: 4 MiB messages, 16 s each, and "STALLED: no data for 10 s").
+    # Over gRPC FetchFile: the bulk stream's progress is any byte, see the bulk test.
     data = os.urandom(SIZE)
-    with two_nodes(rate=256 << 10) as (a, b, _):
+    with two_nodes(rate=256 << 10, bulk=False) as (a, b, _):
         save_on(b, "step-1", data)
         wait_known(a, "step-1")
         with pytest.raises(TierUnavailable) as e:
@@ -167,10 +202,28 @@ def test_a_link_too_slow_for_the_stall_window_says_too_slow_not_no_data() -> Non
     assert received >= 64 << 10, message
 
 
-def test_a_slow_but_flowing_link_restores_the_file_bit_exact() -> None:
+def test_a_bulk_stream_that_goes_quiet_after_bytes_came_says_too_slow_not_no_answer() -> None:
+    # The bulk stream over the slow link: 256 KiB/s for 1 MiB, then nothing. The bytes
+    # land in the fetcher's 4 MiB receive buffer before any piece is handed on; a stall
+    # there still counts them ("too slow (N bytes"), never "no answer".
+    data = os.urandom(SIZE)
+    with two_nodes(rate=256 << 10, bulk=True, quiet_after=1 << 20) as (a, b, _):
+        save_on(b, "step-3", data)
+        wait_known(a, "step-3")
+        with pytest.raises(TierUnavailable) as e:
+            a.ensure_local(NS, "step-3", "__0_0.distcp")
+    message = str(e.value)
+    assert "peer b" in message and "too slow (" in message, message
+    assert "no data" not in message and "no answer" not in message, message
+    received = int(message.split("too slow (")[1].split(" bytes")[0].replace(",", ""))
+    assert received >= 64 << 10, message
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["fetchfile", "bulk"])
+def test_a_slow_but_flowing_link_restores_the_file_bit_exact(bulk: bool) -> None:
     # 1.5 MiB/s: each 1 MiB message arrives within the window; 12 MiB take about 8 s.
     data = os.urandom(SIZE)
-    with two_nodes(rate=1.5 * (1 << 20)) as (a, b, _):
+    with two_nodes(rate=1.5 * (1 << 20), bulk=bulk) as (a, b, _):
         save_on(b, "step-2", data)
         wait_known(a, "step-2")
         entry = a.ensure_local(NS, "step-2", "__0_0.distcp")

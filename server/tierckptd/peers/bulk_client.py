@@ -90,7 +90,7 @@ class BulkFetcher:
     ) -> Iterator[tuple[int, memoryview]]:
         """The granted range as (offset, view) pieces (see the module docstring);
         BulkError when refused, cut short or stalled."""
-        received = 0
+        received = filled = 0  # filled: bytes in the buffer not yet handed on
         try:
             sock = self.connect(node, ticket, stall)
         except (OSError, ssl.SSLError) as e:
@@ -138,15 +138,19 @@ class BulkFetcher:
                     filled += k
                 yield ticket.offset + received, view[:filled]
                 received += filled
+                filled = 0
         except BulkError:
             raise
         except TimeoutError:
+            # Every byte that came counts, those still in the buffer too: a stall within
+            # the first buffer (4 MiB) after bytes flowed is "too slow", never "no answer".
+            came = received + filled
             raise BulkError(
                 node,
                 "STALLED",
-                f"too slow ({received:,} bytes; nothing for {stall:g} s): the link is slow or "
+                f"too slow ({came:,} bytes; nothing for {stall:g} s): the link is slow or "
                 "congested, or the peer froze"
-                if received
+                if came
                 else f"no answer for {stall:g} s: it accepted the connection but sent nothing",
             ) from None
         except (OSError, EOFError, ssl.SSLError) as e:
