@@ -57,13 +57,28 @@ def claims(
     checkpoint_id: str,
     holdings: dict[str, Holdings],
     missing: set[str],
+    *,
+    replacing: bool = False,
 ) -> dict[str, FileRecord]:
     """The files of `missing` that peers hold, from their holdings (in node order).
 
-    A node claims only files it owns (the owner is the node that answered, whatever it
-    says); a node whose answer did not validate claims nothing; two nodes claiming one
-    file with different bytes refuse the commit: nothing is "first wins" (audit H3)."""
+    A node claims the files it answers (their owner is the node that answered, whatever
+    it says), except a copy it names another answering node as the owner of that this
+    owner answers too: the owner's word on its own file prevails over a replica of it (a
+    replica of the generation a re-save replaces is other bytes under the same name). A
+    node whose answer did not validate claims nothing; two nodes claiming one file with
+    different bytes refuse the commit: nothing is "first wins" (audit H3). `replacing`
+    (the commit of a re-save: this node holds the id committed): a copy naming another
+    owner is never a claim, even when that owner did not answer: it may be the replaced
+    generation's bytes, and a checkpoint mixing generations would load wrong tensors."""
     remote: dict[str, FileRecord] = {}
+    # (node, file) for each file a node answers as its own (no owner, or itself).
+    owned = {
+        (node, f.name)
+        for node, held in holdings.items()
+        for f in held.files or ()
+        if f.owner_node in ("", node)
+    }
     for node, held in holdings.items():
         if held.files is None:
             metrics.PEER_REFUSED.labels(reason="invalid").inc()
@@ -76,10 +91,10 @@ def claims(
             )
             continue
         for f in held.files:
-            # A copy the node keeps of another owner's file is no claim: a replica of the
-            # generation a re-save replaces is other bytes under the same name.
-            if f.name not in missing or f.owner_node not in ("", node):
+            if f.name not in missing:
                 continue
+            if f.owner_node not in ("", node) and (replacing or (f.owner_node, f.name) in owned):
+                continue  # a replica of a file its owner answers: the owner's is the claim
             f.owner_node, f.replica_nodes = node, []
             other = remote.get(f.name)
             if other is None:
@@ -185,7 +200,8 @@ class Committer:
 
         held = self.client.each(holdings, nodes=nodes, on_error=unanswered, parallel=True)
         ordered = {node: held[node] for node in nodes if node in held}
-        remote = claims(namespace, checkpoint_id, ordered, missing)
+        replacing = (namespace, checkpoint_id) in set(self.catalog.committed_keys())
+        remote = claims(namespace, checkpoint_id, ordered, missing, replacing=replacing)
         unasked = [n for n in nodes if n not in held]
         if missing - remote.keys() and unasked:
             # A file is still missing: ask the peers the first round skipped or lost
@@ -201,7 +217,7 @@ class Committer:
                 )
             )
             ordered = {node: held[node] for node in nodes if node in held}
-            remote = dict(claims(namespace, checkpoint_id, ordered, missing))
+            remote = dict(claims(namespace, checkpoint_id, ordered, missing, replacing=replacing))
         unreachable = sorted(n for n in silent if n not in held)
         if missing - remote.keys() and unreachable:
             # The save fails either way (`Catalog.commit`); say which nodes it could not
