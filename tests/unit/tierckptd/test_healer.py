@@ -246,12 +246,14 @@ def test_a_resave_commit_takes_no_replica_of_another_owner_as_a_claim() -> None:
     """A re-save's commit (the coordinator holds the id committed): a buddy's copy naming
     the writer may be the replaced generation's bytes, so it is no claim even when the
     writer did not answer; the writer's own answer is."""
-    old_copy = _file("x", "w")  # held by b, owned by the writer w
-    held = {"b": Holdings(True, frozenset({"x"}), (old_copy,))}
-    assert claims("run", "s1", held, {"x"}, replacing=True) == {}
-    assert "x" in claims("run", "s1", held, {"x"})  # not a re-save: as before
+
+    def buddy() -> Holdings:  # b's copy of the writer w's file (claims rewrites records)
+        return Holdings(True, frozenset({"x"}), (_file("x", "w"),))
+
+    assert claims("run", "s1", {"b": buddy()}, {"x"}, replacing=True) == {}
+    assert "x" in claims("run", "s1", {"b": buddy()}, {"x"})  # not a re-save: as before
     new = FileRecord("x", 0, 5, checksums=checksum_bytes(b"fresh", block_size=1024))
-    held["w"] = Holdings(True, frozenset({"x"}), (new,))
+    held = {"b": buddy(), "w": Holdings(True, frozenset({"x"}), (new,))}
     remote = claims("run", "s1", held, {"x"}, replacing=True)
     assert remote["x"].owner_node == "w" and remote["x"].checksums == new.checksums
 
