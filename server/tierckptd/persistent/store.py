@@ -434,15 +434,7 @@ class PersistentTier:
             check_relative_path(name)
         markers = self.uploaded(namespace, checkpoint_id)
 
-        def stored_sizes() -> dict[str, int]:
-            self.fs.invalidate_cache(ckpt)
-            try:
-                found = self.find(ckpt, detail=True)
-            except FileNotFoundError:
-                return {}
-            return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
-
-        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}", Op.LIST)
+        sizes = self._stored_sizes(namespace, checkpoint_id)
         problems = [
             name for name in needed if name not in markers or sizes.get(name) != markers[name].size
         ]
@@ -467,6 +459,21 @@ class PersistentTier:
         logger.info("%s/%s is durable at %s", namespace, checkpoint_id, self.url)
         return body
 
+    def _stored_sizes(self, namespace: str, checkpoint_id: str) -> dict[str, int]:
+        """Size of every object under the checkpoint's directory, listed fresh (a commit
+        checks what is really up, not a cached listing)."""
+        ckpt = self.checkpoint_path(namespace, checkpoint_id)
+
+        def stored_sizes() -> dict[str, int]:
+            self.fs.invalidate_cache(ckpt)
+            try:
+                found = self.find(ckpt, detail=True)
+            except FileNotFoundError:
+                return {}
+            return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
+
+        return self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}", Op.LIST)
+
     def commit_files_last(
         self, namespace: str, checkpoint_id: str, files: Sequence[FileRecord]
     ) -> None:
@@ -478,20 +485,11 @@ class PersistentTier:
             CheckpointIncomplete: a file is not (fully) up; nothing was committed.
             PersistentTierUnavailable: the tier stayed down past the retry policy.
         """
-        ckpt = self.checkpoint_path(namespace, checkpoint_id)
         for f in files:
             check_relative_path(f.name, data_only=False)
         markers = self.uploaded(namespace, checkpoint_id)
 
-        def stored_sizes() -> dict[str, int]:
-            self.fs.invalidate_cache(ckpt)
-            try:
-                found = self.find(ckpt, detail=True)
-            except FileNotFoundError:
-                return {}
-            return {p[len(ckpt) + 1 :]: int(info["size"]) for p, info in found.items()}
-
-        sizes = self.retrying(stored_sizes, f"list {namespace}/{checkpoint_id}", Op.LIST)
+        sizes = self._stored_sizes(namespace, checkpoint_id)
         problems = [
             f.name
             for f in files
