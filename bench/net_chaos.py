@@ -24,8 +24,9 @@ Moments (each fault is injected at one, drawn in shuffled rounds):
                     re-replicates what was saved during it
     random          after a random 0-3 s
 
-Each fault is held 1.5-4 s (the job saving on); meanwhile the newest REPLICATED or
-DURABLE checkpoint is restored through a node that is not frozen, bit-exact, and timed
+Each fault is held 1-3 s (`--hold`; the job saving on); meanwhile the newest REPLICATED or
+DURABLE checkpoint is restored through a node that is neither frozen nor itself cut off
+(through a cut-off node a restore can only name the sources it cannot reach), bit-exact, and timed
 (the restore time under that fault kind). Then the fault heals and the runner measures
 convergence: the seconds until every checkpoint begun since the injection is listed on
 every node REPLICATED or DURABLE (heal rounds: those seconds over `heal_interval`, 1 s,
@@ -78,6 +79,8 @@ MOMENTS = ("save", "commit", "replication", "drain", "heal", "random")
 COPIES = 1
 HEAL_INTERVAL = 1.0  # [replication] heal_interval of every node (ChaosCluster.node_config)
 MOMENT_TIMEOUT = 10.0
+# Where an injection's seconds go (reported: what bounds the injections per hour).
+PHASES = ("moment", "fault", "convergence", "checks")
 SLOW = TbfShape(rate=2_000_000)  # 16 Mbit/s: a 1 MiB message well within the fetch stall
 BASE = TbfShape(rate=100_000_000 // 8)  # every link at 100 Mbit/s: replication takes time
 # The smoke's plan: one of each cut kind, each at a moment of its own.
@@ -110,7 +113,10 @@ class NetChaos(NetChaosCluster):
         self.rng = random.Random(args.seed)
         self.sample = 0 if args.quick else 1
         self.final_sample = 3 if args.quick else 10
-        self.hold = (1.0, 1.5) if args.quick else (1.5, 4.0)
+        low, _, high = args.hold.partition(",")
+        self.hold = (1.0, 1.5) if args.quick else (float(low), float(high or low))
+        self.isolated: set[int] = set()  # nodes cut off from the others now
+        self.phase_s: dict[str, list[float]] = {p: [] for p in PHASES}
         self.converge_timeout = args.converge_timeout
         self.injections: Counter[str] = Counter()
         self.moments: dict[str, Counter[str]] = {}
@@ -177,6 +183,8 @@ class NetChaos(NetChaosCluster):
     def make_fault(self, kind: str) -> Fault:
         bed, rng = self.bed, self.rng
         node = bed.nodes[rng.randrange(NODES)]
+        if kind in ("node_cut", "flap", "member_change"):
+            self.isolated.add(node.index)  # a restore through it only proves it is cut off
         if kind == "node_cut":
             return bed.cut_node(node)
         if kind == "rack_cut":
@@ -184,6 +192,7 @@ class NetChaos(NetChaosCluster):
         if kind == "one_way_cut":
             if rng.random() < 0.5:
                 return bed.cut_one_way(bed.rack("a"), bed.rack("b"))
+            self.isolated.add(node.index)
             return bed.cut_one_way([node], [n for n in bed.nodes[:NODES] if n is not node])
         if kind == "flap":
             return bed.flap(node, rng.uniform(0.3, 1.0), rng.uniform(0.3, 1.0))
@@ -212,12 +221,13 @@ class NetChaos(NetChaosCluster):
             time.sleep(0.1)
 
     def restore_under(self, kind: str) -> None:
-        """Restore the newest REPLICATED or DURABLE checkpoint through a node that is not
-        frozen, bit-exact, timed."""
+        """Restore the newest REPLICATED or DURABLE checkpoint through a node that is
+        neither frozen nor itself cut off from the others, bit-exact, timed."""
         state = self.snapshot()
         ready = sorted((c for c, (rep, dur) in state.items() if rep or dur), key=index_of)
         ready = [c for c in ready if c not in self.failed()]
-        candidates = [i for i in range(NODES) if i not in self.frozen and self.nodes[i].running]
+        out = self.frozen | self.isolated
+        candidates = [i for i in range(NODES) if i not in out and self.nodes[i].running]
         if not ready or not candidates:
             return
         checkpoint, i = ready[-1], self.rng.choice(candidates)
@@ -297,7 +307,9 @@ class NetChaos(NetChaosCluster):
     def inject(self, kind: str, moment: str) -> None:
         self.injections[kind] += 1
         since = self.last_index()
+        clock = time.monotonic()
         hit = self.wait_moment(moment)
+        clock = self._phase("moment", clock)
         self.moments.setdefault(moment, Counter())["seen" if hit else "timed out"] += 1
         fault = self.make_fault(kind)
         try:
@@ -307,7 +319,10 @@ class NetChaos(NetChaosCluster):
         finally:
             fault.heal()
             self.frozen.clear()
+            self.isolated.clear()
+        clock = self._phase("fault", clock)
         took = self.converge(since, self.last_index())
+        clock = self._phase("convergence", clock)
         if took is None:
             self.converge_timeouts[kind] += 1
             self.note(
@@ -318,6 +333,12 @@ class NetChaos(NetChaosCluster):
         label = f"after {kind}@{moment}"
         self.check_honesty(label)
         self.check(label)
+        self._phase("checks", clock)
+
+    def _phase(self, phase: str, since: float) -> float:
+        now = time.monotonic()
+        self.phase_s[phase].append(now - since)
+        return now
 
     def run(self, plan: list[tuple[str, str]] | None, count: int, duration: float) -> None:
         started = time.monotonic()
@@ -389,6 +410,7 @@ class NetChaos(NetChaosCluster):
                 k: {"count": len(v), "last": v[-3:]} for k, v in self.restore_failures.items()
             },
             "convergence_after_heal": convergence,
+            "seconds_per_injection_by_phase": {p: _stats(v) for p, v in self.phase_s.items()},
             "notes": self.notes[-50:],
             "failures": self.failures[-20:],
         }
@@ -403,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         "--converge-timeout", type=float, default=45.0, help="seconds to wait after a heal"
     )
     p.add_argument("--plan", default="", help="kind@moment,... instead of drawn ones")
+    p.add_argument("--hold", default="1.0,3.0", help="seconds a fault is held: low,high")
     p.add_argument("--seed", type=int, default=0, help="0: a random seed (printed)")
     p.add_argument("--rank-bytes", type=int, default=1 << 20, help="bytes each rank saves")
     p.add_argument("--pause", type=float, default=2.0, help="seconds between saves")
