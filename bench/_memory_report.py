@@ -20,6 +20,7 @@ FIRST_SAVES_MIN = 2.0  # saves 2..N with compute between: stock best / tierckpt
 ASYNC_MAX = 0.25  # async blocking, calls 2..N, new writer: tierckpt / stock
 STEADY_MIN = 0.5  # steady-state save: memcpy / save
 LOAD_MIN = 0.75  # load: memcpy / load
+LOAD_OVER_CEILING_MIN = 0.9  # issue 27: a verified local load at >= 0.9x its ceiling
 
 
 def ratios(res: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +45,11 @@ def ratios(res: dict[str, Any]) -> dict[str, Any]:
     if res.get("verified_copy_s"):  # results recorded before this figure existed lack it
         out["verified_copy_ref_s"] = min(res["verified_copy_s"])
         out["ceiling_memcpy_over_verified_copy"] = memcpy / out["verified_copy_ref_s"]
+        out["load_over_verified_copy_ceiling"] = out["verified_copy_ref_s"] / min(res["load_s"])
+    if res.get("verified_read_s"):
+        out["verified_read_ref_s"] = min(res["verified_read_s"])
+        out["ceiling_memcpy_over_verified_read"] = memcpy / out["verified_read_ref_s"]
+        out["load_over_verified_read_ceiling"] = out["verified_read_ref_s"] / min(res["load_s"])
     for executor in ("thread", "process"):
         stock = res["async"].get(f"stock {executor}")
         if stock is None:
@@ -88,6 +94,14 @@ def render(res: dict[str, Any], saves: int) -> str:
         lines.append(
             f"    memcpy / verified copy {r['ceiling_memcpy_over_verified_copy']:.2f}x: the "
             "ceiling of memcpy / save and memcpy / load while every byte is verified"
+        )
+    if "verified_read_ref_s" in r:
+        runs = res["verified_read_s"]
+        label = f"verified read: preadv from tmpfs + xxh3 per MiB, {threads} thread(s)"
+        lines.append(f"  {label:<58}{rate(r['verified_read_ref_s'])}  runs {_fmt(runs)}")
+        lines.append(
+            f"    memcpy / verified read {r['ceiling_memcpy_over_verified_read']:.2f}x: the "
+            "ceiling of memcpy / load from a file (the kernel's page-cache copy included)"
         )
     for tc in (1, 2):
         runs = res[f"stock_fsw_tc{tc}_s"]
@@ -191,6 +205,13 @@ def summary(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
         items.append(
             _item(title, "load: memcpy/load >= 0.75", [load], load >= LOAD_MIN, ceiling=ceiling)
         )
+        for key, what in (
+            ("load_over_verified_copy_ceiling", "verified copy (no file)"),
+            ("load_over_verified_read_ceiling", "verified read (preadv from tmpfs)"),
+        ):
+            if key in r:
+                label = f"issue 27: load >= 0.9x the {what} ceiling"
+                items.append(_item(title, label, [r[key]], r[key] >= LOAD_OVER_CEILING_MIN))
     text = ["\n## Done-when (issue 10), ratios from this run"]
     for it in items:
         values = " ".join(f"{v:.2f}" for v in it["values"])
