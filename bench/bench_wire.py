@@ -119,8 +119,13 @@ def raw_tcp(nbytes: int, repeat: int) -> dict[str, float]:
 # ---- daemons ---------------------------------------------------------------------------
 
 
-def start_cluster(n: int, *, metrics: bool) -> tuple[list[Daemon], list[int], list[int]]:
-    """`n` peered daemons node0.. with no extra copies (node0's saves stay on node0)."""
+def start_cluster(
+    n: int, *, metrics: bool, heal_interval: float = 3600.0
+) -> tuple[list[Daemon], list[int], list[int]]:
+    """`n` peered daemons node0.. with no extra copies (node0's saves stay on node0).
+
+    A commit publishes only to the nodes its checkpoint involves; every other node learns
+    it by gossip in its heal rounds (`heal_interval`), as in a real cluster."""
     ports = free_ports(2 * n)
     nodes = []
     for i in range(n):
@@ -130,7 +135,9 @@ def start_cluster(n: int, *, metrics: bool) -> tuple[list[Daemon], list[int], li
             if j != i
         )
         metrics_table = f'[metrics]\nlisten = "127.0.0.1:{ports[n + i]}"\n' if metrics else ""
-        extra = f"{metrics_table}[replication]\ncopies = 0\nheal_interval = 3600.0\n{peers}"
+        extra = (
+            f"{metrics_table}[replication]\ncopies = 0\nheal_interval = {heal_interval}\n{peers}"
+        )
         nodes.append(
             make_daemon(
                 node_id=f"node{i}", keep_last=None, peer=f"127.0.0.1:{ports[i]}", extra=extra
@@ -244,7 +251,7 @@ def one_holder(peer_port: int, n: int, cid: str, names: list[str], size: int) ->
 
 
 def fanout(n: int, nbytes: int, nfiles: int) -> dict[str, Any]:
-    nodes, peer_ports, metrics_ports = start_cluster(n, metrics=True)
+    nodes, peer_ports, metrics_ports = start_cluster(n, metrics=True, heal_interval=1.0)
     clients = [DaemonClient(d.address, timeout_s=600) for d in nodes]
     try:
         per = max(1, nbytes // nfiles)
