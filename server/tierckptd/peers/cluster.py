@@ -40,6 +40,7 @@ from tierckptd.jobs import (
     Heal,
     JobQueue,
     Repair,
+    ReportCorrupt,
     Tell,
     TellLanded,
     backoff,
@@ -53,13 +54,14 @@ from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
+from tierckptd.peers.recheck import Rechecker
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 
-Job = Heal | Repair | TellLanded | Tell
+Job = Heal | Repair | TellLanded | Tell | ReportCorrupt
 
 # Replicator threads: a slow push or a peer's deadline holds one of them, not every heal.
 REPLICATORS = 4
@@ -170,6 +172,10 @@ class Cluster:
             retry_tell=self._queue_tell,
         )
         self.serving = Serving(catalog, self.corrupt)
+        # A peer's ReportCorrupt: re-hash the copy here, drop it only on this node's hash.
+        self.recheck = Rechecker(
+            catalog.file_view, catalog.tier.verify_file, self.corrupt, node_id=self.node_id
+        )
         self._heal_thread: threading.Thread | None = None
         self._sync_replica_target()
 
@@ -245,6 +251,11 @@ class Cluster:
         file's neighbourhood and the coordinator (`Healer.tell_landed`), off the restore."""
         self.jobs.put(TellLanded(namespace, checkpoint_id, name))
 
+    def copy_rejected(self, node: str, namespace: str, checkpoint_id: str, name: str) -> None:
+        """Bytes `node` sent of a file over its bulk stream failed verification here
+        (`PeerSource.rejected`): queue telling it (`ReportCorrupt`), off the restore."""
+        self.jobs.put(ReportCorrupt(namespace, checkpoint_id, name, node))
+
     def _queue_full_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id, full=True))
 
@@ -266,6 +277,8 @@ class Cluster:
                 self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
             elif isinstance(job, Tell):
                 self.healer.tell(job.namespace, job.checkpoint_id, job.name, job.node, job.tries)
+            elif isinstance(job, ReportCorrupt):
+                self.client.report_corrupt(job.node, job.namespace, job.checkpoint_id, job.name)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()
