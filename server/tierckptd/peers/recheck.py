@@ -64,6 +64,12 @@ class Rechecker:
         self._running: Key | None = None
         self._checked: dict[Key, float] = {}  # file -> when its last re-check started
 
+    @property
+    def busy(self) -> bool:
+        """A re-check runs now."""
+        with self._lock:
+            return self._running is not None
+
     def report(self, namespace: str, checkpoint_id: str, name: str, reporter: str) -> bool:
         """A peer says this node's copy of a file is corrupt: whether a re-check of it
         started (in the background); CheckpointNotFound when no copy is held here."""
