@@ -609,9 +609,9 @@ def test_a_forged_corrupt_report_costs_a_rehash_never_a_good_copy(cluster: list[
         "OK",
         FILES[SMALL],
     )
-    # A file it does not hold, a name that is no file name: nothing is re-hashed.
+    # A file it does not know, a name that is no file name: nothing is re-hashed.
     with pytest.raises(grpc.RpcError) as e:
-        report(cluster[outsider(cluster, SMALL)], SMALL, claim="b0")  # b0: the owner
+        report(node, "__9_9.distcp")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as e:
         report(node, "../../etc/passwd")

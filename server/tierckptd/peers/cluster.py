@@ -48,7 +48,7 @@ from tierckptd.jobs import (
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
-from tierckptd.peers.client import PeerClient
+from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
@@ -278,7 +278,7 @@ class Cluster:
             elif isinstance(job, Tell):
                 self.healer.tell(job.namespace, job.checkpoint_id, job.name, job.node, job.tries)
             elif isinstance(job, ReportCorrupt):
-                self.client.report_corrupt(job.node, job.namespace, job.checkpoint_id, job.name)
+                self._report_corrupt(job)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()
@@ -287,6 +287,24 @@ class Cluster:
         except TierckptError as e:
             logger.warning("peer job %s failed: %s", job, e)
         return None
+
+    def _report_corrupt(self, job: ReportCorrupt) -> None:
+        """Tell a bulk sender its bytes failed here; once (the restore went on to another
+        holder already, and the sender's scrubber covers a report that is lost)."""
+        what = f"{job.namespace}/{job.checkpoint_id}/{job.name}"
+        try:
+            started = self.client.report_corrupt(
+                job.node, job.namespace, job.checkpoint_id, job.name
+            )
+        except PeerCallError as e:
+            logger.warning("could not report %s's corrupt copy of %s: %s", job.node, what, e)
+            return
+        logger.info(
+            "reported node %s's copy of %s corrupt; %s",
+            job.node,
+            what,
+            "it re-checks it" if started else "it ignored it (busy re-checking, or did just now)",
+        )
 
     def _heal_again(self, job: Heal, plan: HealPlan | None) -> float | None:
         """The delay before `job` runs again: when a peer it asked was not reached and a

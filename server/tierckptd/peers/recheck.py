@@ -116,6 +116,8 @@ class Rechecker:
             now, later = self.files(namespace, checkpoint_id, name)
             if later != path or now.checksums != f.checksums:
                 return  # replaced meanwhile: not the copy that failed
+            if self.verify(Path(path), f.size, f.checksums)[0]:
+                return  # evicted and landed again meanwhile (as the scrubber confirms)
             self.on_corrupt(
                 namespace,
                 checkpoint_id,
