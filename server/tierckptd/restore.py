@@ -461,6 +461,12 @@ class Restorer:
             for (start, n), src in zip(parts, holders, strict=False)
         ]
         names = ", ".join(s.name for s in holders[: len(ranges)])
+
+        def rejected(index: int) -> None:
+            source = holders[index]
+            if isinstance(source, Rejected):
+                source.rejected(namespace, checkpoint_id, f)
+
         try:
             held = install_ranges(
                 self.catalog,
@@ -470,6 +476,7 @@ class Restorer:
                 ranges,
                 what=f"{what} from {names}",
                 restored=True,
+                rejected=rejected,
             )
         except (CheckpointNotFound, SourceUnavailable, ChecksumMismatch, InvalidArgument) as e:
             logger.warning(

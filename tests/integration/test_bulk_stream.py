@@ -562,6 +562,35 @@ def test_a_corrupt_copy_is_caught_where_it_lands_reported_and_repaired() -> None
         assert "reports its copy of bulk/step-1/__0_0.distcp from here corrupt" in log
         assert "re-checked after node" in log
 
+        # A large file in ranges from both holders: the replica's range fails where it
+        # lands, the reader tells the replica and lands the file from the owner alone.
+        big = payload(6, 64 * MIB + 5)
+        save_ranks({0: nodes[0].client}, NS, "step-3", {0: {LARGE: big, ".metadata": b"m"}})
+        wait_until(
+            "step-3 held twice and known everywhere",
+            lambda: (
+                len(holders(nodes[0], "step-3", LARGE)) == 2
+                and all(
+                    "step-3" in {c.checkpoint_id for c in n.client.list_checkpoints(NS)}
+                    for n in nodes
+                )
+            ),
+            60,
+        )
+        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-3", LARGE))
+        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        for at in (5, 40 * MIB):  # one flip in each half: whichever range it serves
+            flip(nodes[replica], "step-3", LARGE, at)
+        entry = reader.client.ensure_local(NS, "step-3", LARGE)
+        assert entry.local_path and Path(entry.local_path).read_bytes() == big
+        victim = nodes[replica].daemon.data_dir(NS, "step-3") / LARGE
+        wait_until(
+            "the replica re-checked, dropped and repaired its copy",
+            lambda: victim.exists() and victim.read_bytes() == big,
+            60,
+        )
+        assert corrupted("served", nodes[replica]) == 1.0
+
         # Every copy corrupt: the restore fails clearly; both holders drop theirs.
         owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-2", SMALL))
         reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
