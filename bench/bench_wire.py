@@ -7,13 +7,16 @@ ratios, and run it on a quiet machine).
    sender from a tmpfs file and a `recv_into` + `pwrite` receiver into tmpfs. Throughput
    and CPU seconds per GiB on each side (the daemons' from /proc, the raw threads' from
    `time.thread_time`).
+   `--tls`: the same restore once more with the peer port and bulk stream under mutual
+   TLS (self-signed test certificates, as the tests make them), so what TLS costs each
+   side shows next to the plaintext stream.
 2. Fan-out (`--fanout 8,16,32`): N daemons, one holds a checkpoint (`--fanout-gib`), all
    the others restore it at once. Bytes sent by the busiest node per GiB of the file and
    per restored GiB, and the total time; against one holder serving all in the same run
    (the same N-1 copies fetched straight from the holder over its bulk stream).
 
-    python bench/bench_wire.py [--gib 1.0] [--files 8] [--repeat 3] [--fanout 8,16,32]
-                               [--out results.json] [--quick]
+    python bench/bench_wire.py [--gib 1.0] [--files 8] [--repeat 3] [--tls]
+                               [--fanout 8,16,32] [--out results.json] [--quick]
 
 `--quick` (a smoke: 10 MiB, one repeat, a 3-node fan-out) checks that it runs, never a
 figure.
@@ -25,8 +28,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -44,6 +49,7 @@ from tierckptd.peers.bulk_client import BulkFetcher, BulkTicket  # noqa: E402
 from tierckptd.peers.chunk_wire import PeerStub  # noqa: E402
 from tierckptd.peers.security import node_client_interceptor  # noqa: E402
 
+from tests.support.certs import make_certs  # noqa: E402
 from tests.support.raw_rpc import write_files  # noqa: E402
 
 NS = "bench-wire"
@@ -119,10 +125,29 @@ def raw_tcp(nbytes: int, repeat: int) -> dict[str, float]:
 # ---- daemons ---------------------------------------------------------------------------
 
 
+def tls_security(directory: Path) -> list[str]:
+    """[security] tables for node0 and node1 under mutual TLS (test certificates from
+    one self-signed CA, each naming its node) and a shared token."""
+    certs = make_certs(directory)
+    token = directory / "token"
+    token.write_text("dGllcmNrcHQtYmVuY2gtdG9rZW4=")
+    token.chmod(0o600)
+    return [
+        f'[security]\ntls_cert = "{pair.cert}"\ntls_key = "{pair.key}"\n'
+        f'tls_ca = "{certs.ca}"\ntoken_file = "{token}"\n'
+        for pair in (certs.node_a, certs.node_b)
+    ]
+
+
 def start_cluster(
-    n: int, *, metrics: bool, heal_interval: float = 3600.0
+    n: int,
+    *,
+    metrics: bool,
+    security: list[str] | None = None,
+    heal_interval: float = 3600.0,
 ) -> tuple[list[Daemon], list[int], list[int]]:
-    """`n` peered daemons node0.. with no extra copies (node0's saves stay on node0).
+    """`n` peered daemons node0.. with no extra copies (node0's saves stay on node0);
+    `security`: each node's [security] table (TOML).
 
     A commit publishes only to the nodes its checkpoint involves; every other node learns
     it by gossip in its heal rounds (`heal_interval`), as in a real cluster."""
@@ -135,8 +160,10 @@ def start_cluster(
             if j != i
         )
         metrics_table = f'[metrics]\nlisten = "127.0.0.1:{ports[n + i]}"\n' if metrics else ""
+        table = security[i] if security else ""
         extra = (
-            f"{metrics_table}[replication]\ncopies = 0\nheal_interval = {heal_interval}\n{peers}"
+            f"{metrics_table}{table}[replication]\ncopies = 0\n"
+            f"heal_interval = {heal_interval}\n{peers}"
         )
         nodes.append(
             make_daemon(
@@ -175,9 +202,20 @@ def sent_bytes(metrics_port: int) -> float:
     )
 
 
-def peer_restore(nbytes: int, nfiles: int, repeat: int) -> dict[str, float]:
-    """Best of `repeat` restores of a fresh checkpoint each, node1 from node0."""
-    nodes, _, _ = start_cluster(2, metrics=False)
+def peer_restore(nbytes: int, nfiles: int, repeat: int, *, tls: bool = False) -> dict[str, float]:
+    """Best of `repeat` restores of a fresh checkpoint each, node1 from node0 (`tls`:
+    under mutual TLS)."""
+    certs = Path(tempfile.mkdtemp(prefix="tcb-certs"))
+    try:
+        return _peer_restore(nbytes, nfiles, repeat, tls_security(certs) if tls else None)
+    finally:
+        shutil.rmtree(certs, ignore_errors=True)
+
+
+def _peer_restore(
+    nbytes: int, nfiles: int, repeat: int, security: list[str] | None
+) -> dict[str, float]:
+    nodes, _, _ = start_cluster(2, metrics=False, security=security)
     clients = [DaemonClient(d.address, timeout_s=600) for d in nodes]
     try:
         per = nbytes // nfiles
@@ -301,6 +339,7 @@ def main() -> None:
     parser.add_argument("--fanout-files", type=int, default=2)
     parser.add_argument("--out", default="", help="write the figures as JSON here")
     parser.add_argument("--quick", action="store_true", help="a smoke run at a tiny size")
+    parser.add_argument("--tls", action="store_true", help="also the peer restore under mutual TLS")
     args = parser.parse_args()
     if args.quick:
         args.gib, args.files, args.repeat = 0.01, 2, 1
@@ -310,12 +349,13 @@ def main() -> None:
 
     raw = raw_tcp(nbytes, args.repeat)
     peer = peer_restore(nbytes, args.files, args.repeat)
+    tls = peer_restore(nbytes, args.files, args.repeat, tls=True) if args.tls else None
     print(f"\n## peer restore vs raw TCP on loopback ({gib:.3f} GiB, {args.files} files)")
     print(f"{'path':<44} {'seconds':>8} {'GB/s':>7} {'send CPU s/GiB':>15} {'recv CPU s/GiB':>15}")
-    for name, row in (
-        ("raw TCP: sendfile -> recv_into + pwrite", raw),
-        ("tierckpt bulk stream", peer),
-    ):
+    rows = [("raw TCP: sendfile -> recv_into + pwrite", raw), ("tierckpt bulk stream", peer)]
+    if tls is not None:
+        rows.append(("tierckpt bulk stream, mutual TLS", tls))
+    for name, row in rows:
         print(
             f"{name:<44} {row['seconds']:>8.3f} {nbytes / row['seconds'] / 1e9:>7.2f} "
             f"{row['send_cpu'] / gib:>15.3f} {row['recv_cpu'] / gib:>15.3f}"
@@ -338,6 +378,18 @@ def main() -> None:
         },
         "fanout": [],
     }
+    if tls is not None:
+        ratios = {
+            "throughput_over_plaintext": peer["seconds"] / tls["seconds"],
+            "send_cpu_over_plaintext": tls["send_cpu"] / max(peer["send_cpu"], 1e-9),
+            "recv_cpu_over_plaintext": tls["recv_cpu"] / max(peer["recv_cpu"], 1e-9),
+        }
+        record["bulk_restore_tls"] = {**tls, "ratios": ratios}
+        print(
+            f"TLS: throughput {ratios['throughput_over_plaintext']:.2f}x the plaintext "
+            f"stream; CPU per GiB sender {ratios['send_cpu_over_plaintext']:.2f}x, receiver "
+            f"{ratios['recv_cpu_over_plaintext']:.2f}x plaintext"
+        )
     counts = [int(c) for c in args.fanout.split(",") if c.strip()]
     if counts:
         fan_bytes = int(args.fanout_gib * GiB)

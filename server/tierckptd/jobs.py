@@ -41,6 +41,7 @@ __all__ = [
     "JobHandler",
     "JobQueue",
     "Repair",
+    "ReportCorrupt",
     "StepAside",
     "TellLanded",
     "backoff",
@@ -85,6 +86,17 @@ class TellLanded:
     namespace: str
     checkpoint_id: str
     name: str
+
+
+@dataclass(frozen=True)
+class ReportCorrupt:
+    """Tell `node` that bytes of a file it sent over its bulk stream failed verification
+    here (it re-checks its own copy, `peers.recheck`)."""
+
+    namespace: str
+    checkpoint_id: str
+    name: str
+    node: str
 
 
 @dataclass(frozen=True)

@@ -319,11 +319,12 @@ def _build_on(
     # The one restore chain (restore.py): memory, then the file's peer holders and the
     # other peers, then the persistent tier the checkpoint drained to.
     landed: Listeners[[str, str, str]] = Listeners()  # a peer's copy landed here
+    rejected: Listeners[[str, str, str, str]] = Listeners()  # a peer's bulk bytes failed here
     restorer = Restorer(
         catalog,
         RestoreSources(
             catalog,
-            peers=PeerSources(peer_client, landed),
+            peers=PeerSources(peer_client, landed, rejected),
             persistent=stores.source if stores.enabled else None,
         ),
     )
@@ -342,6 +343,7 @@ def _build_on(
         ),
     )
     landed.add(cluster.copy_landed)
+    rejected.add(cluster.copy_rejected)
     # Saves committed by a peer coordinator while this node missed the publish (idle
     # WRITING saves, orphans after a restart): the peers are asked before any is collected.
     unfinished = UnfinishedSaves(catalog, cluster.resolve_unfinished)

@@ -60,6 +60,7 @@ __all__ = [
     "Attempt",
     "FileSource",
     "Landed",
+    "Rejected",
     "Outcome",
     "PeerCopies",
     "PersistentCopies",
@@ -131,6 +132,14 @@ class Landed(Protocol):
     source tells the other peers this node now holds a copy)."""
 
     def landed(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None: ...
+
+
+@runtime_checkable
+class Rejected(Protocol):
+    """Optional for a `FileSource`: told when bytes it gave failed verification where
+    they landed (a peer source reports them to a bulk sender, which re-checks its copy)."""
+
+    def rejected(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None: ...
 
 
 SourcesFor = Callable[[str, str, FileRecord], Sequence[FileSource]]
@@ -385,6 +394,8 @@ class Restorer:
             # Damaged bytes, or a stream cut short or out of order: not this copy.
             logger.error("restore of %s from %s: %s", what, source.name, e)
             attempts.append(Attempt(source.name, Outcome.CORRUPT, str(e)))
+            if isinstance(e, ChecksumMismatch) and isinstance(source, Rejected):
+                source.rejected(namespace, checkpoint_id, f)
             return None
         return self._landed(held, namespace, checkpoint_id, f, [source], attempts)
 
@@ -450,6 +461,12 @@ class Restorer:
             for (start, n), src in zip(parts, holders, strict=False)
         ]
         names = ", ".join(s.name for s in holders[: len(ranges)])
+
+        def rejected(index: int) -> None:
+            source = holders[index]
+            if isinstance(source, Rejected):
+                source.rejected(namespace, checkpoint_id, f)
+
         try:
             held = install_ranges(
                 self.catalog,
@@ -459,6 +476,7 @@ class Restorer:
                 ranges,
                 what=f"{what} from {names}",
                 restored=True,
+                rejected=rejected,
             )
         except (CheckpointNotFound, SourceUnavailable, ChecksumMismatch, InvalidArgument) as e:
             logger.warning(

@@ -1,6 +1,9 @@
 """The bulk stream (peers/bulk_server.py) through real daemons: restores over it are
 bit-exact, a large file comes from every holder at once, and the data connection gives
-nothing to anyone without a fresh grant for exactly that file, range and caller.
+nothing to anyone without a fresh grant for exactly that file, range and caller. The
+sender does not hash what it sends: a corrupt copy's bytes fail where they land, the
+fetcher goes on to the next holder and reports the copy (ReportCorrupt), and the holder
+drops it only when its own re-hash fails (a forged report costs a re-hash, nothing more).
 
 The attacker is this test process speaking to a daemon's peer port as "b1" (a member,
 without mutual TLS: its identity is only what it claims, the strongest position the
@@ -28,7 +31,7 @@ from typing import Any
 import grpc
 import pytest
 from tierckpt.daemon_client import DaemonClient
-from tierckpt.errors import TierUnavailable
+from tierckpt.errors import ChecksumMismatch, TierUnavailable
 from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.config import SecurityConfig
 from tierckptd.peers.bulk_grants import GRANT_TTL, SEND_SLOTS
@@ -492,3 +495,158 @@ def test_under_mutual_tls_a_grant_is_bound_to_the_certificate(tmp_path: Path) ->
             "OK",
             data,
         )
+
+
+# ---- a corrupt copy: caught where it lands, reported, re-checked by its holder -------
+
+
+def corrupted(count: str, node: Node) -> float:
+    """tierckpt_corrupt_copies_total{where=`count`} on `node`."""
+    with urllib.request.urlopen(node.metrics_url, timeout=10) as r:
+        body = r.read().decode()
+    m = re.search(rf'^tierckpt_corrupt_copies_total{{where="{count}"}} (\S+)$', body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def flip(node: Node, cid: str, name: str, at: int) -> bytes:
+    """Flip one byte of `node`'s memory-tier copy; the good bytes."""
+    path = node.daemon.data_dir(NS, cid) / name
+    good = path.read_bytes()
+    path.chmod(0o600)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([good[at] ^ 0x5A]))
+    return good
+
+
+def test_a_corrupt_copy_is_caught_where_it_lands_reported_and_repaired() -> None:
+    """The owner's copy has a flipped byte; its bulk send does not hash, so the bytes go
+    out, fail the reader's verification, and the reader lands the file bit-exact from the
+    other holder. The owner, told, re-hashes its copy, drops it and repairs it. With
+    every copy corrupt the restore fails naming the file, and no corrupt copy stays served."""
+    with ExitStack() as stack:
+        nodes = start_nodes(stack, 4, copies=1)
+        data = payload(5, 3 * MIB + 17)
+        for cid in ("step-1", "step-2"):
+            save_ranks({0: nodes[0].client}, NS, cid, {0: {SMALL: data, ".metadata": b"m" * 9}})
+        for cid in ("step-1", "step-2"):
+            wait_until(
+                f"{cid} held twice and known everywhere",
+                lambda cid=cid: (
+                    len(holders(nodes[0], cid, SMALL)) == 2
+                    and all(
+                        cid in {c.checkpoint_id for c in n.client.list_checkpoints(NS)}
+                        for n in nodes
+                    )
+                ),
+                60,
+            )
+        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-1", SMALL))
+        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        good = flip(nodes[owner], "step-1", SMALL, 2 * MIB + 5)
+        assert good == data
+        sent = [n.sent("bulk") for n in nodes]
+        entry = reader.client.ensure_local(NS, "step-1", SMALL)
+        assert entry.local_path and Path(entry.local_path).read_bytes() == data
+        assert nodes[owner].sent("bulk") > sent[owner]  # it sent its bytes, unhashed...
+        # ...the copy came from the other holder (which may serve the owner's repair too).
+        assert nodes[replica].sent("bulk") - sent[replica] >= len(data)
+        victim = nodes[owner].daemon.data_dir(NS, "step-1") / SMALL
+        wait_until(
+            "the owner re-checked, dropped and repaired its copy",
+            lambda: victim.exists() and victim.read_bytes() == data,
+            30,
+        )
+        assert corrupted("served", nodes[owner]) == 1.0
+        log = nodes[owner].daemon.log_path.read_text()
+        assert "reports its copy of bulk/step-1/__0_0.distcp from here corrupt" in log
+        assert "re-checked after node" in log
+
+        # A large file in ranges from both holders: the replica's range fails where it
+        # lands, the reader tells the replica and lands the file from the owner alone.
+        big = payload(6, 64 * MIB + 5)
+        save_ranks({0: nodes[0].client}, NS, "step-3", {0: {LARGE: big, ".metadata": b"m"}})
+        wait_until(
+            "step-3 held twice and known everywhere",
+            lambda: (
+                len(holders(nodes[0], "step-3", LARGE)) == 2
+                and all(
+                    "step-3" in {c.checkpoint_id for c in n.client.list_checkpoints(NS)}
+                    for n in nodes
+                )
+            ),
+            60,
+        )
+        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-3", LARGE))
+        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        for at in (5, 40 * MIB):  # one flip in each half: whichever range it serves
+            flip(nodes[replica], "step-3", LARGE, at)
+        entry = reader.client.ensure_local(NS, "step-3", LARGE)
+        assert entry.local_path and Path(entry.local_path).read_bytes() == big
+        victim = nodes[replica].daemon.data_dir(NS, "step-3") / LARGE
+        wait_until(
+            "the replica re-checked, dropped and repaired its copy",
+            lambda: victim.exists() and victim.read_bytes() == big,
+            60,
+        )
+        assert corrupted("served", nodes[replica]) == 1.0
+
+        # Every copy corrupt: the restore fails clearly; both holders drop theirs.
+        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-2", SMALL))
+        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        for i in (owner, replica):
+            flip(nodes[i], "step-2", SMALL, 7)
+        with pytest.raises(ChecksumMismatch, match=r"__0_0\.distcp"):
+            reader.client.ensure_local(NS, "step-2", SMALL)
+        wait_until(
+            "both holders dropped their corrupt copies",
+            lambda: all(
+                not (nodes[i].daemon.data_dir(NS, "step-2") / SMALL).exists()
+                or (nodes[i].daemon.data_dir(NS, "step-2") / SMALL).read_bytes() == data
+                for i in (owner, replica)
+            ),
+            30,
+        )
+
+
+def report(node: Node, name: str, claim: str | None = "b1") -> peer_pb2.ReportCorruptResponse:
+    request = peer_pb2.ReportCorruptRequest(
+        ref=common_pb2.CheckpointRef(namespace=NS, checkpoint_id="step-1"), file_name=name
+    )
+    answer: peer_pb2.ReportCorruptResponse = stub(node, claim).ReportCorrupt(request, timeout=10)
+    return answer
+
+
+def test_a_forged_corrupt_report_costs_a_rehash_never_a_good_copy(cluster: list[Node]) -> None:
+    node = cluster[holder(cluster, SMALL)]
+    path = node.daemon.data_dir(NS, "step-1") / SMALL
+    before = corrupted("served", node)
+    assert report(node, SMALL).rechecking  # b1 lies: the copy is good
+    wait_until(
+        "the re-check is done",
+        lambda: (
+            "reported bulk/step-1/__0_0.distcp corrupt, but this node's copy verifies"
+            in node.daemon.log_path.read_text()
+        ),
+        10,
+    )
+    assert not report(node, SMALL).rechecking  # re-checked just now: ignored
+    assert corrupted("served", node) == before
+    assert path.read_bytes() == FILES[SMALL]
+    g = grant(node, SMALL)
+    assert exchange(g.port, bulk_request(g.grant, SMALL, 0, len(FILES[SMALL]))) == (
+        "OK",
+        FILES[SMALL],
+    )
+    # A file it does not know, a name that is no file name: nothing is re-hashed.
+    with pytest.raises(grpc.RpcError) as e:
+        report(node, "__9_9.distcp")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        report(node, "../../etc/passwd")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Unauthenticated (no claim) and a stranger's: refused before anything is looked at.
+    for claim in (None, "mallory"):
+        with pytest.raises(grpc.RpcError) as e:
+            report(node, SMALL, claim=claim)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -383,6 +383,51 @@ class BulkRequest(_message.Message):
 Global___BulkRequest: _TypeAlias = BulkRequest  # noqa: Y015
 
 @_typing.final
+class ReportCorruptRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    FILE_NAME_FIELD_NUMBER: _builtins.int
+    file_name: _builtins.str
+    @_builtins.property
+    def ref(self) -> _common_pb2.CheckpointRef: ...
+    def __init__(
+        self,
+        *,
+        ref: _common_pb2.CheckpointRef | None = ...,
+        file_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_name", b"file_name", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportCorruptRequest: _TypeAlias = ReportCorruptRequest  # noqa: Y015
+
+@_typing.final
+class ReportCorruptResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECHECKING_FIELD_NUMBER: _builtins.int
+    rechecking: _builtins.bool
+    """A re-check of this node's copy started; false: the report was ignored (a re-check
+    runs now, or this file was re-checked moments ago).
+    """
+    def __init__(
+        self,
+        *,
+        rechecking: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rechecking", b"rechecking"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportCorruptResponse: _TypeAlias = ReportCorruptResponse  # noqa: Y015
+
+@_typing.final
 class UpdateReplicasRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

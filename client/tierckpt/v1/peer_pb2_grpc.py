@@ -60,6 +60,11 @@ class PeerServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.BulkGrant.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/tierckpt.v1.PeerService/ReportCorrupt',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReportCorruptResponse.FromString,
+                _registered_method=True)
         self.UpdateReplicas = channel.unary_unary(
                 '/tierckpt.v1.PeerService/UpdateReplicas',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.UpdateReplicasRequest.SerializeToString,
@@ -128,6 +133,17 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCorrupt(self, request, context):
+        """The caller landed bytes of this file from this node's bulk stream that failed their
+        checksum there (the bulk sender does not hash what it sends; the fetcher verifies).
+        Never taken on the caller's word: this node re-hashes its own copy against its
+        manifest (one re-check at a time; a file re-checked in the last seconds is not again)
+        and drops and repairs it only when its own hash fails. NOT_FOUND when it holds none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateReplicas(self, request, context):
         """A file gained (or lost) verified copies; every node updates its manifest.
         """
@@ -187,6 +203,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.GrantFetch,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.BulkGrant.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.ReportCorruptResponse.SerializeToString,
             ),
             'UpdateReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateReplicas,
@@ -344,6 +365,33 @@ class PeerService:
             '/tierckpt.v1.PeerService/GrantFetch',
             tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.BulkGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.PeerService/ReportCorrupt',
+            tierckpt_dot_v1_dot_peer__pb2.ReportCorruptRequest.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.ReportCorruptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,13 @@ class PeerServiceStub:
     data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
     without a bulk listener (an older one): the fetcher uses FetchFile.
     """
+    ReportCorrupt: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ReportCorruptRequest, _peer_pb2.ReportCorruptResponse]
+    """The caller landed bytes of this file from this node's bulk stream that failed their
+    checksum there (the bulk sender does not hash what it sends; the fetcher verifies).
+    Never taken on the caller's word: this node re-hashes its own copy against its
+    manifest (one re-check at a time; a file re-checked in the last seconds is not again)
+    and drops and repairs it only when its own hash fails. NOT_FOUND when it holds none.
+    """
     UpdateReplicas: _grpc.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]
     """A file gained (or lost) verified copies; every node updates its manifest."""
     ListManifests: _grpc.UnaryUnaryMultiCallable[_peer_pb2.ListManifestsRequest, _peer_pb2.ListManifestsResponse]
@@ -97,6 +104,13 @@ class PeerServiceAsyncStub(PeerServiceStub):
     one-use grant, valid for seconds, bound to the caller, the file and the range. The
     data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
     without a bulk listener (an older one): the fetcher uses FetchFile.
+    """
+    ReportCorrupt: _aio.UnaryUnaryMultiCallable[_peer_pb2.ReportCorruptRequest, _peer_pb2.ReportCorruptResponse]  # type: ignore[assignment]
+    """The caller landed bytes of this file from this node's bulk stream that failed their
+    checksum there (the bulk sender does not hash what it sends; the fetcher verifies).
+    Never taken on the caller's word: this node re-hashes its own copy against its
+    manifest (one re-check at a time; a file re-checked in the last seconds is not again)
+    and drops and repairs it only when its own hash fails. NOT_FOUND when it holds none.
     """
     UpdateReplicas: _aio.UnaryUnaryMultiCallable[_peer_pb2.UpdateReplicasRequest, _peer_pb2.UpdateReplicasResponse]  # type: ignore[assignment]
     """A file gained (or lost) verified copies; every node updates its manifest."""
@@ -165,6 +179,19 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         one-use grant, valid for seconds, bound to the caller, the file and the range. The
         data connection presents only the grant (a BulkRequest). UNIMPLEMENTED on a node
         without a bulk listener (an older one): the fetcher uses FetchFile.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportCorrupt(
+        self,
+        request: _peer_pb2.ReportCorruptRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.ReportCorruptResponse, _abc.Awaitable[_peer_pb2.ReportCorruptResponse]]:
+        """The caller landed bytes of this file from this node's bulk stream that failed their
+        checksum there (the bulk sender does not hash what it sends; the fetcher verifies).
+        Never taken on the caller's word: this node re-hashes its own copy against its
+        manifest (one re-check at a time; a file re-checked in the last seconds is not again)
+        and drops and repairs it only when its own hash fails. NOT_FOUND when it holds none.
         """
 
     @_abc_1.abstractmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tierckpt.checksum import BlockChecksums, BlockHasher, BytesLike
-from tierckpt.errors import CheckpointNotFound, InvalidArgument
+from tierckpt.errors import CheckpointNotFound, ChecksumMismatch, InvalidArgument
 
 from tierckptd.model import CheckpointRecord, FileRecord
 
@@ -182,18 +182,20 @@ def install_ranges(
     *,
     what: str,
     restored: bool = False,
+    rejected: Callable[[int], None] | None = None,
 ) -> FileRecord | None:
     """`install_copy` with the file arriving as several ranges at once, each from its
     own fetch (`ranges`: (offset, length, fetch), covering `f` in whole blocks, e.g.
     `split_ranges`), each in its own thread into the same staging file and verified
     block by block as it lands. Any range failing fails the copy (its error raised, the
-    others stopped at their next piece); nothing is installed unless all verify."""
+    others stopped at their next piece); nothing is installed unless all verify.
+    `rejected`: told the index of each range whose bytes failed their checksum."""
     checksums = f.checksums
     if checksums is None:
         raise CheckpointNotFound(f"{what}: the manifest has no checksums for it")
     stop = threading.Event()
 
-    def one(tmp: Path, start: int, length: int, fetch: RangeFetch) -> None:
+    def one(tmp: Path, index: int, start: int, length: int, fetch: RangeFetch) -> None:
         incoming = IncomingFile(
             tmp, f.size, checksums, f"copy of {what}", start=start, end=start + length
         )
@@ -203,6 +205,11 @@ def install_ranges(
                     raise InvalidArgument(f"{what}: another range failed")
                 incoming.write(offset, data)
             incoming.finish()
+        except ChecksumMismatch:
+            stop.set()
+            if rejected is not None:
+                rejected(index)
+            raise
         except BaseException:
             stop.set()
             raise
@@ -211,7 +218,10 @@ def install_ranges(
 
     def write(tmp: Path) -> None:
         with ThreadPoolExecutor(len(ranges), thread_name_prefix="tierckptd-range") as pool:
-            futures = [pool.submit(one, tmp, start, n, fetch) for start, n, fetch in ranges]
+            futures = [
+                pool.submit(one, tmp, i, start, n, fetch)
+                for i, (start, n, fetch) in enumerate(ranges)
+            ]
             errors = [e for e in (fut.exception() for fut in futures) if e is not None]
         if errors:
             first = next((e for e in errors if "another range failed" not in str(e)), errors[0])

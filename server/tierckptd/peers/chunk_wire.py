@@ -148,6 +148,7 @@ class PeerStub:
         self.ApplyMark = generated.ApplyMark
         self.Hello = generated.Hello
         self.GrantFetch = generated.GrantFetch
+        self.ReportCorrupt = generated.ReportCorrupt
         self.FetchFile: grpc.UnaryStreamMultiCallable[peer_pb2.FetchFileRequest, Chunk] = (
             channel.unary_stream(
                 f"/{_SERVICE}/FetchFile",
@@ -274,6 +275,7 @@ def register_peer_service(servicer: Any, server: Any) -> None:
         "ApplyMark": (peer_pb2.CheckpointMark, peer_pb2.ApplyMarkResponse),
         "Hello": (peer_pb2.HelloRequest, peer_pb2.HelloResponse),
         "GrantFetch": (peer_pb2.FetchFileRequest, peer_pb2.BulkGrant),
+        "ReportCorrupt": (peer_pb2.ReportCorruptRequest, peer_pb2.ReportCorruptResponse),
     }
     # Request-streaming handlers (the wire is the same for a unary request): gRPC then
     # reads nothing before the servicer's guard runs, and deserializes nothing at all.

@@ -417,6 +417,20 @@ class PeerClient:
         except grpc.RpcError as e:
             raise _error(node, "UpdateReplicas", e) from None
 
+    def report_corrupt(self, node: str, namespace: str, checkpoint_id: str, name: str) -> bool:
+        """ReportCorrupt: bytes of a file `node` sent over its bulk stream failed
+        verification here; whether it started re-checking its copy (it acts only on its
+        own hash, `peers.recheck`)."""
+        stub = self._stub(node, "ReportCorrupt")
+        req = peer_pb2.ReportCorruptRequest(ref=ref(namespace, checkpoint_id), file_name=name)
+        try:
+            resp: peer_pb2.ReportCorruptResponse = stub.ReportCorrupt(
+                req, timeout=CONTROL_TIMEOUT, wait_for_ready=True
+            )
+        except grpc.RpcError as e:
+            raise _error(node, "ReportCorrupt", e) from None
+        return resp.rechecking
+
     def list_manifests(
         self,
         node: str,

@@ -40,6 +40,7 @@ from tierckptd.jobs import (
     Heal,
     JobQueue,
     Repair,
+    ReportCorrupt,
     Tell,
     TellLanded,
     backoff,
@@ -47,19 +48,20 @@ from tierckptd.jobs import (
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
-from tierckptd.peers.client import PeerClient
+from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
 from tierckptd.peers.healer import Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
+from tierckptd.peers.recheck import Rechecker
 from tierckptd.peers.serve import Served, Serving
 
 __all__ = ["Cluster", "LocalRestore"]
 
 logger = logging.getLogger(__name__)
 
-Job = Heal | Repair | TellLanded | Tell
+Job = Heal | Repair | TellLanded | Tell | ReportCorrupt
 
 # Replicator threads: a slow push or a peer's deadline holds one of them, not every heal.
 REPLICATORS = 4
@@ -170,6 +172,10 @@ class Cluster:
             retry_tell=self._queue_tell,
         )
         self.serving = Serving(catalog, self.corrupt)
+        # A peer's ReportCorrupt: re-hash the copy here, drop it only on this node's hash.
+        self.recheck = Rechecker(
+            catalog.file_view, catalog.tier.verify_file, self.corrupt, node_id=self.node_id
+        )
         self._heal_thread: threading.Thread | None = None
         self._sync_replica_target()
 
@@ -245,6 +251,11 @@ class Cluster:
         file's neighbourhood and the coordinator (`Healer.tell_landed`), off the restore."""
         self.jobs.put(TellLanded(namespace, checkpoint_id, name))
 
+    def copy_rejected(self, node: str, namespace: str, checkpoint_id: str, name: str) -> None:
+        """Bytes `node` sent of a file over its bulk stream failed verification here
+        (`PeerSource.rejected`): queue telling it (`ReportCorrupt`), off the restore."""
+        self.jobs.put(ReportCorrupt(namespace, checkpoint_id, name, node))
+
     def _queue_full_heal(self, namespace: str, checkpoint_id: str) -> None:
         self.jobs.put(Heal(namespace, checkpoint_id, full=True))
 
@@ -266,6 +277,8 @@ class Cluster:
                 self.healer.tell_landed(job.namespace, job.checkpoint_id, job.name)
             elif isinstance(job, Tell):
                 self.healer.tell(job.namespace, job.checkpoint_id, job.name, job.node, job.tries)
+            elif isinstance(job, ReportCorrupt):
+                self._report_corrupt(job)
             else:
                 self.restorer.ensure_local(job.namespace, job.checkpoint_id, job.name)
                 metrics.REPAIRED_COPIES.inc()
@@ -274,6 +287,24 @@ class Cluster:
         except TierckptError as e:
             logger.warning("peer job %s failed: %s", job, e)
         return None
+
+    def _report_corrupt(self, job: ReportCorrupt) -> None:
+        """Tell a bulk sender its bytes failed here; once (the restore went on to another
+        holder already, and the sender's scrubber covers a report that is lost)."""
+        what = f"{job.namespace}/{job.checkpoint_id}/{job.name}"
+        try:
+            started = self.client.report_corrupt(
+                job.node, job.namespace, job.checkpoint_id, job.name
+            )
+        except PeerCallError as e:
+            logger.warning("could not report %s's corrupt copy of %s: %s", job.node, what, e)
+            return
+        logger.info(
+            "reported node %s's copy of %s corrupt; %s",
+            job.node,
+            what,
+            "it re-checks it" if started else "it ignored it (busy re-checking, or did just now)",
+        )
 
     def _heal_again(self, job: Heal, plan: HealPlan | None) -> float | None:
         """The delay before `job` runs again: when a peer it asked was not reached and a

@@ -4,7 +4,9 @@ A peer that does not answer, or refuses, is *unavailable* (`SourceUnavailable("p
 <node>", cause)`); one that answers without the file is *missing*
 (`CheckpointNotFound`); one whose copy fails its own verification while it serves it
 is *corrupt* (DATA_LOSS -> `ChecksumMismatch`). Bytes are verified where they land
-(`memory.incoming.install_copy`), never trusted here.
+(`memory.incoming.install_copy`), never trusted here. The bulk sender does not hash what
+it sends, so when bytes it sent fail there (`rejected`), the peer is told
+(`ReportCorrupt`, queued off the restore): it re-checks its copy on its own hash.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from tierckptd.peers.bulk_client import CANNOT_CONNECT
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.restore import SourceBusy
 
-__all__ = ["OnLanded", "PeerSource", "PeerSources", "peer_sources"]
+__all__ = ["OnLanded", "OnRejected", "PeerSource", "PeerSources", "peer_sources"]
 
 logger = logging.getLogger(__name__)
 
 OnLanded = Callable[[str, str, str], None]
 """Called with (namespace, checkpoint id, file name) once a peer's copy is installed here."""
+OnRejected = Callable[[str, str, str, str], None]
+"""Called with (node, namespace, checkpoint id, file name) when bytes `node` sent over its
+bulk stream failed verification here; it must not block the restore."""
 
 
 class PeerSource:
@@ -35,12 +40,24 @@ class PeerSource:
     `on_landed`: what to do once its copy is installed here, so that the peers learn this
     node holds one; it must not block the restore (the daemon queues a job that tells the
     file's neighbourhood and the coordinator, with retries, in the background).
+    `on_rejected`: what to do when bytes it sent over the bulk stream failed verification
+    here (the daemon queues a `ReportCorrupt` to it).
     """
 
-    def __init__(self, client: PeerClient, node: str, on_landed: OnLanded | None = None) -> None:
+    def __init__(
+        self,
+        client: PeerClient,
+        node: str,
+        on_landed: OnLanded | None = None,
+        on_rejected: OnRejected | None = None,
+    ) -> None:
         self.client = client
         self.node = node
         self._on_landed = on_landed
+        self._on_rejected = on_rejected
+        # The last transfer's bytes came over the bulk stream (unverified by the sender),
+        # and it did not fail on its own: a mismatch where they landed is the copy's.
+        self._via_bulk = False
 
     @property
     def name(self) -> str:
@@ -62,13 +79,16 @@ class PeerSource:
         asked for), else over FetchFile. A peer at its limit of sends is busy
         (`restore.SourceBusy`): the restore asks another holder."""
         what = f"{namespace}/{checkpoint_id}/{f.name}"
+        self._via_bulk = False
         try:
             ticket = self.client.grant(self.node, namespace, checkpoint_id, f.name, offset, length)
             if ticket is not None:
                 try:
+                    self._via_bulk = True
                     yield from self.client.fetch_bulk(self.node, ticket)
                     return
                 except PeerCallError as e:
+                    self._via_bulk = False
                     if e.code != CANNOT_CONNECT:
                         raise
                     # Its bulk port is not reachable from here (a firewall): FetchFile.
@@ -93,6 +113,16 @@ class PeerSource:
                 raise SourceBusy(self.name, e.cause) from None
             raise
 
+    def rejected(self, namespace: str, checkpoint_id: str, f: FileRecord) -> None:
+        """Bytes this source gave failed verification where they landed: when they came
+        over the peer's bulk stream (which the sender does not hash), tell the peer
+        (`on_rejected`); it re-checks its copy on its own hash (`peers.recheck`). A copy
+        the peer found corrupt itself (DATA_LOSS) or a FetchFile (verified as sent) needs
+        no report."""
+        if self._via_bulk and self._on_rejected is not None:
+            self._via_bulk = False
+            self._on_rejected(self.node, namespace, checkpoint_id, f.name)
+
     def holds(self, namespace: str, checkpoint_id: str, f: FileRecord) -> bool:
         """Whether the peer says it holds a verified copy of `f` (False when it does not
         answer)."""
@@ -111,7 +141,10 @@ class PeerSource:
 
 
 def peer_sources(
-    client: PeerClient, f: FileRecord, on_landed: OnLanded | None = None
+    client: PeerClient,
+    f: FileRecord,
+    on_landed: OnLanded | None = None,
+    on_rejected: OnRejected | None = None,
 ) -> list[PeerSource]:
     """The peers to ask for `f`, in order: its owner, each replica holder (which include
     the nodes that told this one they landed a copy), then every other configured peer
@@ -133,16 +166,22 @@ def peer_sources(
     nodes = [n for n in dict.fromkeys([*holders, *others]) if n and n != me]
     backing_off = client.breaker.backing_off()
     nodes.sort(key=lambda n: n in backing_off)  # stable: the order above otherwise
-    return [PeerSource(client, node, on_landed) for node in nodes]
+    return [PeerSource(client, node, on_landed, on_rejected) for node in nodes]
 
 
 class PeerSources:
     """The peer tier's part of the restore chain (`restore.PeerCopies`): the peers to ask
-    for a file, in `peer_sources` order; `on_landed` as `PeerSource`'s."""
+    for a file, in `peer_sources` order; `on_landed` and `on_rejected` as `PeerSource`'s."""
 
-    def __init__(self, client: PeerClient, on_landed: OnLanded | None = None) -> None:
+    def __init__(
+        self,
+        client: PeerClient,
+        on_landed: OnLanded | None = None,
+        on_rejected: OnRejected | None = None,
+    ) -> None:
         self.client = client
         self._on_landed = on_landed
+        self._on_rejected = on_rejected
 
     def __call__(self, f: FileRecord) -> list[PeerSource]:
-        return peer_sources(self.client, f, self._on_landed)
+        return peer_sources(self.client, f, self._on_landed, self._on_rejected)

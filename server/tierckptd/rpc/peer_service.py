@@ -24,6 +24,9 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
 - Holdings, FetchFile, GrantFetch, ListManifests: any member. A grant (GrantFetch) is
   bound to the caller, its address (without mutual TLS), the file and the range
   (`peers/bulk_server.py`).
+- ReportCorrupt (bytes this node sent over its bulk stream failed the caller's
+  checksum): any member; never acted on by its word: this node re-hashes its own copy
+  (bounded, `peers/recheck.py`) and drops it only when that hash fails.
 - Hello (who answers here: node id and failure domain): any caller the token / TLS
   admitted (a Hello may prove the token by challenge-response instead of sending it,
   and is answered with this node's proof, `security.HelloChallenge`), member or not; a
@@ -403,6 +406,18 @@ class PeerService:
             )
 
         return self.errors.call(context, "GrantFetch", grant)
+
+    def ReportCorrupt(
+        self, request: peer_pb2.ReportCorruptRequest, context: Any
+    ) -> peer_pb2.ReportCorruptResponse:
+        def report() -> peer_pb2.ReportCorruptResponse:
+            caller = self.caller(context)
+            namespace, checkpoint_id = check_ref(request.ref)
+            name = check_file_name(request.file_name)
+            started = self.cluster.recheck.report(namespace, checkpoint_id, name, caller)
+            return peer_pb2.ReportCorruptResponse(rechecking=started)
+
+        return self.errors.call(context, "ReportCorrupt", report)
 
     def UpdateReplicas(
         self, request: peer_pb2.UpdateReplicasRequest, context: Any
