@@ -24,6 +24,7 @@ import http.client
 import json
 import shutil
 import time
+from concurrent import futures
 from contextlib import ExitStack
 from typing import Any
 
@@ -59,8 +60,10 @@ def _sagemaker_node(port: int, **tables: Any) -> DaemonProcess:
     return DaemonProcess({"listen": listen, **tables}, name="n0")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def node() -> Any:
+    """One node for the tests that need no other config (each uses its own namespace and
+    leaves nothing held): a daemon start is seconds on 2 cores."""
     port = free_ports(1)[0]
     daemon = _sagemaker_node(port, memory={"budget": "64MiB"})
     try:
@@ -167,8 +170,8 @@ def _two_nodes(stack: ExitStack) -> tuple[list[DaemonProcess], list[int]]:
         daemon = DaemonProcess(config, name=f"n{i}", start=False)
         stack.callback(daemon.cleanup)
         nodes.append(daemon)
-    for daemon in nodes:
-        daemon.start()
+    with futures.ThreadPoolExecutor(2) as pool:  # side by side, as `LocalCluster` does
+        list(pool.map(lambda d: d.start(timeout=120.0), nodes))
     return nodes, api_ports
 
 
