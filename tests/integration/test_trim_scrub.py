@@ -84,7 +84,7 @@ def test_an_owner_that_comes_back_leaves_exactly_k_extra_copies(
         return True
 
     try:
-        nodes.wait("every file at exactly 2 copies, listed so on every node", trimmed, timeout=60)
+        nodes.wait("every file at exactly 2 copies, listed so on every node", trimmed, timeout=120)
     except AssertionError as e:
         raise AssertionError(f"{last}\n{e}") from None
     for name, data in DATA.items():

@@ -112,6 +112,7 @@ from tierckptd.ops.faults import fault
 
 __all__ = [
     "MAX_FILES",
+    "SURPLUS_GRACE",
     "UNFINISHED_PATIENCE",
     "Catalog",
     "CatalogEvents",
@@ -126,6 +127,14 @@ logger = logging.getLogger(__name__)
 # Seconds a checkpoint a reader's copy just arrived into is exempt from memory retention
 # (the reader opens the file next); the sweeper applies retention again once it is over.
 LANDED_GRACE = 3.0
+
+# Seconds a copy that just landed here (a push, a reader's restore) is never dropped as
+# surplus. The node that pushed it counted too few copies because it could not reach one
+# that this node can (a cut, or its breaker still skipping a peer back from one, for up
+# to `peers.breaker.BACKOFF_CAP`, 30 s): dropping the copy at once made it push again
+# every heal round, a trim/push loop that kept the listings naming a dropped copy. Kept
+# this long, the pusher has asked that peer again before the copy can go.
+SURPLUS_GRACE = 30.0
 
 Resolution = Literal["published", "absent", "unknown"]
 # An unfinished save with committed files whose fate some peer could not tell is kept
@@ -253,6 +262,7 @@ class Catalog:
         self._next_sequence = 1
         self.writers = NamespaceWriters(self._lock, MappingProxyType(self._records), node_id)
         self._landed: dict[Key, float] = {}  # when a reader's copy arrived (`_landing`)
+        self._arrived: dict[tuple[Key, str], float] = {}  # when a copy landed (SURPLUS_GRACE)
         # Adoption's unfinished data dirs (`keep_orphans`) and since when.
         self._orphans: dict[Key, dict[str, int]] = {}
         self._orphans_since = 0.0
@@ -599,6 +609,8 @@ class Catalog:
             over = [k for k, t in self._landed.items() if now - t > LANDED_GRACE]
             for key in over:
                 del self._landed[key]
+            for copy in [c for c, t in self._arrived.items() if now - t > SURPLUS_GRACE]:
+                del self._arrived[copy]
             for namespace in sorted({k[0] for k in over}):
                 self._apply_retention(namespace)
 
@@ -1194,6 +1206,7 @@ class Catalog:
             f.held, f.replica_nodes = True, replicas
             self._track(rec)
             self.peer_marks.held_here(rec.key, name)  # a copy here: that file is not lost
+            self._arrived[(rec.key, name)] = self._clock()
             if restored:
                 self._landed[rec.key] = self._clock()
             return dataclasses.replace(f, replica_nodes=list(f.replica_nodes))
@@ -1203,12 +1216,19 @@ class Catalog:
     ) -> bool:
         """Forget a corrupt local copy (never served again), or with `surplus` one copy
         too many (the healer's trim), which a reader restored moments ago keeps (it opens
-        the file next: `_landing`); True if one was dropped."""
+        the file next: `_landing`), and so does a copy that landed within SURPLUS_GRACE;
+        True if one was dropped."""
         with self._lock:
             rec = self._records.get((namespace, checkpoint_id))
             f = rec.files.get(name) if rec is not None else None
-            if rec is None or f is None or not f.held or (surplus and self._landing(rec)):
+            if rec is None or f is None or not f.held:
                 return False
+            if surplus:
+                arrived = self._arrived.get((rec.key, name))
+                fresh = arrived is not None and self._clock() - arrived <= SURPLUS_GRACE
+                if fresh or self._landing(rec):
+                    return False
+            self._arrived.pop((rec.key, name), None)
             replicas = [n for n in f.replica_nodes if n != self.node_id]
             if rec.state is State.COMMITTED:
                 dropped = dataclasses.replace(f, held=False, replica_nodes=replicas)

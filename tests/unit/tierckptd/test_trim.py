@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import pytest
 from prometheus_client import REGISTRY
 from tierckpt.checksum import BytesLike
-from tierckptd.catalog import Catalog
+from tierckptd.catalog import SURPLUS_GRACE, Catalog
 from tierckptd.model import CheckpointRecord, FileRecord, State
 from tierckptd.peers.client import Holdings, PeerCallError
 from tierckptd.peers.cluster import Cluster
@@ -23,7 +23,7 @@ from tierckptd.peers.trim import plan_trim, ranked_holders, settled_replicas
 
 from tests.support.fake_peer_client import FakePeers
 
-from .conftest import Save
+from .conftest import FakeClock, Save
 from .test_healer import _cluster, _file, _view
 
 MEMBERS = [Member("a", "r1"), Member("b", "r2"), Member("c", "r3"), Member("d", "r1")]
@@ -113,7 +113,9 @@ def _trimmed() -> float:
     return REGISTRY.get_sample_value("tierckpt_trimmed_copies_total") or 0.0
 
 
-def test_a_surplus_copy_here_is_dropped_and_the_kept_holders_told(catalog: Catalog) -> None:
+def test_a_surplus_copy_here_is_dropped_and_the_kept_holders_told(
+    catalog: Catalog, clock: FakeClock
+) -> None:
     # b (the owner) and node-a share a failure domain: c is the better buddy.
     fake = FakePeers("node-a", {"b": "r1", "c": "r3"})
     cluster = _cluster(catalog, fake)
@@ -122,6 +124,11 @@ def test_a_surplus_copy_here_is_dropped_and_the_kept_holders_told(catalog: Catal
     fake.held["b"] = {"__1_0.distcp": b"data", ".metadata": b"data"}
     fake.held["c"] = {"__1_0.distcp": b"data", ".metadata": b"data"}
     before = _trimmed()
+    # Landed moments ago: kept for SURPLUS_GRACE, whatever this node's view (the node
+    # that pushed it may not reach c, and would push it again at once).
+    cluster.heal("run", "s2")
+    assert catalog.get("run", "s2").local_paths["__1_0.distcp"] and _trimmed() == before
+    clock.now += SURPLUS_GRACE + 1
     cluster.heal("run", "s2")
     view = catalog.get("run", "s2")
     f = next(f for f in view.files if f.name == "__1_0.distcp")

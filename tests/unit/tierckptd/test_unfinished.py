@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from tierckpt.checksum import checksum_bytes
-from tierckptd.catalog import UNFINISHED_PATIENCE, Catalog, Resolution
+from tierckptd.catalog import SURPLUS_GRACE, UNFINISHED_PATIENCE, Catalog, Resolution
 from tierckptd.catalog.budget import PAGE, pages
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, FileRecord, State
@@ -204,5 +204,7 @@ def test_a_readers_restored_copy_is_not_trimmed_as_surplus_under_it(
     save(node, NS, "s1", {THEIRS: b"a" * 100})
     _restored_for_a_reader(node, b"a" * 100)
     assert not node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
-    clock.now += 4
+    clock.now += 4  # the reader's grace is over; any copy that just landed is kept longer
+    assert not node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
+    clock.now += SURPLUS_GRACE
     assert node.drop_local_copy(NS, "s1", THEIRS, surplus=True)
