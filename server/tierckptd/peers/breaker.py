@@ -5,8 +5,12 @@ A gray peer (SIGSTOPped, a hung kernel, a saturated NIC) accepts TCP connections
 never answers: every call to it costs its whole deadline. Asked once per checkpoint by
 one replicator, such a peer held every other replication on its neighbours for minutes.
 Here, once a call to it is not answered (UNAVAILABLE, DEADLINE_EXCEEDED), the fan-out
-(`PeerClient.each`) skips it for `first` seconds, doubling with every missed probe up to
-`cap`. When the back-off is over the next fan-out does not call it inline either: it
+(`PeerClient.each`) skips it for `first` seconds, then, after every missed probe, for
+twice the time it has been unreachable so far, up to `cap`. The back-off follows how long
+the outage has lasted, not how many calls missed: calls in flight when a link goes down
+all miss at once, and counting each as a probe put a peer back from a 2 s cut on the
+30 s cap, where the nodes skipping it re-replicated and mis-listed its copies for half a
+minute after the cut healed (the network chaos run). When the back-off is over the next fan-out does not call it inline either: it
 starts one probe in the background (a cheap Holdings call); an answer closes the
 breaker, a miss opens it again for longer. So no commit, heal or broadcast waits for a
 peer known not to answer, and the peer is asked again within `cap` seconds.
@@ -23,7 +27,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierckptd.jobs import backoff
 from tierckptd.ops import metrics
 
 __all__ = ["BACKOFF_CAP", "BACKOFF_FIRST", "MISSED_CODES", "Breaker"]
@@ -40,6 +43,7 @@ BACKOFF_CAP = 30.0
 @dataclass
 class _Peer:
     misses: int = 0
+    since: float = 0.0  # its first missed call of this outage (monotonic)
     until: float = 0.0  # skipped until then (monotonic)
     probing: bool = False
 
@@ -104,11 +108,14 @@ class Breaker:
         if self._first <= 0:
             return
         with self._lock:
-            p = self._peers.setdefault(node, _Peer())
+            now = self._clock()
+            p = self._peers.get(node)
+            if p is None:
+                p = self._peers[node] = _Peer(since=now)
             p.misses += 1
             p.probing = False
-            pause = backoff(p.misses, self._first, self._cap)
-            p.until = self._clock() + pause
+            pause = min(self._cap, max(self._first, 2 * (now - p.since)))
+            p.until = max(p.until, now + pause)
             misses = p.misses
         metrics.PEER_BACKOFF.labels(peer=node).set(pause)
         log = logger.warning if misses == 1 else logger.info

@@ -33,11 +33,14 @@ def test_a_peer_that_missed_its_call_is_skipped_with_a_growing_capped_backoff() 
     clock.now += 1.0
     assert b.skip("n1") == (True, True)  # back-off over: one caller probes
     assert b.skip("n1") == (True, False)  # the others still skip while it does
-    b.missed("n1", "UNAVAILABLE")  # the probe missed too: twice as long
+    b.missed("n1", "UNAVAILABLE")  # the probe missed too: twice the outage so far
     assert b.left("n1") == 2.0
-    for _ in range(5):
+    for _ in range(5):  # calls that were in flight miss at once: no longer than the outage says
         b.missed("n1", "DEADLINE_EXCEEDED")
-    assert b.left("n1") == 4.0  # capped
+    assert b.left("n1") == 2.0
+    clock.now += 2.0
+    b.missed("n1", "DEADLINE_EXCEEDED")  # 3 s into the outage: 6 s, capped
+    assert b.left("n1") == 4.0
     assert b.backing_off() == {"n1": 4.0}
     b.missed("n1", "RESOURCE_EXHAUSTED")  # busy is an answer: it is alive
     assert b.skip("n1") == (False, False) and b.backing_off() == {}
