@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from tierckpt.errors import (
@@ -42,9 +43,15 @@ from tierckptd.ops import metrics
 from tierckptd.peers.client import Holdings, Manifests, PeerCallError, PeerClient
 from tierckptd.peers.placement import Member, interested
 
-__all__ = ["GOSSIP_FANOUT", "Committer", "claims", "quorum"]
+__all__ = ["ANNOUNCE_PATIENCE", "GOSSIP_FANOUT", "Committer", "claims", "quorum"]
 
 logger = logging.getLogger(__name__)
+
+# How long a node that started keeps telling the peers it did not reach (`announce`),
+# and its first and longest pause between two tries.
+ANNOUNCE_PATIENCE = 600.0
+ANNOUNCE_RETRY = 1.0
+ANNOUNCE_RETRY_CAP = 30.0
 
 # Peers asked for their manifests per heal round: a new checkpoint reaches every node in
 # about log2(N) rounds, at 2 RPCs per node per round whatever N is.
@@ -431,15 +438,51 @@ class Committer:
     def announce(self) -> None:
         """Tell every peer this node has started (ListManifests with `starting`): each
         heals at once the checkpoints this node owned or held copies of. Its answer (the
-        manifests again) is not needed: `pull_manifests` took them."""
+        manifests again) is not needed: `pull_manifests` took them.
 
-        def unanswered(node: str, e: PeerCallError) -> None:
-            logger.info("could not tell %s that this node started: %s", node, e.code)
+        A peer not reached (cut off, frozen or down at that moment) is told again, after
+        1 s and then twice as long each time up to 30 s, until it answers or
+        ANNOUNCE_PATIENCE has passed: a peer that never hears it goes on listing what
+        this node held before it came back empty as REPLICATED on its name (the network
+        chaos run: a node cut off while a node of its rack was replaced)."""
+        pending = list(self.client.peer_ids)
+        deadline = time.monotonic() + ANNOUNCE_PATIENCE
+        pause = ANNOUNCE_RETRY
+        told_missed: set[str] = set()
+
+        missed: list[str] = []
 
         def starting(node: str) -> Manifests:
             return self.client.list_manifests(node, starting=True)
 
-        self.client.each(starting, on_error=unanswered, parallel=True)
+        def unanswered(node: str, e: PeerCallError) -> None:
+            missed.append(node)
+            if node not in told_missed:  # once per peer: retries are not news
+                told_missed.add(node)
+                logger.info(
+                    "could not tell %s that this node started: %s; telling it again until "
+                    "it answers",
+                    node,
+                    e.code,
+                )
+
+        while pending:
+            missed.clear()
+            self.client.each(starting, nodes=pending, on_error=unanswered, parallel=True)
+            for node in pending:
+                if node in told_missed and node not in missed:
+                    logger.info("told %s that this node started, at last", node)
+            pending = [n for n in missed if n in self.client.peer_ids]
+            if not pending or time.monotonic() + pause > deadline:
+                break
+            time.sleep(pause)
+            pause = min(ANNOUNCE_RETRY_CAP, pause * 2)
+        if pending:
+            logger.warning(
+                "gave up telling %s that this node started after %.0f s",
+                ", ".join(pending),
+                ANNOUNCE_PATIENCE,
+            )
 
     # ---- saves this node may have missed the commit of ---------------------------------
     def resolve_unfinished(self, namespace: str, checkpoint_id: str) -> Resolution:

@@ -4,6 +4,7 @@ PeerClient (no gRPC)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from tierckptd.catalog import Catalog
 from tierckptd.config import PeerConfig
 from tierckptd.jobs import Heal, Repair
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
+from tierckptd.peers import commit
 from tierckptd.peers.client import Holdings, Manifests
 from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.commit import claims
@@ -434,6 +436,43 @@ def test_pull_manifests_skips_unreachable_peers(catalog: Catalog) -> None:
     # started: they heal what it held at once.
     assert announced.wait(10.0)
     assert asked[:2] == [("b", False), ("c", False)] and ("c", True) in asked
+
+
+def test_a_peer_not_reached_by_the_start_announce_is_told_again_until_it_answers(
+    catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A peer cut off when this node came back empty would go on listing this node's
+    # former copies REPLICATED: the announce goes on until it is heard.
+    monkeypatch.setattr(commit, "ANNOUNCE_RETRY", 0.05)
+    fake = FakePeers("node-a", {"b": "r2", "c": "r3"})
+    fake.down.add("b")
+    told: list[str] = []
+    heard = threading.Event()
+
+    def manifests(
+        node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
+    ) -> Manifests:
+        fake._up(node, "ListManifests")
+        if starting:
+            told.append(node)
+            if node == "b":
+                heard.set()
+        return Manifests([], [])
+
+    fake.list_manifests = manifests  # type: ignore[method-assign]
+    cluster = _cluster(catalog, fake)
+    announcing = threading.Thread(target=cluster.committer.announce, daemon=True)
+    announcing.start()
+    deadline = time.monotonic() + 10.0
+    while "c" not in told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert told == ["c"] and not heard.is_set()  # b is down: not told yet
+    time.sleep(0.2)
+    assert "b" not in told  # retried, still down
+    fake.down.discard("b")
+    assert heard.wait(10.0)
+    announcing.join(10.0)
+    assert not announcing.is_alive() and told.count("c") == 1  # a peer told is not told again
 
 
 def test_a_peer_that_knows_it_durable_keeps_it_from_being_lost() -> None:
