@@ -25,6 +25,7 @@ figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -170,8 +171,14 @@ def start_cluster(
                 node_id=f"node{i}", keep_last=None, peer=f"127.0.0.1:{ports[i]}", extra=extra
             )
         )
-    with futures.ThreadPoolExecutor(min(n, 8)) as pool:
-        list(pool.map(lambda d: d.start(), nodes))
+    try:
+        with futures.ThreadPoolExecutor(min(n, 8)) as pool:
+            list(pool.map(lambda d: d.start(), nodes))
+    except BaseException:
+        for d in nodes:
+            with contextlib.suppress(Exception):
+                d.stop()
+        raise
     return nodes, ports[:n], ports[n:]
 
 
@@ -289,7 +296,16 @@ def one_holder(peer_port: int, n: int, cid: str, names: list[str], size: int) ->
 
 
 def fanout(n: int, nbytes: int, nfiles: int) -> dict[str, Any]:
-    nodes, peer_ports, metrics_ports = start_cluster(n, metrics=True, heal_interval=1.0)
+    for attempt in range(3):
+        try:
+            nodes, peer_ports, metrics_ports = start_cluster(n, metrics=True, heal_interval=1.0)
+            break
+        except RuntimeError as e:
+            # Each daemon's bulk listener binds an ephemeral port, which may be one that
+            # free_ports picked for a daemon not started yet: start the cluster again.
+            print(f"fan-out {n}: a daemon did not start ({e}); attempt {attempt + 2} of 3")
+    else:
+        raise RuntimeError(f"fan-out {n}: the cluster did not start in 3 attempts")
     clients = [DaemonClient(d.address, timeout_s=600) for d in nodes]
     try:
         per = max(1, nbytes // nfiles)
