@@ -188,7 +188,10 @@ def main() -> None:
             data = [f.name for f in info.files if f.name.endswith(".distcp")]
             size = sum(f.size for f in info.files if f.name in data)
             if prewarmed:
-                wait_pool(client, size)
+                try:
+                    wait_pool(client, size)
+                except TimeoutError as e:  # measured all the same, and said so
+                    print(f"note: {e}; this 'preallocated' restore is not fully prewarmed")
             return client, data, size
 
         # Restore throughput: EnsureLocal of every data file on an empty replacement,
