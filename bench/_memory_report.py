@@ -87,22 +87,23 @@ def render(res: dict[str, Any], saves: int) -> str:
         f"{rate(min(res['memcpy_1thread_s']))}  runs {_fmt(res['memcpy_1thread_s'])}",
         f"  {'memcpy reference (fastest of the above, start and end)':<58}{rate(r['memcpy_ref_s'])}",
     ]
-    if "verified_copy_ref_s" in r:
-        runs = res["verified_copy_s"]
-        label = f"verified copy: copy_ + xxh3 per MiB, {threads} thread(s), no file"
-        lines.append(f"  {label:<58}{rate(r['verified_copy_ref_s'])}  runs {_fmt(runs)}")
-        lines.append(
-            f"    memcpy / verified copy {r['ceiling_memcpy_over_verified_copy']:.2f}x: the "
-            "ceiling of memcpy / save and memcpy / load while every byte is verified"
-        )
-    if "verified_read_ref_s" in r:
-        runs = res["verified_read_s"]
-        label = f"verified read: preadv from tmpfs + xxh3 per MiB, {threads} thread(s)"
-        lines.append(f"  {label:<58}{rate(r['verified_read_ref_s'])}  runs {_fmt(runs)}")
-        lines.append(
-            f"    memcpy / verified read {r['ceiling_memcpy_over_verified_read']:.2f}x: the "
-            "ceiling of memcpy / load from a file (the kernel's page-cache copy included)"
-        )
+    for kind, label, what in (
+        (
+            "copy",
+            f"verified copy: copy_ + xxh3 per MiB, {threads} thread(s), no file",
+            "ceiling of memcpy / save and memcpy / load while every byte is verified",
+        ),
+        (
+            "read",
+            f"verified read: preadv from tmpfs + xxh3 per MiB, {threads} thread(s)",
+            "ceiling of memcpy / load from a file (the kernel's page-cache copy included)",
+        ),
+    ):
+        if f"verified_{kind}_ref_s" in r:
+            runs = res[f"verified_{kind}_s"]
+            lines.append(f"  {label:<58}{rate(r[f'verified_{kind}_ref_s'])}  runs {_fmt(runs)}")
+            ratio = r[f"ceiling_memcpy_over_verified_{kind}"]
+            lines.append(f"    memcpy / verified {kind} {ratio:.2f}x: the {what}")
     for tc in (1, 2):
         runs = res[f"stock_fsw_tc{tc}_s"]
         label = f"stock FileSystemWriter -> new tmpfs dir, thread_count={tc}"

@@ -242,6 +242,12 @@ def exchange(port: int, raw: bytes, source: str = "127.0.0.1") -> tuple[str, byt
 # ---- restores over the stream ----------------------------------------------------------
 
 
+def _roles(nodes: list[Node], checkpoint_id: str, name: str) -> tuple[int, int, Node]:
+    """The file's owner and replica (node indexes) and a node holding neither (the reader)."""
+    owner, replica = (int(h[1:]) for h in holders(nodes[0], checkpoint_id, name))
+    return owner, replica, nodes[next(i for i in range(4) if i not in (owner, replica))]
+
+
 def test_a_restore_comes_over_the_bulk_stream_bit_exact(cluster: list[Node]) -> None:
     reader = cluster[outsider(cluster, SMALL)]
     before = {i: (n.sent("bulk"), n.sent("grpc")) for i, n in enumerate(cluster)}
@@ -541,8 +547,7 @@ def test_a_corrupt_copy_is_caught_where_it_lands_reported_and_repaired() -> None
                 ),
                 60,
             )
-        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-1", SMALL))
-        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        owner, replica, reader = _roles(nodes, "step-1", SMALL)
         good = flip(nodes[owner], "step-1", SMALL, 2 * MIB + 5)
         assert good == data
         sent = [n.sent("bulk") for n in nodes]
@@ -577,8 +582,7 @@ def test_a_corrupt_copy_is_caught_where_it_lands_reported_and_repaired() -> None
             ),
             60,
         )
-        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-3", LARGE))
-        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        owner, replica, reader = _roles(nodes, "step-3", LARGE)
         for at in (5, 40 * MIB):  # one flip in each half: whichever range it serves
             flip(nodes[replica], "step-3", LARGE, at)
         entry = reader.client.ensure_local(NS, "step-3", LARGE)
@@ -592,8 +596,7 @@ def test_a_corrupt_copy_is_caught_where_it_lands_reported_and_repaired() -> None
         assert corrupted("served", nodes[replica]) == 1.0
 
         # Every copy corrupt: the restore fails clearly; both holders drop theirs.
-        owner, replica = (int(h[1:]) for h in holders(nodes[0], "step-2", SMALL))
-        reader = nodes[next(i for i in range(4) if i not in (owner, replica))]
+        owner, replica, reader = _roles(nodes, "step-2", SMALL)
         for i in (owner, replica):
             flip(nodes[i], "step-2", SMALL, 7)
         with pytest.raises(ChecksumMismatch, match=r"__0_0\.distcp"):
