@@ -27,7 +27,9 @@ Moments (each fault is injected at one, drawn in shuffled rounds):
 Each fault is held 1-3 s (`--hold`; the job saving on); meanwhile the newest REPLICATED or
 DURABLE checkpoint is restored through a node that is neither frozen nor itself cut off
 (through a cut-off node a restore can only name the sources it cannot reach), bit-exact, and timed
-(the restore time under that fault kind). Then the fault heals and the runner measures
+(the restore time under that fault kind; the checkpoint is one replicated when the fault
+began: under a cut it is listed under-replicated, its unreachable holder waited for
+`replace_after` before it is replaced, and it loads from its other copies). Then the fault heals and the runner measures
 convergence: the seconds until every checkpoint begun since the injection is listed on
 every node REPLICATED or DURABLE (heal rounds: those seconds over `heal_interval`, 1 s,
 rounded up). Then bench/chaos.py's checks run (every listed checkpoint checked bit-exact
@@ -222,10 +224,11 @@ class NetChaos(NetChaosCluster):
             self.keep_job_alive()
             time.sleep(0.1)
 
-    def restore_under(self, kind: str) -> None:
-        """Restore the newest REPLICATED or DURABLE checkpoint through a node that is
-        neither frozen nor itself cut off from the others, bit-exact, timed."""
-        state = self.snapshot()
+    def restore_under(self, kind: str, state: dict[str, tuple[bool, bool]]) -> None:
+        """Restore the newest checkpoint that was REPLICATED or DURABLE when the fault
+        began (`state`; under a cut it is listed under-replicated until its unreachable
+        holder is back or replaced, and loads from its other copies) through a node that
+        is neither frozen nor itself cut off from the others, bit-exact, timed."""
         ready = sorted((c for c, (rep, dur) in state.items() if rep or dur), key=index_of)
         ready = [c for c in ready if c not in self.failed()]
         out = self.frozen | self.isolated
@@ -313,10 +316,11 @@ class NetChaos(NetChaosCluster):
         hit = self.wait_moment(moment)
         clock = self._phase("moment", clock)
         self.moments.setdefault(moment, Counter())["seen" if hit else "timed out"] += 1
+        before = self.snapshot()
         fault = self.make_fault(kind)
         try:
             held = time.monotonic() + self.rng.uniform(*self.hold)
-            self.restore_under(kind)
+            self.restore_under(kind, before)
             self._hold(held - time.monotonic())
         finally:
             fault.heal()

@@ -170,10 +170,15 @@ class PeerConfig:
 @dataclass(frozen=True)
 class ReplicationConfig:
     """``[replication]``: how many extra copies of each file buddies hold (used when
-    there are peers), and how often the healer re-replicates files that lost one."""
+    there are peers), how often the healer re-replicates files that lost one, and how
+    long it waits for a holder that does not answer before replacing its copies."""
 
     copies: int = 1
     heal_interval: float = 5.0
+    # Seconds a holder that does not answer is waited for before its copies are pushed
+    # elsewhere: a cut or a flap shorter than this costs no re-replication (and no trim
+    # when the holder is back); a node that answers without its copies is replaced at once.
+    replace_after: float = 15.0
 
 
 @dataclass(frozen=True)

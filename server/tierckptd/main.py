@@ -334,6 +334,7 @@ def _build_on(
         restorer,
         client=peer_client,
         heal_interval=cfg.replication.heal_interval,
+        replace_after=cfg.replication.replace_after,
         unstore=functools.partial(remove_checkpoint, stores) if stores.enabled else None,
         store_trust=functools.partial(store_trust, stores) if stores.enabled else None,
         check_mark=(
@@ -506,10 +507,10 @@ class _Running:
             logger.info("SIGHUP: %s%s", line, "" if live else " (takes effect on restart)")
         if self.discoverer is not None:  # [[peers]] and the discovered ones, together
             self.discoverer.set_static(new.peers)
-            parts.cluster.set_heal_interval(new.replication.heal_interval)
+            parts.cluster.set_healing(new.replication.heal_interval, new.replication.replace_after)
         elif new.peers != self.config.peers or new.replication != self.config.replication:
             parts.cluster.configure(new.peers, new.replication.copies)
-            parts.cluster.set_heal_interval(new.replication.heal_interval)
+            parts.cluster.set_healing(new.replication.heal_interval, new.replication.replace_after)
         if new.log.level != self.config.log.level:
             set_log_level(new.log.level, QUIET_LOGGERS)
         if new.log.format != self.config.log.format:

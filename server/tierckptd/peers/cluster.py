@@ -51,7 +51,7 @@ from tierckptd.ops import metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
-from tierckptd.peers.healer import Healer, HealPlan
+from tierckptd.peers.healer import REPLACE_AFTER, Healer, HealPlan
 from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
 from tierckptd.peers.recheck import Rechecker
@@ -113,6 +113,7 @@ class Cluster:
         copies: int = 1,
         channel_factory: ChannelFactory = grpc.insecure_channel,
         heal_interval: float = 5.0,
+        replace_after: float = REPLACE_AFTER,
         unstore: Unstorer | None = None,
         store_trust: TrustStorer | None = None,
         check_mark: Callable[[Mark], None] | None = None,
@@ -170,6 +171,7 @@ class Cluster:
             on_corrupt=self.corrupt,
             stop=self._stop,
             retry_tell=self._queue_tell,
+            replace_after=replace_after,
         )
         self.serving = Serving(catalog, self.corrupt)
         # A peer's ReportCorrupt: re-hash the copy here, drop it only on this node's hash.
@@ -179,9 +181,12 @@ class Cluster:
         self._heal_thread: threading.Thread | None = None
         self._sync_replica_target()
 
-    def set_heal_interval(self, seconds: float) -> None:
-        """`[replication] heal_interval` (SIGHUP): the next heal round waits this long."""
-        self.heal_interval = seconds
+    def set_healing(self, heal_interval: float, replace_after: float) -> None:
+        """`[replication] heal_interval` and `replace_after` (SIGHUP): the next heal
+        round waits `heal_interval`; the next heal replaces a holder unreachable for
+        `replace_after`."""
+        self.heal_interval = heal_interval
+        self.healer.replace_after = replace_after
 
     # ---- membership -------------------------------------------------------------------
     def configure(self, peers: Iterable[PeerConfig], copies: int) -> None:
@@ -238,7 +243,10 @@ class Cluster:
         self.membership.close()
 
     def _queue_heal(self, namespace: str, checkpoint_id: str) -> None:
-        """A checkpoint committed, published or adopted just now: replicated first."""
+        """A checkpoint committed, published or adopted just now: replicated first. A
+        record naming a holder its copy may not be on is listed under-replicated until
+        the heal confirms it (`Healer.doubt`)."""
+        self.healer.doubt(namespace, checkpoint_id)
         self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
 
     def _queue_tell(
@@ -428,8 +436,12 @@ class Cluster:
         return self.catalog.file_view(namespace, checkpoint_id, name)[0]
 
     def set_replicas(self, namespace: str, checkpoint_id: str, name: str, nodes: list[str]) -> None:
-        """A peer's UpdateReplicas, once the servicer checked the caller may say so."""
+        """A peer's UpdateReplicas, once the servicer checked the caller may say so. A
+        list naming a holder its copy may not be on is confirmed by a heal first
+        (`Healer.doubt`)."""
         self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
+        if self.healer.doubt(namespace, checkpoint_id):
+            self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
 
     def manifests(self, namespace: str, started: str = "") -> list[CheckpointView]:
         """A peer's ListManifests: the committed checkpoints (of `namespace`, or all).
@@ -440,6 +452,8 @@ class Cluster:
         the copies again, such a checkpoint is listed under-replicated here, never
         REPLICATED on the restarted node's name alone (`Healer.suspect`)."""
         views = self.catalog.list_checkpoints(namespace)
+        if started:
+            self.healer.restarted(started)
         for v in views if started else ():
             if any(f.owner_node == started or started in f.replica_nodes for f in v.files):
                 if v.state in (State.COMMITTED, State.REPLICATED):

@@ -16,6 +16,13 @@ own finding, never taken on a peer's word.
 The node responsible for a file pushes it: its owner, or, when the owner lost it, the
 first reachable holder in the file's replica order. Nobody else pushes that file.
 
+A recorded holder that stopped answering is waited for `replace_after` seconds before its
+copy is replaced (HDFS's dead-node interval, Ceph's down-out interval): a cut, a flap or
+a frozen process of a few seconds costs no push, and no trim when the holder is back.
+Meanwhile the file is listed under-replicated (never REPLICATED on an unreachable
+holder's name), and a holder that answers without the file (a node that came back
+empty) is replaced at once.
+
 A file no reachable node holds is "lost" only when every node that held it (its owner
 and its replica nodes) answered without it and the persistent tier does not hold the
 checkpoint: the checkpoint is then listed LOST on every node (each node's healer finds
@@ -34,6 +41,7 @@ import dataclasses
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +84,13 @@ logger = logging.getLogger(__name__)
 BROADCAST_ATTEMPTS = 8
 BROADCAST_BACKOFF = 1.0
 BROADCAST_BACKOFF_CAP = 30.0
+# Seconds a recorded holder that does not answer is waited for before its copies are
+# pushed elsewhere (`[replication] replace_after`).
+REPLACE_AFTER = 15.0
+# Seconds after a peer announced its (re)start during which a replica list or manifest
+# naming it is doubted (`Healer.doubt`): a list sent before it came back empty can arrive
+# late (UpdateReplicas retries for minutes, the announce for up to 10).
+RESTART_DOUBT = 600.0
 
 RetryTell = Callable[[str, str, str, str, int, float], None]
 """(namespace, checkpoint id, file name, node, tries so far, delay): queue a `Tell`."""
@@ -122,13 +137,16 @@ def plan_heal(
     members: Sequence[Member],
     k: int,
     me: str,
+    waiting: frozenset[str] = frozenset(),
 ) -> HealPlan:
     """What healing `view` takes (pure; see the module docstring).
 
     `holdings`: every reachable node (this one included) and what it holds, in the
     order holders are listed; a node missing from it is unreachable and gets nothing.
     A node that answered without knowing the checkpoint holds none of it (it was
-    wiped, or retention let the checkpoint go there).
+    wiped, or retention let the checkpoint go there). `waiting`: unreachable nodes not
+    yet replaced (unreachable for less than `replace_after`): a copy they are recorded
+    to hold counts for the push plan and stays in the replica list, not in the label.
     """
     reachable = list(holdings)
     # The persistent tier holds every file (here, or a peer knows it: this node may not
@@ -156,12 +174,14 @@ def plan_heal(
                 dict.fromkeys([f.owner_node, *preference(key, f.owner_node, members)])
             )
             targets = tuple(n for n in candidates if n not in holders and n in holdings)
-            need = k + 1 - len(holders)
+            pending = [n for n in dict.fromkeys([f.owner_node, *f.replica_nodes]) if n in waiting]
+            need = k + 1 - len(holders) - len(pending)
             if need > 0 and targets:
                 pushes.append(FilePush(f.name, targets, need))
             rank = {n: i for i, n in enumerate(candidates)}
             recorded = sorted(
-                (n for n in holders if n != f.owner_node), key=lambda n: rank.get(n, 1 << 30)
+                (n for n in [*holders, *pending] if n != f.owner_node),
+                key=lambda n: rank.get(n, 1 << 30),
             )
             if recorded != f.replica_nodes:
                 replicas[f.name] = recorded
@@ -239,6 +259,8 @@ class Healer:
         on_corrupt: OnCorrupt,
         stop: threading.Event | None = None,
         retry_tell: RetryTell | None = None,
+        replace_after: float = REPLACE_AFTER,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.catalog = catalog
         self.client = client
@@ -255,6 +277,12 @@ class Healer:
         # Checkpoints naming a peer that restarted (it may have come back empty): listed
         # under-replicated, every file healed, until a heal finds every copy again.
         self._suspect: set[Key] = set()
+        self.replace_after = replace_after
+        self._clock = clock
+        # Peers a heal did not reach: when a heal first missed them (monotonic).
+        self._unreached: dict[str, float] = {}
+        # Peers that announced a (re)start, and when (monotonic): `doubt`.
+        self._restarted: dict[str, float] = {}
 
     def label(self, namespace: str, checkpoint_id: str) -> str:
         """The health label the last heal of a checkpoint left ("" when healthy)."""
@@ -275,6 +303,36 @@ class Healer:
                 return  # already under-replicated or lost: that label stays
             self._labels[key] = UNDER
         self.catalog.set_health(namespace, checkpoint_id, UNDER)
+
+    def restarted(self, node: str) -> None:
+        """`node` announced it (re)started: it may have come back empty."""
+        with self._lock:
+            self._restarted[node] = self._clock()
+
+    def doubt(self, namespace: str, checkpoint_id: str) -> bool:
+        """Suspect (`suspect`) a checkpoint whose record names a holder its copy may not
+        be on: this node for a file it does not hold (a manifest adopted from a peer, or
+        a replica list sent before this node came back empty), or a peer that announced a
+        restart within RESTART_DOUBT seconds (a list made before it came back empty may
+        arrive after its announce). Whether it did; the next heal confirms or heals."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return False
+        if view.state not in (State.COMMITTED, State.REPLICATED):
+            return False
+        now = self._clock()
+        with self._lock:
+            recent = {n for n, t in self._restarted.items() if now - t < RESTART_DOUBT}
+            if (namespace, checkpoint_id) in self._suspect:
+                return True
+        me = self.node_id
+        for f in view.files:
+            named = {f.owner_node, *f.replica_nodes}
+            if (me in named and not f.held) or named & recent:
+                self.suspect(namespace, checkpoint_id)
+                return True
+        return False
 
     def heal(self, namespace: str, checkpoint_id: str, *, full: bool = False) -> HealPlan | None:
         """Heal one checkpoint (None: not a committed one here, or none of its files
@@ -303,6 +361,7 @@ class Healer:
             self._record(namespace, checkpoint_id, HealPlan(), self._k())
             return None
         me = self.node_id
+        self.doubt(namespace, checkpoint_id)
         members, k = self._members(), self._k()
         coordinator = coordinator_of({f.name: f for f in view.files})
         manifest = view  # every file: what a push publishes to a node that lacks it
@@ -333,7 +392,8 @@ class Healer:
         )
         view = let_go(view, holdings, me)
         files_by_name = {f.name: f for f in view.files}  # as recorded when this heal began
-        plan = plan_heal(view, holdings, members, k, me)
+        waiting = self._waiting(asked, holdings)
+        plan = plan_heal(view, holdings, members, k, me, waiting)
         if plan.pushes:
             for p in plan.pushes:
                 got = 0
@@ -347,7 +407,7 @@ class Healer:
                         had = holdings[node]
                         holdings[node] = Holdings(True, had.names | {p.name}, had.files)
                         got += 1
-            plan = plan_heal(view, holdings, members, k, me)
+            plan = plan_heal(view, holdings, members, k, me, waiting)
         trims = plan_trim(view, holdings, members, k, me)
 
         def told(name: str, replicas: list[str]) -> list[str]:
@@ -379,6 +439,23 @@ class Healer:
             f.name for f in view.files if sum(f.name in h.names for h in holdings.values()) < k + 1
         )
         return dataclasses.replace(plan, unreached=unreached, short=short)
+
+    def _waiting(self, asked: Sequence[str], holdings: Mapping[str, Holdings]) -> frozenset[str]:
+        """The asked peers that did not answer, unanswered in every heal for less than
+        `replace_after` seconds: waited for, not replaced. An answer in any heal ends the
+        outage."""
+        now = self._clock()
+        with self._lock:
+            for node in asked:
+                if node in holdings:
+                    self._unreached.pop(node, None)
+                else:
+                    self._unreached.setdefault(node, now)
+            return frozenset(
+                n
+                for n in asked
+                if n not in holdings and now - self._unreached[n] < self.replace_after
+            )
 
     def _trim(
         self, view: CheckpointView, name: str, kept: list[str], k: int, told: list[str]

@@ -314,9 +314,54 @@ def test_an_unreachable_peer_leaves_it_under_replicated_until_it_is_back(
     assert catalog_view.files[0].replica_nodes == ["b"]
     fake.down.add("b")
     cluster.heal("run", "s1")
-    # The owner records the copies it can see: none now (shown, not marked: the only
-    # other node is down, so no push could help).
+    # Waited for (`replace_after`): still recorded, listed under-replicated meanwhile.
+    assert catalog.get("run", "s1").files[0].replica_nodes == ["b"]
+    assert cluster.healer.label("run", "s1") == "under-replicated"
+    assert catalog.get("run", "s1").state is State.COMMITTED
+    cluster.healer.replace_after = 0.0
+    cluster.heal("run", "s1")
+    # Replaced: the owner records the copies it can see, none now (shown, not marked:
+    # the only other node is down, so no push could help).
     assert catalog.get("run", "s1").files[0].replica_nodes == []
+    assert cluster.healer.label("run", "s1") == ""
+
+
+def test_plan_heal_waits_for_an_unreachable_holder_before_replacing_it() -> None:
+    f = _file("f", "a", ["b"])
+    holdings = {"a": _held("f"), "c": _held()}
+    waited = plan_heal(_view(f), holdings, MEMBERS, 1, "a", frozenset({"b"}))
+    assert waited.pushes == () and dict(waited.replicas) == {}  # b stays recorded
+    assert waited.label == "under-replicated"  # never REPLICATED on b's name alone
+    replaced = plan_heal(_view(f), holdings, MEMBERS, 1, "a")
+    assert replaced.pushes == (FilePush("f", ("c",), 1),)
+    # An owner that stopped answering is waited for by the replica that pushes for it.
+    g = _file("g", "b", ["a"])
+    owner_waited = plan_heal(
+        _view(g), {"a": _held("g"), "c": _held()}, MEMBERS, 1, "a", frozenset({"b"})
+    )
+    assert owner_waited.pushes == () and owner_waited.label == "under-replicated"
+    # A holder that answers without its copy (it came back empty) is replaced at once.
+    empty = plan_heal(_view(f), {"a": _held("f"), "b": _held(), "c": _held()}, MEMBERS, 1, "a")
+    assert empty.pushes and empty.pushes[0].need == 1
+
+
+def test_a_holder_unreachable_past_replace_after_is_replaced(catalog: Catalog, save: Save) -> None:
+    fake = FakePeers("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    cluster.healer.replace_after = 0.3
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    cluster.heal("run", "s1")
+    (first,) = catalog.get("run", "s1").files[0].replica_nodes
+    other = next(n for n in PEERS if n != first)
+    fake.pushed.clear()
+    fake.down.add(first)
+    cluster.heal("run", "s1")
+    assert fake.pushed == []  # a short outage: no push, so no trim when it is back
+    assert cluster.healer.label("run", "s1") == "under-replicated"
+    time.sleep(0.4)
+    cluster.heal("run", "s1")
+    assert fake.pushed == [(other, "__0_0.distcp")]
+    assert catalog.get("run", "s1").files[0].replica_nodes == [other]
     assert cluster.healer.label("run", "s1") == ""
 
 
@@ -528,3 +573,39 @@ def test_a_restarted_holder_is_unconfirmed_even_where_no_file_involves_this_node
     cluster.heal("run", "s3")
     assert catalog.get("run", "s3").state is State.REPLICATED
     assert cluster.healer.label("run", "s3") == ""
+
+
+def test_a_list_naming_a_holder_that_may_not_hold_it_is_doubted(catalog: Catalog) -> None:
+    """Issue 28 (two dishonest listings of the network chaos run): a replica list that
+    names a peer which restarted since (sent before it came back empty, arriving after
+    its announce), and a manifest adopted from a peer that names this node for a file it
+    does not hold, are listed under-replicated until a heal confirms the copies."""
+    fake = FakePeers("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    cluster.manifests("run", started="c")  # c announces its restart; nothing names it yet
+    rec = CheckpointRecord("run", "s4", State.COMMITTED, 1.0, "", 2.0, 5)
+    f = _file(".metadata", "b", ["node-a"])  # names this node, which holds nothing of it
+    f.held = False
+    rec.files[f.name] = f
+    assert catalog.publish(rec)
+    assert catalog.get("run", "s4").state is State.REPLICATED  # on names alone
+    assert cluster.healer.doubt("run", "s4")
+    assert catalog.get("run", "s4").state is State.COMMITTED
+    # A late replica list naming the restarted peer c: doubted as it arrives.
+    rec5 = CheckpointRecord("run", "s5", State.COMMITTED, 1.0, "", 2.0, 6)
+    g = _file(".metadata", "b")
+    g.held = False
+    rec5.files[g.name] = g
+    assert catalog.publish(rec5)
+    cluster.set_replicas("run", "s5", ".metadata", ["c"])
+    view = catalog.get("run", "s5")
+    assert view.state is State.COMMITTED and "under-replicated" in view.tiers
+    # Confirmed by a heal: both hold it, the label goes.
+    for node in ("b", "c"):
+        fake.knows[node] = True
+        fake.held[node] = {".metadata": b"data"}
+    cluster.healer.heal("run", "s5", full=True)
+    assert catalog.get("run", "s5").state is State.REPLICATED
+    # Outside the window a list naming c is taken as it is.
+    cluster.healer._restarted["c"] -= 10_000.0
+    assert not cluster.healer.doubt("run", "s5")
