@@ -8,7 +8,10 @@ fault:
   or "publish it first"; the manifest is published and the push tried once more;
 - the target refuses the copy for good (PERMISSION_DENIED: it let the checkpoint go to
   the persistent tier only, or deleted it): it is not asked again for that checkpoint
-  for `REFUSAL_BACKOFF` seconds, and that is logged once, not every heal round;
+  for `REFUSAL_BACKOFF` seconds, and that is logged once, not every heal round. The
+  checkpoint's own coordinator is the exception: it refuses a peer's publish of its own
+  checkpoint (audit 3) while it has just restarted empty, and adopts the manifest from
+  its peers' listings moments later; it is pushed to again at the next heal;
 - the file is evicted or recycled before or during the push: the file is opened before
   the call, a read error ends the stream (the receiver refuses the short copy), and a
   DATA_LOSS answer for a copy this node no longer holds is not taken for corruption.
@@ -32,6 +35,7 @@ from tierckptd.memory.tier import UnsafePath
 from tierckptd.model import CheckpointView, FileRecord, Key
 from tierckptd.ops import logs, metrics
 from tierckptd.peers.client import PeerCallError, PeerClient
+from tierckptd.peers.placement import coordinator_of
 from tierckptd.peers.serve import MESSAGE_BYTES
 
 __all__ = ["HEARTBEAT", "REFUSAL_BACKOFF", "OnCorrupt", "Pusher"]
@@ -107,7 +111,8 @@ class Pusher:
         try:
             self.client.publish(node, view)
         except PeerCallError as e:
-            if e.code in ("PERMISSION_DENIED", "FAILED_PRECONDITION"):
+            coordinator = coordinator_of({f.name: f for f in view.files})
+            if e.code in ("PERMISSION_DENIED", "FAILED_PRECONDITION") and node != coordinator:
                 self._refuse((view.namespace, view.checkpoint_id), node, e)
             else:
                 logger.warning(
