@@ -364,6 +364,7 @@ def _build_on(
             on_evicted=cluster.ops.retired,  # every node drops it
         )
         catalog.events.committed.add(drainer.enqueue)
+        catalog.events.durable_elsewhere.add(drainer.check_now)
         discovery = Discovery(stores, catalog, relist_interval=cfg.persistent.relist_interval)
     # A commit asks the peer tier for the files it holds, commits the catalog, then the
     # peer tier publishes and heals (tierckptd/commit.py).

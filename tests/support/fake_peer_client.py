@@ -35,6 +35,7 @@ class FakePeers(PeerClient):
         self.published: list[str] = []
         self.replicas: list[tuple[str, str, list[str]]] = []
         self.refuse: dict[str, str] = {}
+        self.durable: set[str] = set()  # peers that answer the checkpoint is durable
         self.push_attempts = 0
 
     def _up(self, node: str, method: str) -> None:
@@ -43,7 +44,7 @@ class FakePeers(PeerClient):
 
     def holdings(self, node: str, namespace: str, checkpoint_id: str) -> Holdings:
         self._up(node, "Holdings")
-        return Holdings(self.knows[node], frozenset(self.held[node]))
+        return Holdings(self.knows[node], frozenset(self.held[node]), durable=node in self.durable)
 
     def publish(self, node: str, view: CheckpointView) -> None:
         self._up(node, "PublishCheckpoint")

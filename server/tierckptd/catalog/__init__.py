@@ -193,6 +193,11 @@ class CatalogEvents:
     prewarm_pending: Answer[[], int] = dataclasses.field(
         default_factory=lambda: Answer(_nothing_pending)
     )
+    # A peer answered that a checkpoint not durable here is durable in the persistent
+    # tier (never under the lock): a hint, never proof; the drain asks the persistent
+    # tier now rather than after its back-off, so this node learns it, and stops listing
+    # the copies the peers let go, within a heal round (`Healer.heal`).
+    durable_elsewhere: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)
     # A drain made a deleted checkpoint durable (under the lock): the cluster rm deletes
     # it again (peers/operations.py).
     gone_durable: Listeners[[str, str]] = dataclasses.field(default_factory=Listeners)

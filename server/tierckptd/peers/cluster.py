@@ -440,7 +440,7 @@ class Cluster:
         list naming a holder its copy may not be on is confirmed by a heal first
         (`Healer.doubt`)."""
         self.catalog.set_replicas(namespace, checkpoint_id, name, nodes)
-        if self.healer.doubt(namespace, checkpoint_id):
+        if self.healer.doubt(namespace, checkpoint_id, fresh=True):
             self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
 
     def manifests(self, namespace: str, started: str = "") -> list[CheckpointView]:

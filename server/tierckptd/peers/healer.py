@@ -91,6 +91,9 @@ REPLACE_AFTER = 15.0
 # naming it is doubted (`Healer.doubt`): a list sent before it came back empty can arrive
 # late (UpdateReplicas retries for minutes, the announce for up to 10).
 RESTART_DOUBT = 600.0
+# Seconds between two hints to the drain that a peer says a checkpoint is durable.
+DURABLE_ELSEWHERE_EVERY = 10.0
+MAX_HINTS = 10_000
 
 RetryTell = Callable[[str, str, str, str, int, float], None]
 """(namespace, checkpoint id, file name, node, tries so far, delay): queue a `Tell`."""
@@ -283,6 +286,10 @@ class Healer:
         self._unreached: dict[str, float] = {}
         # Peers that announced a (re)start, and when (monotonic): `doubt`.
         self._restarted: dict[str, float] = {}
+        # When a heal last confirmed every copy of a checkpoint (monotonic): a restart
+        # before it is no reason to doubt the checkpoint again.
+        self._confirmed: dict[Key, float] = {}
+        self._hinted: dict[Key, float] = {}  # durable hints given to the drain, and when
 
     def label(self, namespace: str, checkpoint_id: str) -> str:
         """The health label the last heal of a checkpoint left ("" when healthy)."""
@@ -309,12 +316,14 @@ class Healer:
         with self._lock:
             self._restarted[node] = self._clock()
 
-    def doubt(self, namespace: str, checkpoint_id: str) -> bool:
+    def doubt(self, namespace: str, checkpoint_id: str, *, fresh: bool = False) -> bool:
         """Suspect (`suspect`) a checkpoint whose record names a holder its copy may not
         be on: this node for a file it does not hold (a manifest adopted from a peer, or
         a replica list sent before this node came back empty), or a peer that announced a
         restart within RESTART_DOUBT seconds (a list made before it came back empty may
-        arrive after its announce). Whether it did; the next heal confirms or heals."""
+        arrive after its announce) and since the last heal that confirmed every copy
+        (`fresh`: a replica list that arrived just now, doubted whenever it names such a
+        peer). Whether it did; the next heal confirms or heals."""
         try:
             view = self.catalog.get(namespace, checkpoint_id)
         except CheckpointNotFound:
@@ -322,9 +331,13 @@ class Healer:
         if view.state not in (State.COMMITTED, State.REPLICATED):
             return False
         now = self._clock()
+        key = (namespace, checkpoint_id)
         with self._lock:
-            recent = {n for n, t in self._restarted.items() if now - t < RESTART_DOUBT}
-            if (namespace, checkpoint_id) in self._suspect:
+            since = 0.0 if fresh else self._confirmed.get(key, 0.0)
+            recent = {
+                n for n, t in self._restarted.items() if now - t < RESTART_DOUBT and t > since
+            }
+            if key in self._suspect:
                 return True
         me = self.node_id
         for f in view.files:
@@ -390,6 +403,7 @@ class Healer:
                 parallel=True,
             )
         )
+        self._durable_elsewhere(view, holdings)
         view = let_go(view, holdings, me)
         files_by_name = {f.name: f for f in view.files}  # as recorded when this heal began
         waiting = self._waiting(asked, holdings)
@@ -439,6 +453,23 @@ class Healer:
             f.name for f in view.files if sum(f.name in h.names for h in holdings.values()) < k + 1
         )
         return dataclasses.replace(plan, unreached=unreached, short=short)
+
+    def _durable_elsewhere(self, view: CheckpointView, holdings: Mapping[str, Holdings]) -> None:
+        """A peer answered that a checkpoint not durable here is durable: the drain
+        checks the persistent tier now (`CatalogEvents.durable_elsewhere`; at most every
+        DURABLE_ELSEWHERE_EVERY seconds per checkpoint). Its peers may be letting their copies
+        go to the persistent tier: until this node learns it is durable, it would go on
+        listing those copies."""
+        if view.state is State.DURABLE or not any(h.durable for h in holdings.values()):
+            return
+        key, now = (view.namespace, view.checkpoint_id), self._clock()
+        with self._lock:
+            if now - self._hinted.get(key, -DURABLE_ELSEWHERE_EVERY) < DURABLE_ELSEWHERE_EVERY:
+                return
+            self._hinted[key] = now
+            if len(self._hinted) > MAX_HINTS:
+                self._hinted = {k: t for k, t in self._hinted.items() if now - t < 60.0}
+        self.catalog.events.durable_elsewhere(*key)
 
     def _waiting(self, asked: Sequence[str], holdings: Mapping[str, Holdings]) -> frozenset[str]:
         """The asked peers that did not answer, unanswered in every heal for less than
@@ -585,6 +616,10 @@ class Healer:
             else:
                 self._lost.pop(key, None)
             if not label:
+                if key in self._suspect:
+                    self._confirmed[key] = self._clock()
+                    if len(self._confirmed) > MAX_HINTS:
+                        self._confirmed.pop(next(iter(self._confirmed)))
                 self._suspect.discard(key)  # a heal found every copy again
         self.catalog.set_health(namespace, checkpoint_id, label, plan.lost)
         if (label, plan.lost) != previous:

@@ -279,6 +279,14 @@ class Drainer:
         it again keeps the earlier due time."""
         self._queue.put(Drain(namespace, checkpoint_id), delay)
 
+    def check_now(self, namespace: str, checkpoint_id: str) -> None:
+        """A peer says the checkpoint is durable (`CatalogEvents.durable_elsewhere`): if it is
+        due here and not known durable, its next drain attempt, which first asks the
+        persistent tier whether it is committed there, runs now, not after its back-off.
+        The peer's word is never taken: only the persistent tier's marks."""
+        if (namespace, checkpoint_id) in set(self.catalog.due_not_durable()):
+            self.enqueue(namespace, checkpoint_id)
+
     def resume(self) -> int:
         """Queue every committed checkpoint that is due and not known durable, except
         the ones whose `.metadata` was refused before the restart (marked at once)."""

@@ -455,3 +455,20 @@ def test_a_metadata_not_held_here_comes_through_the_injected_restore(
     assert Drainer(node, store, restore=restore).drain(NS, "step-000008")
     assert asked == [(NS, "step-000008", ".metadata")]
     assert store.is_durable(NS, "step-000008")
+
+
+def test_check_now_runs_the_next_attempt_of_a_due_checkpoint_only(
+    node: Catalog, save: Save, store: PersistentTier, tmp_path: Path
+) -> None:
+    """A peer says a checkpoint is durable (`CatalogEvents.durable_elsewhere`): a due one
+    is queued now (its attempt asks the store first); one already durable is not."""
+    saved = save_checkpoint(tmp_path / "hot")
+    _commit(save, node, "step-000007", saved)
+    drainer = Drainer(node, store)
+    drainer.check_now(NS, "step-000007")
+    assert drainer.pending() == [(NS, "step-000007")]
+    assert drainer.drain(NS, "step-000007")
+    other = Drainer(node, store)
+    other.check_now(NS, "step-000007")  # durable here now: nothing to ask
+    other.check_now(NS, "no-such-checkpoint")
+    assert other.pending() == []

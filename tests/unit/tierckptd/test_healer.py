@@ -609,3 +609,40 @@ def test_a_list_naming_a_holder_that_may_not_hold_it_is_doubted(catalog: Catalog
     # Outside the window a list naming c is taken as it is.
     cluster.healer._restarted["c"] -= 10_000.0
     assert not cluster.healer.doubt("run", "s5")
+
+
+def test_a_peer_that_says_durable_makes_the_drain_ask_the_persistent_tier_now(
+    catalog: Catalog, save: Save
+) -> None:
+    """Issue 28 (network chaos, stop 33): peers let a durable checkpoint's copies go while
+    this node, its drain in back-off, still listed it REPLICATED on their names. A peer's
+    answer that it is durable is a hint to the drain (never proof), once per
+    DURABLE_ELSEWHERE_EVERY seconds."""
+    hints: list[tuple[str, str]] = []
+    catalog.events.durable_elsewhere.add(lambda ns, c: hints.append((ns, c)))
+    fake = FakePeers("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    cluster.heal("run", "s1")
+    assert hints == []  # nobody says durable
+    fake.durable.add("b")
+    cluster.heal("run", "s1")
+    cluster.heal("run", "s1")
+    assert hints == [("run", "s1")]  # once, not every heal round
+    assert catalog.get("run", "s1").state is not State.DURABLE  # a hint, not taken as proof
+
+
+def test_a_confirmed_checkpoint_is_not_doubted_again_for_the_same_restart(
+    catalog: Catalog, save: Save
+) -> None:
+    fake = FakePeers("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 10})
+    cluster.heal("run", "s1")
+    (holder,) = catalog.get("run", "s1").files[0].replica_nodes
+    cluster.manifests("run", started=holder)
+    assert cluster.healer.label("run", "s1") == "under-replicated"
+    cluster.heal("run", "s1")  # the holder still has it: confirmed
+    assert cluster.healer.label("run", "s1") == ""
+    assert not cluster.healer.doubt("run", "s1")  # the same restart: no flapping label
+    assert cluster.healer.doubt("run", "s1", fresh=True)  # a list arriving now is doubted
