@@ -40,6 +40,8 @@ every replica node listed for it (read twice, 1.5 s apart, to let an eviction se
 
     python bench/net_chaos.py --injections 300 --json bench/results/net_chaos_300.json
     python bench/net_chaos.py --quick --json out.json   # the smoke: 2 cuts (tests/integration)
+
+SIGTERM stops the run after the injection in flight; the final sweep and the report follow.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -347,7 +350,13 @@ class NetChaos(NetChaosCluster):
         self.phase_s[phase].append(now - since)
         return now
 
-    def run(self, plan: list[tuple[str, str]] | None, count: int, duration: float) -> None:
+    def run(
+        self,
+        plan: list[tuple[str, str]] | None,
+        count: int,
+        duration: float,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> None:
         started = time.monotonic()
         self.start_job()
         self.wait_first_save(120.0)
@@ -355,7 +364,7 @@ class NetChaos(NetChaosCluster):
         kinds: list[str] = []
         moments: list[str] = []
         done = 0
-        while True:
+        while not stopped():
             if plan is not None:
                 if done >= len(plan):
                     break
@@ -458,7 +467,17 @@ def main(argv: list[str] | None = None) -> int:
         args.rank_bytes, args.pause = min(args.rank_bytes, 256 << 10), min(args.pause, 1.0)
         args.converge_timeout = min(args.converge_timeout, 20.0)
     print(f"net_chaos: seed {args.seed}, {'quick' if args.quick else 'full'}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop every daemon on the way
+    # SIGTERM ends the run after the injection in flight: the final sweep, the report and
+    # the teardown still run (a second SIGTERM exits at once, stopping every daemon).
+    stopping: list[bool] = []
+
+    def stop(*_: object) -> None:
+        if stopping:
+            sys.exit(143)
+        stopping.append(True)
+        print("net_chaos: SIGTERM: stopping after this injection (again: at once)", flush=True)
+
+    signal.signal(signal.SIGTERM, stop)
     begun = time.monotonic()
     try:
         chaos = NetChaos(args)
@@ -469,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = [tuple(x.split("@")) for x in args.plan.split(",")] if args.plan else None
         plan = list(QUICK_PLAN) if args.quick and plan is None else plan
-        chaos.run(plan, args.injections, args.duration)  # type: ignore[arg-type]
+        chaos.run(plan, args.injections, args.duration, lambda: bool(stopping))  # type: ignore[arg-type]
         figures = chaos.report()
     finally:
         closing = time.monotonic()
