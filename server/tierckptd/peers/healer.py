@@ -23,6 +23,13 @@ Meanwhile the file is listed under-replicated (never REPLICATED on an unreachabl
 holder's name), and a holder that answers without the file (a node that came back
 empty) is replaced at once.
 
+A record can name a holder its copy is not on: a replica list made before a peer came
+back empty can arrive after that peer's start announce, and a manifest adopted from a
+peer can name this node for a file it does not hold. Such a record is doubted
+(`Healer.doubt`): listed under-replicated until a heal finds the copies. And a peer
+answering that a checkpoint is durable (its copies may be let go) makes the drain ask
+the persistent tier now (`CatalogEvents.durable_elsewhere`), never taken as proof.
+
 A file no reachable node holds is "lost" only when every node that held it (its owner
 and its replica nodes) answered without it and the persistent tier does not hold the
 checkpoint: the checkpoint is then listed LOST on every node (each node's healer finds
