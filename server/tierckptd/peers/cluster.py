@@ -150,6 +150,7 @@ class Cluster:
             heal_full=self._queue_full_heal,
             members=self.membership.member_list,
             replica_target=lambda: self.membership.replica_target,
+            merged=self._merged,
         )
         # Cluster rm / pin / unpin (peers/operations.py); the journal is re-applied now,
         # after the memory tier was adopted and before any peer is heard.
@@ -248,6 +249,12 @@ class Cluster:
         the heal confirms it (`Healer.doubt`)."""
         self.healer.doubt(namespace, checkpoint_id)
         self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
+
+    def _merged(self, namespace: str, checkpoint_id: str, before: set[str]) -> None:
+        """A gossiped manifest was merged into a known record: holders it added that
+        restarted lately are confirmed by a heal first (`Healer.doubt_added`)."""
+        if self.healer.doubt_added(namespace, checkpoint_id, before):
+            self.jobs.put(Heal(namespace, checkpoint_id), priority=URGENT)
 
     def _queue_tell(
         self, namespace: str, checkpoint_id: str, name: str, node: str, tries: int, delay: float

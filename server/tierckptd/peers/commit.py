@@ -161,12 +161,16 @@ class Committer:
         heal_full: Callable[[str, str], None],
         members: Callable[[], list[Member]],
         replica_target: Callable[[], int],
+        merged: Callable[[str, str, set[str]], None] = lambda namespace, checkpoint_id, before: (
+            None
+        ),
     ) -> None:
         self.catalog = catalog
         self.client = client
         self.node_id = catalog.node_id
         self._heal = heal
         self._heal_full = heal_full
+        self._merged = merged  # a known record merged with a peer's: (key, names before)
         self._members = members
         self._k = replica_target
         self._declined: set[Key] = set()  # gossiped manifests this node refused
@@ -569,7 +573,9 @@ class Committer:
                 if rec.key in known:
                     if coordinator_of(rec.files) == node:  # its replica lists, merged
                         with contextlib.suppress(TierckptError):
+                            before = self._named(*rec.key)
                             self.catalog.publish(rec)
+                            self._merged(rec.namespace, rec.checkpoint_id, before)
                     continue
                 known.add(rec.key)
                 if self._adopt_gossiped(node, rec):
@@ -580,6 +586,14 @@ class Committer:
         if adopted:
             logger.info("adopted %d checkpoints by gossip", adopted)
         return adopted
+
+    def _named(self, namespace: str, checkpoint_id: str) -> set[str]:
+        """Every node this node's record of a checkpoint names as a holder."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return set()
+        return {n for f in view.files for n in (f.owner_node, *f.replica_nodes)}
 
     def _adopt_gossiped(self, node: str, rec: CheckpointRecord) -> bool:
         """Adopt a manifest `node` gossiped: as it is when `node` coordinates it, else as

@@ -354,6 +354,26 @@ class Healer:
                 return True
         return False
 
+    def doubt_added(self, namespace: str, checkpoint_id: str, before: set[str]) -> bool:
+        """`doubt` for the holders a merge just added to a checkpoint's record (a gossiped
+        manifest's replica lists are merged as a union, so a list made before a peer came
+        back empty can name it again after a heal here dropped it): suspected when an
+        added name is a peer that announced a restart within RESTART_DOUBT seconds."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return False
+        if view.state not in (State.COMMITTED, State.REPLICATED):
+            return False
+        added = {n for f in view.files for n in (f.owner_node, *f.replica_nodes)} - before
+        now = self._clock()
+        with self._lock:
+            recent = {n for n, t in self._restarted.items() if now - t < RESTART_DOUBT}
+        if added & recent:
+            self.suspect(namespace, checkpoint_id)
+            return True
+        return False
+
     def heal(self, namespace: str, checkpoint_id: str, *, full: bool = False) -> HealPlan | None:
         """Heal one checkpoint (None: not a committed one here, or none of its files
         involve this node); the final plan.

@@ -303,3 +303,30 @@ def test_a_busy_peer_is_told_the_replica_list_again(catalog: Catalog, save: Save
     cluster.healer.tell("run", "s1", "f", "c", 2)  # taken: the list the catalog records
     assert fake.calls["UpdateReplicas", "c"] == 1 and refusals["c"] == 0
     assert ("c", "f", ["b"]) in fake.replicas
+
+
+def test_a_gossiped_list_that_names_a_restarted_node_again_is_doubted(
+    catalog: Catalog,
+) -> None:
+    """Issue 28 (the stop-33 run of record): replica lists merged from the coordinator's
+    gossiped manifest are a union, so a list made before a node came back empty names it
+    again after a heal here dropped it; the names a merge adds are doubted."""
+    peers = {"b": "r2", "c": "r3"}
+    fake = CountingPeers("node-a", peers)
+    cluster = _cluster(catalog, fake)
+    rec = CheckpointRecord("run", "s6", State.COMMITTED, 1.0, "", 2.0, 5)
+    meta = _file(".metadata", "b")
+    meta.held = False
+    rec.files = {meta.name: meta}
+    assert catalog.publish(rec)  # known here, no replica yet
+    cluster.manifests("run", started="c")  # c came back empty
+    stale = CheckpointRecord("run", "s6", State.COMMITTED, 1.0, "", 2.0, 5)
+    old = _file(".metadata", "b", ["c"])  # the coordinator's list from before c's restart
+    old.held = False
+    stale.files = {old.name: old}
+    fake.gossiped["b"] = Manifests([stale], [])
+    cluster.committer.gossip(fanout=2)
+    view = catalog.get("run", "s6")
+    assert view.files[0].replica_nodes == ["c"]  # merged
+    assert view.state is State.COMMITTED and "under-replicated" in view.tiers  # doubted
+    assert Heal("run", "s6") in cluster.jobs.pending()
