@@ -331,21 +331,14 @@ class Healer:
         arrive after its announce) and since the last heal that confirmed every copy
         (`fresh`: a replica list that arrived just now, doubted whenever it names such a
         peer). Whether it did; the next heal confirms or heals."""
-        try:
-            view = self.catalog.get(namespace, checkpoint_id)
-        except CheckpointNotFound:
+        view = self._doubtable(namespace, checkpoint_id)
+        if view is None:
             return False
-        if view.state not in (State.COMMITTED, State.REPLICATED):
-            return False
-        now = self._clock()
         key = (namespace, checkpoint_id)
         with self._lock:
-            since = 0.0 if fresh else self._confirmed.get(key, 0.0)
-            recent = {
-                n for n, t in self._restarted.items() if now - t < RESTART_DOUBT and t > since
-            }
             if key in self._suspect:
                 return True
+            recent = self._restarted_since(0.0 if fresh else self._confirmed.get(key, 0.0))
         me = self.node_id
         for f in view.files:
             named = {f.owner_node, *f.replica_nodes}
@@ -359,20 +352,30 @@ class Healer:
         manifest's replica lists are merged as a union, so a list made before a peer came
         back empty can name it again after a heal here dropped it): suspected when an
         added name is a peer that announced a restart within RESTART_DOUBT seconds."""
-        try:
-            view = self.catalog.get(namespace, checkpoint_id)
-        except CheckpointNotFound:
-            return False
-        if view.state not in (State.COMMITTED, State.REPLICATED):
+        view = self._doubtable(namespace, checkpoint_id)
+        if view is None:
             return False
         added = {n for f in view.files for n in (f.owner_node, *f.replica_nodes)} - before
-        now = self._clock()
         with self._lock:
-            recent = {n for n, t in self._restarted.items() if now - t < RESTART_DOUBT}
+            recent = self._restarted_since(0.0)
         if added & recent:
             self.suspect(namespace, checkpoint_id)
             return True
         return False
+
+    def _doubtable(self, namespace: str, checkpoint_id: str) -> CheckpointView | None:
+        """The checkpoint's view while it is committed here and not durable or lost."""
+        try:
+            view = self.catalog.get(namespace, checkpoint_id)
+        except CheckpointNotFound:
+            return None
+        return view if view.state in (State.COMMITTED, State.REPLICATED) else None
+
+    def _restarted_since(self, since: float) -> set[str]:
+        """Peers that announced a restart within RESTART_DOUBT seconds and after `since`
+        (monotonic; call under the lock)."""
+        now = self._clock()
+        return {n for n, t in self._restarted.items() if now - t < RESTART_DOUBT and t > since}
 
     def heal(self, namespace: str, checkpoint_id: str, *, full: bool = False) -> HealPlan | None:
         """Heal one checkpoint (None: not a committed one here, or none of its files
