@@ -133,6 +133,8 @@ class ChaosCluster:
         self.verified_ids: set[str] = set()
         self.saved: dict[int, str] = {}  # save index -> "ok" / "fail", as the job saw it
         self.intact: set[str] = set()  # failed to load through tierckpt, stock S3 load ok
+        # failed to load through one node, bit-exact through another that lists it
+        self.elsewhere: set[str] = set()
         self.lost: set[str] = set()
         self.gap: set[str] = set()  # listed COMMITTED, yet no copy of some file is left
         self.shown_lost: set[str] = set()  # listed LOST, lost at a loss never promised
@@ -417,10 +419,13 @@ class ChaosCluster:
         if checkpoint in self.lost_listed(ls):
             self.judge_lost(checkpoint)
             return False
-        kind = self._classify(checkpoint, listed[checkpoint][1])
-        {"data intact": self.intact, "listed-but-lost": self.gap, "partial": self.partial}.get(
-            kind, self.lost
-        ).add(checkpoint)
+        kind = self._classify(checkpoint, node, ls)
+        {
+            "data intact": self.intact,
+            "served elsewhere": self.elsewhere,
+            "listed-but-lost": self.gap,
+            "partial": self.partial,
+        }.get(kind, self.lost).add(checkpoint)
         self.failures.append(
             {"checkpoint": checkpoint, "node": self.nodes[node].name, "why": why, "kind": kind}
             | {"save": self.outcome(checkpoint) or "?", "error": error[-1500:]}
@@ -428,15 +433,36 @@ class ChaosCluster:
         print(f"  {kind}: {checkpoint} via {self.nodes[node].name} ({why}): {error[-400:]}")
         return False
 
-    def _classify(self, checkpoint: str, is_durable: bool) -> str:
-        """Why a listed checkpoint does not load: its bytes are in S3 after all (a bug of
-        the load path, no loss), its save failed (a partial listed as committed), it was
-        at risk at a node loss (the honest-state gap), or LOST."""
-        if is_durable and not self.loader.load(checkpoint, self.persistent_url(checkpoint)):
+    def _classify(
+        self, checkpoint: str, node: int, ls: dict[int, dict[str, CheckpointInfo]]
+    ) -> str:
+        """Why a listed checkpoint does not load through `node`: its bytes are in S3 after
+        all (stock DCP loads them bit-exact: a bug of the load path, no loss), another
+        node that lists it serves it bit-exact (a bug of one node's view, no loss), its
+        save failed (a partial listed as committed), it was at risk at a node loss (the
+        honest-state gap), or LOST: no tier gives its bytes back."""
+        if self._in_s3(checkpoint) and not self.loader.load(
+            checkpoint, self.persistent_url(checkpoint)
+        ):
             return "data intact"
+        for i, rows in ls.items():
+            serves = i != node and checkpoint in rows and self.nodes[i].running
+            if serves and not self.loader.load(checkpoint, self.nodes[i].address):
+                self.note(
+                    f"{checkpoint}: failed via {self.nodes[node].name}, "
+                    f"bit-exact via {self.nodes[i].name}"
+                )
+                return "served elsewhere"
         if self.outcome(checkpoint) == "fail":
             return "partial"
         return "listed-but-lost" if checkpoint in self.at_risk else "LOST"
+
+    def _in_s3(self, checkpoint: str) -> bool:
+        try:
+            self.s3.invalidate_cache()
+            return bool(self.s3.exists(f"{BUCKET}/{NS}/{checkpoint}/.metadata"))
+        except OSError:
+            return False
 
     @staticmethod
     def lost_listed(ls: dict[int, dict[str, CheckpointInfo]]) -> set[str]:
@@ -489,7 +515,7 @@ class ChaosCluster:
     def failed(self) -> set[str]:
         """Checkpoints that failed to load once or are listed LOST (counted; not loaded
         again)."""
-        return self.lost | self.gap | self.partial | self.intact | self.shown_lost
+        return self.lost | self.gap | self.partial | self.intact | self.elsewhere | self.shown_lost
 
     def persistent_url(self, checkpoint: str) -> str:
         return f"s3://{BUCKET}/{NS}/{checkpoint}"

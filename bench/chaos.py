@@ -293,6 +293,7 @@ class Chaos(ChaosCluster):
             "partial_listed": sorted(self.partial),
             "listed_with_another_file_set": sorted(self.odd_layouts),
             "load_failures_data_intact_in_s3": sorted(self.intact),
+            "load_failures_served_by_another_node": sorted(self.elsewhere),
             "retired_by_persistent_retention_while_listed": len(self.retired_seen),
             "budget_violations": self.budget_violations,
             "budget_peak_fraction": round(self.budget_peak, 3),

@@ -420,6 +420,7 @@ class NetChaos(NetChaosCluster):
             "listed_lost_unprotected": sorted(self.shown_lost),
             "partial_listed": sorted(self.partial),
             "load_failures_data_intact_in_s3": sorted(self.intact),
+            "load_failures_served_by_another_node": sorted(self.elsewhere),
             "budget_violations": self.budget_violations,
             "restore_seconds": {k: _stats(v) for k, v in self.restore_s.items()},
             "restore_failures_under_fault": {
