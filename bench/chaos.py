@@ -59,7 +59,7 @@ ACTIONS = ("kill", "error", "delay=2")
 # Where each point can fire: node 0 coordinates (commit, publish, .metadata), nodes 0
 # and 1 run a rank each (saves, their files' drain and replication), node 2 holds copies.
 _COORDINATOR = ("commit.", "peer.holdings", "peer.publish", "drain.metadata", "drain.after")
-_RANK_NODES = ("save.", "pool.", "drain.", "peer.push.chunk", "retention.")
+_RANK_NODES = ("save.", "pool.", "drain.", "peer.push.chunk", "peer.offer", "retention.")
 # Points a verification load makes fire (a node fetching, or serving, a file).
 _NEEDS_LOADS = ("peer.fetch.chunk", "peer.serve.chunk")
 # The smoke's plan: (kind, fault spec, node), only what the system survives today. Node
@@ -67,7 +67,7 @@ _NEEDS_LOADS = ("peer.fetch.chunk", "peer.serve.chunk")
 # lose or half-list the newest checkpoint today (a node that missed the publish collects
 # its files of that save as unfinished), so the smoke injects its kills there.
 QUICK_PLAN: tuple[tuple[str, str, int | None], ...] = (
-    ("fault", "peer.receive.chunk:kill@2", 2),
+    ("fault", "peer.receive.offered:kill@2", 2),
     ("s3_outage", "", None),
     ("bitflip", "", None),
     ("daemon_kill", "", 2),

@@ -269,6 +269,31 @@ def test_a_large_file_comes_from_every_holder_at_once(cluster: list[Node]) -> No
     assert all(sent > len(FILES[LARGE]) / 4 for sent in grew.values()), grew  # a third each
 
 
+def test_replication_moves_its_bytes_over_the_bulk_stream(cluster: list[Node]) -> None:
+    """A save's copies go as offers: each target fetches from the owner's bulk stream
+    (`sendfile` there), so no replica byte travels in a gRPC message; every copy lands
+    bit-exact and is listed."""
+    owner = cluster[1]
+    files = {"__0_0.distcp": payload(7, 2 * MIB + 3), ".metadata": b"r" * 77}
+    before = [(n.sent("bulk"), n.sent("grpc")) for n in cluster]
+    save_ranks({0: owner.client}, NS, "step-offered", {0: files})
+    wait_until(
+        "step-offered REPLICATED",
+        lambda: owner.client.get_checkpoint(NS, "step-offered").state == "REPLICATED",
+        60,
+    )
+    sent = owner.sent("bulk") - before[1][0]
+    assert sent == 2 * sum(len(d) for d in files.values()), sent  # copies = 2
+    assert all(n.sent("grpc") == before[i][1] for i, n in enumerate(cluster))
+    for name, data in files.items():
+        replicas = holders(owner, "step-offered", name)[1:]
+        assert len(replicas) == 2 and "b1" not in replicas, replicas
+        for r in replicas:
+            node = cluster[int(r[1:])]
+            f = node.client.get_checkpoint(NS, "step-offered").file(name)
+            assert f.local_path and Path(f.local_path).read_bytes() == data, (r, name)
+
+
 # ---- the data connection trusts nothing but a fresh grant -----------------------------
 
 

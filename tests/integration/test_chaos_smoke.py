@@ -37,6 +37,6 @@ def test_chaos_quick_loses_nothing(tmp_path: Path) -> None:
     assert "invariants held" in proc.stdout
 
     assert figures["injections"] == {"fault": 1, "s3_outage": 1, "bitflip": 1, "daemon_kill": 1}
-    assert figures["fault_points"] == {"peer.receive.chunk:kill": {"fired": 1}}, report
+    assert figures["fault_points"] == {"peer.receive.offered:kill": {"fired": 1}}, report
     assert figures["saves_completed"] > 0 and figures["loads_verified"] > 0
     assert figures["repairs"]["flipped_bytes"] == figures["repairs"]["repaired"] == 1, report

@@ -1,7 +1,7 @@
 """Honest state after a loss (issue 12 point 3), with real daemons and real DCP jobs.
 
 Three nodes, copies = 1, no persistent tier. Node 1's pushes are held back by a fault
-point (`peer.push.chunk:delay=...`), so its file of the second checkpoint has no other
+point (`peer.offer:delay=...`), so its file of the second checkpoint has no other
 copy when node 1 is killed -9 and comes back empty. Then every node lists that
 checkpoint LOST (naming the file), loading it raises `CheckpointLost`, and
 `checkpoint_id=None` restores the older, complete one bit-exact, saying which newer one
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.integration
 NS = "lost-run"
 RANK1 = "__1_"  # rank 1 runs on node 1 and writes __1_0.distcp, __1_1.distcp, ...
 # Node 1's replica pushes stall (well past the test) from its restart on.
-HELD_BACK = "peer.push.chunk:delay=3600"
+HELD_BACK = "peer.offer:delay=3600"
 
 
 def _load_plain(c: LocalCluster, checkpoint_id: str | None, expected: Path) -> None:

@@ -298,6 +298,50 @@ def test_fake_replica_claims_are_refused(victim: Victim) -> None:
     assert code_of(lambda: stub.PushFile(pushed, timeout=10)) == CODE.PERMISSION_DENIED
 
 
+def test_an_offer_is_taken_from_a_holder_only_and_as_verified_bytes_only(
+    victim: Victim,
+) -> None:
+    """OfferFile (a push by pull): the victim takes a copy only from the file's owner
+    or a listed holder, of a checkpoint it knows, by fetching it from that node and
+    verifying every block against its own manifest: forged bytes or forged checksums
+    install nothing."""
+    ns, cid, name = "job-offer", "step-1", "__0_0.distcp"
+    good = os.urandom(5000)
+    entry = file_entry(name, good, "mallory")
+    meta = file_entry(".metadata", b"meta-offer", "mallory")
+    assert publish(victim, manifest(ns, cid, [meta, entry])) == CODE.OK
+
+    def offer(node: str | None, header: peer_pb2.FileHeader) -> grpc.StatusCode:
+        return code_of(lambda: victim.stub(node).OfferFile(header, timeout=30))
+
+    def header(checkpoint_id: str, f: common_pb2.FileEntry) -> peer_pb2.FileHeader:
+        ref = common_pb2.CheckpointRef(namespace=ns, checkpoint_id=checkpoint_id)
+        return peer_pb2.FileHeader(ref=ref, file=f)
+
+    def local_path() -> str:
+        return str(victim.client.get_checkpoint(ns, cid).file(name).local_path or "")
+
+    mallory = victim.fakes["mallory"]
+    mallory.holdings[cid] = [entry]
+    mallory.served[name] = good
+    assert offer("buddy", header(cid, entry)) == CODE.PERMISSION_DENIED  # neither owner nor holder
+    assert offer(None, header(cid, entry)) in (CODE.UNAUTHENTICATED, CODE.PERMISSION_DENIED)
+    assert offer("mallory", header("step-unknown", entry)) == CODE.FAILED_PRECONDITION
+    # Checksums other than the manifest's: refused before a byte is fetched.
+    other = file_entry(name, b"y" * len(good), "mallory")
+    assert offer("mallory", header(cid, other)) == CODE.INVALID_ARGUMENT
+    # Forged bytes under the true checksums: they fail where they land.
+    mallory.served[name] = b"x" * len(good)
+    assert offer("mallory", header(cid, entry)) == CODE.DATA_LOSS
+    assert not local_path()
+    # The true bytes: taken, bit-exact; offered again, nothing is taken twice.
+    mallory.served[name] = good
+    answer = victim.stub("mallory").OfferFile(header(cid, entry), timeout=30)
+    assert answer.received_bytes == len(good)
+    assert Path(local_path()).read_bytes() == good
+    assert victim.stub("mallory").OfferFile(header(cid, entry), timeout=30).received_bytes == 0
+
+
 def info_entry(f: Any) -> common_pb2.FileEntry:
     return common_pb2.FileEntry(
         name=f.name,

@@ -15,6 +15,7 @@ from tierckpt.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 @dataclass
 class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
     """Accepts everything and keeps no copies. `holdings` are its Holdings answers by id;
+    `served` the bytes its FetchFile answers by file name (whatever they are);
     `published` records what it was published; `marks` is what its ListManifests answers
     carry (`stated`: only in an answer for one namespace, the call a node confirms a
     relayed mark with); `asked` counts its ListManifests calls by namespace."""
@@ -24,6 +25,7 @@ class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
     marks: list[peer_pb2.CheckpointMark] = field(default_factory=list)
     stated: list[peer_pb2.CheckpointMark] = field(default_factory=list)
     asked: dict[str, int] = field(default_factory=dict)
+    served: dict[str, bytes] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def Holdings(self, request: common_pb2.CheckpointRef, context: Any) -> Any:
@@ -53,7 +55,15 @@ class FakePeer(peer_pb2_grpc.PeerServiceServicer):  # type: ignore[misc]
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this fake keeps no copies")
 
     def FetchFile(self, request: Any, context: Any) -> Any:
-        context.abort(grpc.StatusCode.NOT_FOUND, "this fake keeps no copies")
+        data = self.served.get(request.file_name)
+        entry = next(
+            (e for held in self.holdings.values() for e in held if e.name == request.file_name),
+            None,
+        )
+        if data is None or entry is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "this fake keeps no copies")
+        yield peer_pb2.FileChunk(header=peer_pb2.FileHeader(ref=request.ref, file=entry))
+        yield peer_pb2.FileChunk(offset=0, data=data)
 
     def times_asked(self, namespace: str = "") -> int:
         with self.lock:

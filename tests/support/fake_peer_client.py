@@ -69,6 +69,11 @@ class FakePeers(PeerClient):
         self._up(node, "FetchFile")
         yield 0, memoryview(self.held[node][name])
 
+    def offer(self, node: str, namespace: str, checkpoint_id: str, f: FileRecord) -> bool:
+        """These peers take no offers (as an older node): the pusher pushes."""
+        self._up(node, "OfferFile")
+        return False
+
     def push(
         self,
         node: str,

@@ -202,6 +202,8 @@ Global___PublishCheckpointResponse: _TypeAlias = PublishCheckpointResponse  # no
 
 @_typing.final
 class FileHeader(_message.Message):
+    """also OfferFile's request"""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     REF_FIELD_NUMBER: _builtins.int

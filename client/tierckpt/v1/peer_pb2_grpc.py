@@ -50,6 +50,11 @@ class PeerServiceStub:
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.FileChunk.SerializeToString,
                 response_deserializer=tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.FromString,
                 _registered_method=True)
+        self.OfferFile = channel.unary_unary(
+                '/tierckpt.v1.PeerService/OfferFile',
+                request_serializer=tierckpt_dot_v1_dot_peer__pb2.FileHeader.SerializeToString,
+                response_deserializer=tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.FromString,
+                _registered_method=True)
         self.FetchFile = channel.unary_stream(
                 '/tierckpt.v1.PeerService/FetchFile',
                 request_serializer=tierckpt_dot_v1_dot_peer__pb2.FetchFileRequest.SerializeToString,
@@ -109,6 +114,17 @@ class PeerServiceServicer:
     def PushFile(self, request_iterator, context):
         """Stores a copy of one file: the first message carries the header, every message
         after it one chunk of at most one checksum block, verified on arrival.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OfferFile(self, request, context):
+        """Asks this node to take a copy of one file from the caller, which holds it: this node
+        fetches it over the caller's bulk stream (GrantFetch back to the caller, then the
+        transfer, verified as it lands) and answers once the copy is installed. The same
+        authorization as PushFile; a push without per-chunk RPC messages. UNIMPLEMENTED on an
+        older node: the caller uses PushFile.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +208,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'PushFile': grpc.stream_unary_rpc_method_handler(
                     servicer.PushFile,
                     request_deserializer=tierckpt_dot_v1_dot_peer__pb2.FileChunk.FromString,
+                    response_serializer=tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.SerializeToString,
+            ),
+            'OfferFile': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferFile,
+                    request_deserializer=tierckpt_dot_v1_dot_peer__pb2.FileHeader.FromString,
                     response_serializer=tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.SerializeToString,
             ),
             'FetchFile': grpc.unary_stream_rpc_method_handler(
@@ -310,6 +331,33 @@ class PeerService:
             target,
             '/tierckpt.v1.PeerService/PushFile',
             tierckpt_dot_v1_dot_peer__pb2.FileChunk.SerializeToString,
+            tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierckpt.v1.PeerService/OfferFile',
+            tierckpt_dot_v1_dot_peer__pb2.FileHeader.SerializeToString,
             tierckpt_dot_v1_dot_peer__pb2.PushFileResponse.FromString,
             options,
             channel_credentials,

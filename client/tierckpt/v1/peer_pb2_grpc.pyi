@@ -46,6 +46,13 @@ class PeerServiceStub:
     """Stores a copy of one file: the first message carries the header, every message
     after it one chunk of at most one checksum block, verified on arrival.
     """
+    OfferFile: _grpc.UnaryUnaryMultiCallable[_peer_pb2.FileHeader, _peer_pb2.PushFileResponse]
+    """Asks this node to take a copy of one file from the caller, which holds it: this node
+    fetches it over the caller's bulk stream (GrantFetch back to the caller, then the
+    transfer, verified as it lands) and answers once the copy is installed. The same
+    authorization as PushFile; a push without per-chunk RPC messages. UNIMPLEMENTED on an
+    older node: the caller uses PushFile.
+    """
     FetchFile: _grpc.UnaryStreamMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.FileChunk]
     """Streams a byte range of a file this node holds, verified before it is sent: the
     header first, then chunks of up to 4 checksum blocks at increasing offsets.
@@ -93,6 +100,13 @@ class PeerServiceAsyncStub(PeerServiceStub):
     PushFile: _aio.StreamUnaryMultiCallable[_peer_pb2.FileChunk, _peer_pb2.PushFileResponse]  # type: ignore[assignment]
     """Stores a copy of one file: the first message carries the header, every message
     after it one chunk of at most one checksum block, verified on arrival.
+    """
+    OfferFile: _aio.UnaryUnaryMultiCallable[_peer_pb2.FileHeader, _peer_pb2.PushFileResponse]  # type: ignore[assignment]
+    """Asks this node to take a copy of one file from the caller, which holds it: this node
+    fetches it over the caller's bulk stream (GrantFetch back to the caller, then the
+    transfer, verified as it lands) and answers once the copy is installed. The same
+    authorization as PushFile; a push without per-chunk RPC messages. UNIMPLEMENTED on an
+    older node: the caller uses PushFile.
     """
     FetchFile: _aio.UnaryStreamMultiCallable[_peer_pb2.FetchFileRequest, _peer_pb2.FileChunk]  # type: ignore[assignment]
     """Streams a byte range of a file this node holds, verified before it is sent: the
@@ -156,6 +170,19 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_peer_pb2.PushFileResponse, _abc.Awaitable[_peer_pb2.PushFileResponse]]:
         """Stores a copy of one file: the first message carries the header, every message
         after it one chunk of at most one checksum block, verified on arrival.
+        """
+
+    @_abc_1.abstractmethod
+    def OfferFile(
+        self,
+        request: _peer_pb2.FileHeader,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PushFileResponse, _abc.Awaitable[_peer_pb2.PushFileResponse]]:
+        """Asks this node to take a copy of one file from the caller, which holds it: this node
+        fetches it over the caller's bulk stream (GrantFetch back to the caller, then the
+        transfer, verified as it lands) and answers once the copy is installed. The same
+        authorization as PushFile; a push without per-chunk RPC messages. UNIMPLEMENTED on an
+        older node: the caller uses PushFile.
         """
 
     @_abc_1.abstractmethod

@@ -62,6 +62,8 @@ POINTS: Mapping[str, str] = MappingProxyType(
         "peer.apply_mark": "PeerClient.apply_mark, telling one peer of a cluster rm/pin",
         "peer.push.chunk": "PeerClient.push, each chunk of a replica sent",
         "peer.receive.chunk": "PushFile handler, each chunk of a replica received",
+        "peer.offer": "Pusher, before a replica is offered to a peer (OfferFile)",
+        "peer.receive.offered": "OfferFile handler, each piece of an offered replica landed",
         "peer.fetch.chunk": "PeerClient.fetch, each chunk of a file fetched",
         "peer.serve.chunk": "PeerService.FetchFile, each chunk of a file served",
         "peer.grant": "PeerClient.grant, asking a peer for a bulk transfer",

@@ -149,6 +149,7 @@ class PeerStub:
         self.Hello = generated.Hello
         self.GrantFetch = generated.GrantFetch
         self.ReportCorrupt = generated.ReportCorrupt
+        self.OfferFile = generated.OfferFile
         self.FetchFile: grpc.UnaryStreamMultiCallable[peer_pb2.FetchFileRequest, Chunk] = (
             channel.unary_stream(
                 f"/{_SERVICE}/FetchFile",
@@ -276,6 +277,7 @@ def register_peer_service(servicer: Any, server: Any) -> None:
         "Hello": (peer_pb2.HelloRequest, peer_pb2.HelloResponse),
         "GrantFetch": (peer_pb2.FetchFileRequest, peer_pb2.BulkGrant),
         "ReportCorrupt": (peer_pb2.ReportCorruptRequest, peer_pb2.ReportCorruptResponse),
+        "OfferFile": (peer_pb2.FileHeader, peer_pb2.PushFileResponse),
     }
     # Request-streaming handlers (the wire is the same for a unary request): gRPC then
     # reads nothing before the servicer's guard runs, and deserializes nothing at all.

@@ -712,6 +712,22 @@ class PeerClient:
             watch.stop()
             call.cancel()  # a no-op when it completed; frees the peer when we stop early
 
+    def offer(self, node: str, namespace: str, checkpoint_id: str, f: FileRecord) -> bool:
+        """OfferFile: ask `node` to take a copy of `f` from this node (it fetches it over
+        this node's bulk stream and verifies it as it lands); False when `node` does not
+        take offers (UNIMPLEMENTED: an older node), so the caller pushes over PushFile."""
+        stub = self._stub(node, "OfferFile")
+        header = peer_pb2.FileHeader(ref=ref(namespace, checkpoint_id), file=file_entry(f))
+        try:
+            stub.OfferFile(header, timeout=TRANSFER_TIMEOUT)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                metrics.peer_answered(node)
+                return False
+            raise _error(node, "OfferFile", e) from None
+        metrics.peer_answered(node)
+        return True
+
     def push(
         self,
         node: str,

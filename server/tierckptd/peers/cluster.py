@@ -21,7 +21,9 @@ retention's deletions are local to a node, which refuses publishes of what it de
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -48,6 +50,7 @@ from tierckptd.jobs import (
 from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
+from tierckptd.ops.faults import fault
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
@@ -56,6 +59,8 @@ from tierckptd.peers.membership import ChannelFactory, Membership
 from tierckptd.peers.operations import ClusterOps, Delivery, TrustStorer, Unstorer
 from tierckptd.peers.recheck import Rechecker
 from tierckptd.peers.serve import Served, Serving
+from tierckptd.peers.source import PeerSource
+from tierckptd.restore import BUSY_PATIENCE, BUSY_PAUSE, SourceBusy
 
 __all__ = ["Cluster", "LocalRestore"]
 
@@ -423,6 +428,36 @@ class Cluster:
             what = f"{namespace}/{checkpoint_id}/{name}"
             held = install_copy(self.catalog, namespace, checkpoint_id, f, pieces, what=what)
             return f.size if held is not None else 0
+
+    def take_offer(
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        checksums: BlockChecksums | None = None,
+    ) -> int:
+        """Take the copy `node` offers (OfferFile): fetch it from `node` as a restore
+        fetches (its bulk stream when it grants one, else FetchFile) into `receive`,
+        verified block by block as it lands; returns bytes taken (0: already held).
+        While `node` answers busy (its bulk sends all taken: restores, other offers),
+        asked again for up to BUSY_PATIENCE seconds, as a restore does."""
+        f = self.catalog.file_view(namespace, checkpoint_id, name)[0]
+        source = PeerSource(self.client, node)
+
+        def pieces() -> Iterable[tuple[int, BytesLike]]:
+            for piece in source.chunks(namespace, checkpoint_id, f):
+                fault("peer.receive.offered")
+                yield piece
+
+        give_up = time.monotonic() + BUSY_PATIENCE
+        while True:
+            try:
+                return self.receive(namespace, checkpoint_id, name, pieces(), checksums)
+            except SourceBusy:
+                if time.monotonic() >= give_up:
+                    raise
+                time.sleep(random.uniform(*BUSY_PAUSE))
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
         """A peer's Holdings: the checkpoint's state here (DURABLE once it is: a healer

@@ -1,5 +1,12 @@
 """Pushing one copy of a file to a peer, for the healer.
 
+A copy goes as an *offer* (OfferFile): the target fetches the file from this node the way
+a restore does, over this node's bulk stream (`sendfile` from the memory tier here, one
+receive copy there, every block verified as it lands), so replication moves no byte
+through per-chunk RPC messages. A target that takes no offers (an older node,
+UNIMPLEMENTED) is pushed to over PushFile, chunk by chunk, for `REFUSAL_BACKOFF` seconds
+before it is offered to again. Either way nothing starts while a save writes here.
+
 What can go wrong on the way is ordinary and handled here, quietly where it is nobody's
 fault:
 
@@ -34,6 +41,7 @@ from tierckptd.jobs import StepAside
 from tierckptd.memory.tier import UnsafePath
 from tierckptd.model import CheckpointView, FileRecord, Key
 from tierckptd.ops import logs, metrics
+from tierckptd.ops.faults import fault
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.placement import coordinator_of
 from tierckptd.peers.serve import MESSAGE_BYTES
@@ -79,6 +87,7 @@ class Pusher:
         self._clock = clock
         self._lock = threading.Lock()
         self._refused: dict[tuple[Key, str], float] = {}
+        self._no_offers: dict[str, float] = {}  # peer -> until: it answered UNIMPLEMENTED
 
     def refusing(self, key: Key, node: str) -> bool:
         """Whether `node` refused a copy of checkpoint `key` less than REFUSAL_BACKOFF ago."""
@@ -146,7 +155,8 @@ class Pusher:
             while True:
                 unread: list[OSError] = []
                 try:
-                    self.client.push(node, *key, f, self._read(fd, f, unread))
+                    if not self._offered(node, key, f):
+                        self.client.push(node, *key, f, self._read(fd, f, unread))
                     break
                 except PeerCallError as e:
                     if _unpublished(e) and not published and not unread:
@@ -168,6 +178,21 @@ class Pusher:
             extra=logs.context(*key, f.rank),
         )
         return True
+
+    def _offered(self, node: str, key: Key, f: FileRecord) -> bool:
+        """Hand `node` the copy as an offer (it fetches the file over this node's bulk
+        stream: `sendfile` here, no per-chunk RPC messages), once no save writes here;
+        False when `node` takes no offers (an older node): then it is pushed."""
+        with self._lock:
+            if self._no_offers.get(node, 0.0) > self._clock():
+                return False
+        StepAside(self.catalog.saving, stop=self._stop).wait()
+        fault("peer.offer")
+        if self.client.offer(node, *key, f):
+            return True
+        with self._lock:
+            self._no_offers[node] = self._clock() + REFUSAL_BACKOFF
+        return False
 
     def _failed(
         self,

@@ -16,7 +16,9 @@ caller that is no configured peer is refused every call (PERMISSION_DENIED). The
 - PublishCheckpoint: only by the checkpoint's coordinator (the owner of its `.metadata`,
   `placement.coordinator_of`). A publish by another member is taken as a hint: the
   manifest adopted is the one the coordinator itself answers with.
-- PushFile: only by the file's owner or a listed holder of a copy.
+- PushFile, OfferFile: only by the file's owner or a listed holder of a copy. An offer
+  is taken by fetching the copy from the caller (its bulk stream, granted by the
+  caller like any fetch) and verifying it as it lands: no byte is taken on its word.
 - UpdateReplicas: by the file's owner or a listed holder, naming configured members
   only; any other member may only add itself (it fetched a copy).
 - ApplyMark (a cluster rm, pin or unpin): any member, for a mark it made itself (its
@@ -325,6 +327,29 @@ class PeerService:
         for f in files:
             f.replica_nodes = [n for n in f.replica_nodes if n in members]
 
+    def _copy_to_take(
+        self, caller: str, header: peer_pb2.FileHeader, method: str
+    ) -> tuple[str, str, FileRecord]:
+        """A copy `caller` may hand this node (PushFile, OfferFile): of a checkpoint this
+        node knows (else "publish it first"), of a file whose owner or listed holder
+        `caller` is. Returns (namespace, checkpoint id, the file as the header says)."""
+        namespace, checkpoint_id = check_ref(header.ref)
+        entry = file_from_entry(header.file)
+        what = f"{namespace}/{checkpoint_id}/{entry.name}"
+        if self.cluster.state_of(namespace, checkpoint_id) is None:
+            raise CheckpointIncomplete(
+                f"node {self.cluster.node_id} does not know {namespace}/{checkpoint_id}: "
+                "publish it first"
+            )
+        f = self._file(namespace, checkpoint_id, entry.name)
+        if caller != f.owner_node and caller not in f.replica_nodes:
+            raise PermissionDenied(
+                f"node {caller} may not {'offer' if method == 'OfferFile' else 'push'} "
+                f"{what}: only its owner ({f.owner_node or 'none'}) or a node holding a "
+                "copy may"
+            )
+        return namespace, checkpoint_id, entry
+
     def PushFile(
         self, request_iterator: Iterator[Chunk], context: Any
     ) -> peer_pb2.PushFileResponse:
@@ -333,20 +358,7 @@ class PeerService:
             first = next(request_iterator, None)
             if first is None or first.header is None:
                 raise InvalidArgument("PushFile: the first message must carry the header")
-            namespace, checkpoint_id = check_ref(first.header.ref)
-            entry = file_from_entry(first.header.file)
-            what = f"{namespace}/{checkpoint_id}/{entry.name}"
-            if self.cluster.state_of(namespace, checkpoint_id) is None:
-                raise CheckpointIncomplete(
-                    f"node {self.cluster.node_id} does not know {namespace}/{checkpoint_id}: "
-                    "publish it first"
-                )
-            f = self._file(namespace, checkpoint_id, entry.name)
-            if caller != f.owner_node and caller not in f.replica_nodes:
-                raise PermissionDenied(
-                    f"node {caller} may not push {what}: only its owner "
-                    f"({f.owner_node or 'none'}) or a node holding a copy may"
-                )
+            namespace, checkpoint_id, entry = self._copy_to_take(caller, first.header, "PushFile")
             pieces = ((c.offset, c.data) for c in request_iterator if c.data)
             received = self.cluster.receive(
                 namespace, checkpoint_id, entry.name, pieces, entry.checksums
@@ -354,6 +366,17 @@ class PeerService:
             return peer_pb2.PushFileResponse(received_bytes=received)
 
         return self.errors.call(context, "PushFile", push)
+
+    def OfferFile(self, request: peer_pb2.FileHeader, context: Any) -> peer_pb2.PushFileResponse:
+        def offer() -> peer_pb2.PushFileResponse:
+            caller = self.caller(context)
+            namespace, checkpoint_id, entry = self._copy_to_take(caller, request, "OfferFile")
+            received = self.cluster.take_offer(
+                caller, namespace, checkpoint_id, entry.name, entry.checksums
+            )
+            return peer_pb2.PushFileResponse(received_bytes=received)
+
+        return self.errors.call(context, "OfferFile", offer)
 
     def FetchFile(
         self, request: peer_pb2.FetchFileRequest, context: Any
