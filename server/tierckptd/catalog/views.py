@@ -16,7 +16,7 @@ from typing import NamedTuple
 from tierckpt.errors import CHECKPOINT_LOST_PREFIX, CheckpointLost
 from tierckpt.freshness import Freshness, newest_by_tier
 
-from tierckptd.model import CheckpointRecord, CheckpointView, State
+from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 
 __all__ = [
     "LOST",
@@ -108,12 +108,22 @@ def view_of(
     committed = rec.state is State.COMMITTED
     durable = committed and durable
     state = rec.state
+
+    def copies(f: FileRecord) -> int:
+        """The copies its record names, this node only when it holds one: what this
+        node knows of its own disk beats any replica list (one adopted from a peer, or
+        merged from gossip, may name it for a copy it lost when it came back empty)."""
+        named = {f.owner_node, *f.replica_nodes} - {""}
+        if not f.held:
+            named.discard(node_id)
+        return len(named)
+
     if (
         committed
         and replica_target > 0
         and not label
         and files
-        and all(len(set(f.replica_nodes) - {f.owner_node}) >= replica_target for f in files)
+        and all(copies(f) >= replica_target + 1 for f in files)
     ):
         state = State.REPLICATED
     lost_files: tuple[str, ...] = ()

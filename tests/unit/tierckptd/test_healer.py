@@ -588,7 +588,8 @@ def test_a_list_naming_a_holder_that_may_not_hold_it_is_doubted(catalog: Catalog
     f.held = False
     rec.files[f.name] = f
     assert catalog.publish(rec)
-    assert catalog.get("run", "s4").state is State.REPLICATED  # on names alone
+    # This node knows it lacks the copy: never REPLICATED on its own name (views.copies).
+    assert catalog.get("run", "s4").state is State.COMMITTED
     assert cluster.healer.doubt("run", "s4")
     assert catalog.get("run", "s4").state is State.COMMITTED
     # A late replica list naming the restarted peer c: doubted as it arrives.

@@ -49,6 +49,20 @@ def test_replicated_needs_k_copies_of_every_file_and_no_mark() -> None:
     assert marked.tiers == ("memory", "peer", "under-replicated")
 
 
+def test_a_list_naming_this_node_for_a_copy_it_lacks_is_not_replicated() -> None:
+    """A replica list adopted or merged from a peer may name this node for a copy it
+    lost when it came back empty (the network chaos run of stop 34): this node knows
+    its own disk, so it never lists REPLICATED on its own missing copy."""
+    owner_lacks = _rec(_file("a", "a", ["b"]), _file("m", "a", ["b"], held=False))
+    assert view_of(owner_lacks, node_id="a", replica_target=1).state is State.COMMITTED
+    assert view_of(owner_lacks, node_id="c", replica_target=1).state is State.REPLICATED
+    replica_here = _rec(_file("a", "a", ["b"], held=False))
+    assert view_of(replica_here, node_id="b", replica_target=1).state is State.COMMITTED
+    assert view_of(replica_here, node_id="c", replica_target=1).state is State.REPLICATED
+    held = _rec(_file("a", "a", ["b"], held=True))
+    assert view_of(held, node_id="b", replica_target=1).state is State.REPLICATED
+
+
 def test_durable_wins_and_lists_persistent() -> None:
     rec = _rec(_file("a", "a", ["b"]))
     view = view_of(rec, node_id="a", replica_target=1, durable=True, drain_failed=True)
