@@ -57,6 +57,14 @@ ANNOUNCE_RETRY_CAP = 30.0
 # about log2(N) rounds, at 2 RPCs per node per round whatever N is.
 GOSSIP_FANOUT = 2
 _DECLINED_MAX = 4096
+# A gossiped manifest declined because its coordinator did not know it is asked about
+# again after this long: the coordinator may have been restarting empty (it re-adopts
+# its checkpoints from its peers moments later), not denying it.
+DECLINE_FOR = 120.0
+# At start, a manifest a peer relays whose coordinator did not confirm it (the
+# coordinator may be starting at the same time: a rack that comes back together) is
+# asked about again after these pauses, before gossip's rounds take over.
+CONFIRM_RETRIES = (1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def claims(
@@ -173,7 +181,8 @@ class Committer:
         self._merged = merged  # a known record merged with a peer's: (key, names before)
         self._members = members
         self._k = replica_target
-        self._declined: set[Key] = set()  # gossiped manifests this node refused
+        # gossiped manifests this node refused -> until when (monotonic)
+        self._declined: dict[Key, float] = {}
 
     def interested(self, view: CheckpointView) -> list[str]:
         """The peers a commit of `view` publishes to (see the module docstring)."""
@@ -325,10 +334,12 @@ class Committer:
         bound = self.catalog.writers.bound_namespaces()  # before any peer is heard
         pulled = self.client.each(self.client.list_manifests, on_error=unanswered, parallel=True)
         stated = self._bind_namespaces(pulled, bound)
+        unconfirmed: dict[Key, CheckpointRecord] = {}
         for node, got in pulled.items():
             refused = list(got.refused)
             for rec in got.records:
                 if not self._confirmed(node, rec, pulled, stated.get(rec.namespace, {})):
+                    unconfirmed.setdefault(rec.key, rec)
                     refused.append(
                         f"{rec.namespace}/{rec.checkpoint_id}: relayed by {node}, coordinated "
                         f"by {coordinator_of(rec.files) or 'no node'}, which did not confirm it"
@@ -350,6 +361,17 @@ class Committer:
             )
             for rec in adopted:
                 self._heal(rec.namespace, rec.checkpoint_id)
+        later = {
+            key: rec
+            for key, rec in unconfirmed.items()
+            if key not in known
+            and coordinator_of(rec.files) in self.client.peer_ids
+            and coordinator_of(rec.files) != self.node_id
+        }
+        if later:
+            threading.Thread(
+                target=self._confirm_later, args=(later,), name="tierckptd-confirm", daemon=True
+            ).start()
         plan: list[tuple[int, str | None]] = []
         if self.catalog.recycle:
             plan += restore_plan(self.node_id, adopted)
@@ -364,6 +386,42 @@ class Committer:
                 target=prewarm_then_announce, name="tierckptd-restore-prewarm", daemon=True
             ).start()
         return len(adopted)
+
+    def _confirm_later(
+        self, pending: dict[Key, CheckpointRecord], pauses: Sequence[float] = CONFIRM_RETRIES
+    ) -> int:
+        """Manifests refused at start because their coordinator did not confirm them: the
+        coordinator is asked again after each pause (it may have been starting empty
+        too, re-adopting its checkpoints from its peers) and what it confirms, as its
+        own manifest says it, is adopted and healed. Returns how many were."""
+        adopted = 0
+        for pause in pauses:
+            if not pending:
+                break
+            time.sleep(pause)
+            known = set(self.catalog.committed_keys())
+            for key, rec in list(pending.items()):
+                if key in known:
+                    del pending[key]
+                    continue
+                coordinator = coordinator_of(rec.files)
+                try:
+                    confirmed = self._manifest_or_none(coordinator, *key)
+                except PeerCallError:
+                    continue  # not answering yet
+                if confirmed is None or coordinator_of(confirmed.files) != coordinator:
+                    continue  # not (yet) known there
+                del pending[key]
+                try:
+                    if not self.catalog.publish(confirmed):
+                        continue
+                except TierckptError as e:
+                    logger.info("confirmed manifest of %s/%s not adopted: %s", *key, e)
+                    continue
+                adopted += 1
+                logger.info("adopted %s/%s as its coordinator %s confirmed it", *key, coordinator)
+                self._heal(*key)
+        return adopted
 
     def _bind_namespaces(
         self, pulled: dict[str, Manifests], bound: set[str]
@@ -568,7 +626,7 @@ class Committer:
         )
         for node, manifests in got.items():
             for rec in manifests.records:
-                if rec.key in self._declined:
+                if self._declined.get(rec.key, 0.0) > time.monotonic():
                     continue
                 if rec.key in known:
                     if coordinator_of(rec.files) == node:  # its replica lists, merged
@@ -605,7 +663,9 @@ class Committer:
                 if coordinator == self.node_id or coordinator not in self.client.peer_ids:
                     return self._decline(rec.key)
                 confirmed = self._manifest_or_none(coordinator, *rec.key)
-                if confirmed is None or coordinator_of(confirmed.files) != coordinator:
+                if confirmed is None:
+                    return self._decline(rec.key, DECLINE_FOR)  # or it restarts empty
+                if coordinator_of(confirmed.files) != coordinator:
                     return self._decline(rec.key)
                 rec = confirmed
             if not self.catalog.publish(rec):
@@ -621,8 +681,8 @@ class Committer:
         self._heal(rec.namespace, rec.checkpoint_id)
         return True
 
-    def _decline(self, key: Key) -> bool:
+    def _decline(self, key: Key, seconds: float = float("inf")) -> bool:
         if len(self._declined) >= _DECLINED_MAX:
             self._declined.clear()
-        self._declined.add(key)
+        self._declined[key] = time.monotonic() + seconds
         return False

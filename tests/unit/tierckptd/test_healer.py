@@ -647,3 +647,50 @@ def test_a_confirmed_checkpoint_is_not_doubted_again_for_the_same_restart(
     assert cluster.healer.label("run", "s1") == ""
     assert not cluster.healer.doubt("run", "s1")  # the same restart: no flapping label
     assert cluster.healer.doubt("run", "s1", fresh=True)  # a list arriving now is doubted
+
+
+class _Relaying(FakePeers):
+    """Peers whose ListManifests answers are `answers[node]` (records it lists)."""
+
+    def __init__(self, me: str, peers: dict[str, str]) -> None:
+        super().__init__(me, peers)
+        self.answers: dict[str, list[CheckpointRecord]] = {n: [] for n in peers}
+
+    def list_manifests(
+        self, node: str, namespace: str = "", *, wait_for_ready: bool = True, starting: bool = False
+    ) -> Manifests:
+        self._up(node, "ListManifests")
+        return Manifests([r for r in self.answers[node] if namespace in ("", r.namespace)], [])
+
+
+def test_a_manifest_its_restarting_coordinator_confirms_later_is_adopted_then(
+    catalog: Catalog,
+) -> None:
+    """Issue 28 (stop 34): a node that starts while the checkpoint's coordinator restarts
+    empty too hears the manifest relayed by a peer before the coordinator re-adopted it.
+    It asks the coordinator again (`CONFIRM_RETRIES`) and adopts what it confirms; gossip
+    declines such a manifest for `DECLINE_FOR` only, never for good (it was: the node then
+    never listed that checkpoint, and a load through it said "not found")."""
+    fake = _Relaying("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    rec = CheckpointRecord("run", "s7", State.COMMITTED, 1.0, "", 2.0, 9)
+    meta = _file(".metadata", "b")  # b coordinates it
+    meta.held = False
+    rec.files[meta.name] = meta
+    fake.answers["c"] = [rec]  # c relays it; b, restarting empty, does not know it yet
+    pending = {rec.key: rec}
+    assert cluster.committer._confirm_later(pending, pauses=(0.0,)) == 0
+    assert rec.key in pending
+    fake.answers["b"] = [rec]  # b re-adopted it
+    assert cluster.committer._confirm_later(pending, pauses=(0.0,)) == 1
+    assert not pending and catalog.get("run", "s7").state is State.COMMITTED
+    # Gossip: declined while b does not confirm, asked again after DECLINE_FOR.
+    rec8 = CheckpointRecord("run", "s8", State.COMMITTED, 1.0, "", 2.0, 10)
+    rec8.files[meta.name] = meta
+    fake.answers = {"b": [rec], "c": [rec, rec8]}
+    assert cluster.committer.gossip(fanout=2) == 0
+    fake.answers["b"] = [rec, rec8]
+    assert cluster.committer.gossip(fanout=2) == 0  # declined for now
+    cluster.committer._declined[rec8.key] -= commit.DECLINE_FOR
+    assert cluster.committer.gossip(fanout=2) == 1
+    assert catalog.get("run", "s8").checkpoint_id == "s8"
