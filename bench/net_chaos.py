@@ -133,6 +133,10 @@ class NetChaos(NetChaosCluster):
         self.converge_timeouts: Counter[str] = Counter()
         self.dishonest: set[str] = set()
         self.dishonest_detail: list[str] = []
+        # Listed REPLICATED on the names of holders that let their copies go because the
+        # checkpoint is DURABLE (its .metadata in S3 when checked): the written exception
+        # to promise 2, the seconds before the listing node learns it is durable.
+        self.lagging_durable: set[str] = set()
         self.honesty_checks = 0
 
     # ---- moments ----------------------------------------------------------------------
@@ -274,7 +278,7 @@ class NetChaos(NetChaosCluster):
         self.note(f"not converged: {behind[:6]}")
         return None
 
-    def _lacking(self) -> dict[tuple[int, str, str], str]:
+    def _lacking(self) -> dict[tuple[int, str, str], tuple[list[str], list[str]]]:
         """(node, checkpoint, file) of every listing that says REPLICATED (not DURABLE)
         for a file some listed holder lacks on disk: what it lacks."""
         names = {d.name: d for d in self.nodes}
@@ -291,7 +295,7 @@ class NetChaos(NetChaosCluster):
                         if h in names and (names[h].data_dir(NS, c) / f.name).is_file()
                     ]
                     if len(present) < COPIES + 1:
-                        out[(i, c, f.name)] = f"listed on {holders}, on disk on {present}"
+                        out[(i, c, f.name)] = (holders, present)
         return out
 
     def check_honesty(self, label: str) -> None:
@@ -302,9 +306,21 @@ class NetChaos(NetChaosCluster):
         time.sleep(1.5)  # an eviction or a trim in flight settles; a lie stays
         # A listing may name more holders than copies + 1 (a surplus copy trimmed since):
         # dishonest is fewer than copies + 1 copies on disk, not a stale extra name.
-        for key, why in self._lacking().items():
+        ls = self.listings()
+        names = {d.name: i for i, d in enumerate(self.nodes)}
+        for key, (holders, present) in self._lacking().items():
             if key in first:
                 node, checkpoint, name = key
+                why = f"listed on {holders}, on disk on {present}"
+                gone = [names[h] for h in holders if h not in present and h in names]
+                let_go = all(
+                    checkpoint in ls.get(h, {}) and durable(ls[h][checkpoint]) for h in gone
+                )
+                if let_go and self._in_s3(checkpoint):
+                    if checkpoint not in self.lagging_durable:
+                        self.note(f"n{node} lists durable {checkpoint} REPLICATED: {why}")
+                    self.lagging_durable.add(checkpoint)
+                    continue
                 self.dishonest.add(checkpoint)
                 self.dishonest_detail.append(
                     f"{label}: n{node} lists {checkpoint} REPLICATED; {name}: {why}"
@@ -416,6 +432,7 @@ class NetChaos(NetChaosCluster):
             "listed_dishonestly": sorted(self.dishonest),
             "dishonest_detail": self.dishonest_detail[-20:],
             "honesty_checks": self.honesty_checks,
+            "listed_replicated_after_durable": sorted(self.lagging_durable),
             "listed_committed_but_lost": sorted(self.gap),
             "listed_lost_unprotected": sorted(self.shown_lost),
             "partial_listed": sorted(self.partial),
