@@ -1,11 +1,13 @@
 """Peer-tier benchmark, with same-run baselines (the machine is shared: read ratios).
 
 1. Restore throughput from a peer (DaemonService.EnsureLocal of every data file on a
-   replacement node) next to raw grpcio streaming of the same number of bytes on loopback.
+   replacement node) next to raw grpcio streaming and raw TCP (`sendfile` ->
+   `recv_into` + `pwrite`, as bench_wire.py) of the same number of bytes on loopback.
 2. Replacement-node recovery: `dcp.load` on a node whose memory was wiped (files come
    from its buddy) next to `dcp.load` from the local memory tier, right after the
    replacement reports READY; and the seconds from READY until every file is back with
-   no reader asking (the replacement's start announce makes its buddy push them back).
+   no reader asking (the replacement's start announce makes its buddy offer them back:
+   the replacement fetches them over the buddy's bulk stream).
    Each is the best of `--repeat` fresh replacements.
 3. `dcp.save` with replication on (2 nodes, copies = 1) and off (1 node): saves back to
    back (each next save while the previous one's copies are pushed: the buddy's receiver
@@ -39,6 +41,7 @@ from _harness import (  # noqa: E402
     free_ports,
     make_daemon,
 )
+from bench_wire import raw_tcp  # noqa: E402
 from tierckpt import TieredStorageReader, TieredStorageWriter  # noqa: E402
 from tierckpt.daemon_client import DaemonClient  # noqa: E402
 
@@ -125,6 +128,10 @@ def main() -> None:
     state = make_state(nbytes)
     table = Table("peer tier, 1 rank", nbytes)
     table.add("raw grpcio stream on loopback (1 MiB messages)", raw_grpc_stream(nbytes))
+    table.add(
+        "raw TCP on loopback (sendfile -> recv_into + pwrite)",
+        raw_tcp(nbytes, args.repeat)["seconds"],
+    )
 
     counter = iter(range(1_000_000))
 
@@ -264,6 +271,16 @@ def main() -> None:
                     "files pushed back after READY vs raw grpcio stream",
                     "replacement node: every file pushed back after READY",
                     "raw grpcio stream on loopback (1 MiB messages)",
+                ),
+                (
+                    "files pushed back after READY vs raw TCP",
+                    "replacement node: every file pushed back after READY",
+                    "raw TCP on loopback (sendfile -> recv_into + pwrite)",
+                ),
+                (
+                    "peer restore right after READY vs raw TCP",
+                    "peer restore, right after READY",
+                    "raw TCP on loopback (sendfile -> recv_into + pwrite)",
                 ),
                 (
                     "peer restore right after READY vs raw grpcio stream",
