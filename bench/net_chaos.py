@@ -85,6 +85,11 @@ MOMENTS = ("save", "commit", "replication", "drain", "heal", "random")
 COPIES = 1
 HEAL_INTERVAL = 1.0  # [replication] heal_interval of every node (ChaosCluster.node_config)
 MOMENT_TIMEOUT = 10.0
+# How often the coordinator's listing is read while a moment is awaited, and every node's
+# after a heal: each read is a listing RPC the 2-core machine's daemons serve. At 20 ms and
+# 100 ms the runner took half a core and the daemons a third of one each (stop 34).
+MOMENT_POLL = 0.05
+CONVERGE_POLL = 0.25
 # Where an injection's seconds go (reported: what bounds the injections per hour).
 PHASES = ("moment", "fault", "convergence", "checks")
 SLOW = TbfShape(rate=2_000_000)  # 16 Mbit/s: a 1 MiB message well within the fetch stall
@@ -150,15 +155,15 @@ class NetChaos(NetChaosCluster):
         return len(self._outcomes()) if self.job is not None else 0
 
     def _wait_new(self, test: Any) -> bool:
-        """Poll the coordinator every 20 ms until `test(info)` holds for a checkpoint it
-        did not list at the start; False after MOMENT_TIMEOUT."""
+        """Poll the coordinator every MOMENT_POLL seconds until `test(info)` holds for a
+        checkpoint it did not list at the start; False after MOMENT_TIMEOUT."""
         seen = set(self._coordinator_rows())
         deadline = time.monotonic() + MOMENT_TIMEOUT
         while time.monotonic() < deadline:
             rows = self._coordinator_rows()
             if any(test(info) for c, info in rows.items() if c not in seen):
                 return True
-            time.sleep(0.02)
+            time.sleep(MOMENT_POLL)
         self.keep_job_alive()
         return False
 
@@ -274,7 +279,7 @@ class NetChaos(NetChaosCluster):
             ]
             if not behind:
                 return time.monotonic() - started
-            time.sleep(0.1)
+            time.sleep(CONVERGE_POLL)
         self.note(f"not converged: {behind[:6]}")
         return None
 
