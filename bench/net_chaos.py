@@ -138,10 +138,12 @@ class NetChaos(NetChaosCluster):
         self.converge_timeouts: Counter[str] = Counter()
         self.dishonest: set[str] = set()
         self.dishonest_detail: list[str] = []
-        # Listed REPLICATED on the names of holders that let their copies go because the
-        # checkpoint is DURABLE (its .metadata in S3 when checked): the written exception
-        # to promise 2, the seconds before the listing node learns it is durable.
-        self.lagging_durable: set[str] = set()
+        # Listed REPLICATED on the names of holders whose retention let their copies go:
+        # the checkpoint is DURABLE (they list it so, its .metadata in S3 when checked) or
+        # retired by both retention windows (gone from the holders' listings, outside
+        # `persistent_keep_last`). The written exception to promise 2: the seconds until
+        # the listing node learns it (docs/reliability.md).
+        self.lagging_retention: set[str] = set()
         self.honesty_checks = 0
 
     # ---- moments ----------------------------------------------------------------------
@@ -318,13 +320,16 @@ class NetChaos(NetChaosCluster):
                 node, checkpoint, name = key
                 why = f"listed on {holders}, on disk on {present}"
                 gone = [names[h] for h in holders if h not in present and h in names]
-                let_go = all(
+                durable_there = all(
                     checkpoint in ls.get(h, {}) and durable(ls[h][checkpoint]) for h in gone
                 )
-                if let_go and self._in_s3(checkpoint):
-                    if checkpoint not in self.lagging_durable:
-                        self.note(f"n{node} lists durable {checkpoint} REPLICATED: {why}")
-                    self.lagging_durable.add(checkpoint)
+                retired_there = all(checkpoint not in ls.get(h, {}) for h in gone)
+                if (durable_there and self._in_s3(checkpoint)) or (
+                    retired_there and self.retired_by_policy(checkpoint)
+                ):
+                    if checkpoint not in self.lagging_retention:
+                        self.note(f"n{node} lists {checkpoint} REPLICATED after retention: {why}")
+                    self.lagging_retention.add(checkpoint)
                     continue
                 self.dishonest.add(checkpoint)
                 self.dishonest_detail.append(
@@ -437,7 +442,7 @@ class NetChaos(NetChaosCluster):
             "listed_dishonestly": sorted(self.dishonest),
             "dishonest_detail": self.dishonest_detail[-20:],
             "honesty_checks": self.honesty_checks,
-            "listed_replicated_after_durable": sorted(self.lagging_durable),
+            "listed_replicated_after_retention": sorted(self.lagging_retention),
             "listed_committed_but_lost": sorted(self.gap),
             "listed_lost_unprotected": sorted(self.shown_lost),
             "partial_listed": sorted(self.partial),
