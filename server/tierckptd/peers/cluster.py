@@ -30,11 +30,12 @@ from typing import Protocol
 
 import grpc
 from tierckpt.checksum import BlockChecksums, BytesLike
-from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError
+from tierckpt.errors import CheckpointNotFound, InvalidArgument, TierckptError, TierUnavailable
 from tierckpt.trust import Trust as TrustState
 
 from tierckptd.catalog import Catalog, Resolution
 from tierckptd.config import PeerConfig
+from tierckptd.errors import SourceUnavailable
 from tierckptd.jobs import (
     BACKGROUND,
     NORMAL,
@@ -454,10 +455,16 @@ class Cluster:
         while True:
             try:
                 return self.receive(namespace, checkpoint_id, name, pieces(), checksums)
-            except SourceBusy:
-                if time.monotonic() >= give_up:
-                    raise
-                time.sleep(random.uniform(*BUSY_PAUSE))
+            except SourceUnavailable as e:
+                if isinstance(e, SourceBusy) and time.monotonic() < give_up:
+                    time.sleep(random.uniform(*BUSY_PAUSE))
+                    continue
+                # The offerer could not be fetched from (cut, frozen, busy too long): an
+                # answer it can act on (UNAVAILABLE), never an internal error.
+                raise TierUnavailable(
+                    f"node {self.node_id} could not fetch the copy of "
+                    f"{namespace}/{checkpoint_id}/{name} it was offered: {e}"
+                ) from None
 
     def holdings(self, namespace: str, checkpoint_id: str) -> tuple[State | None, list[FileRecord]]:
         """A peer's Holdings: the checkpoint's state here (DURABLE once it is: a healer

@@ -421,6 +421,7 @@ class Healer:
                 return None
             view = dataclasses.replace(view, files=files)
             asked = [n for n in asked if n in near]
+        asked_at = self._clock()  # a restart announced after this, the answers predate
         holdings: dict[str, Holdings] = {
             me: Holdings(True, frozenset(f.name for f in view.files if f.held))
         }
@@ -477,12 +478,29 @@ class Healer:
                     confirmed,
                     expected=files_by_name[name].replica_nodes,
                 )
+        plan = self._unless_restarted_meanwhile(view, plan, asked_at)
         self._record(namespace, checkpoint_id, plan, k)
         unreached = tuple(n for n in asked if n not in holdings)
         short = tuple(
             f.name for f in view.files if sum(f.name in h.names for h in holdings.values()) < k + 1
         )
         return dataclasses.replace(plan, unreached=unreached, short=short)
+
+    def _unless_restarted_meanwhile(
+        self, view: CheckpointView, plan: HealPlan, asked_at: float
+    ) -> HealPlan:
+        """A heal that found every copy is no confirmation when a holder it names announced
+        a restart after the holdings were asked: that node may have come back empty since
+        it answered (the stop-34 network chaos run: a heal begun before the restart cleared
+        the doubt the announce had raised, and the checkpoint was listed REPLICATED on the
+        empty node's name). Its files stay under-replicated; the heal the announce queued
+        decides."""
+        if plan.label:
+            return plan
+        with self._lock:
+            meanwhile = self._restarted_since(asked_at)
+        named = [f.name for f in view.files if meanwhile & {f.owner_node, *f.replica_nodes}]
+        return dataclasses.replace(plan, under=tuple(named)) if named else plan
 
     def _durable_elsewhere(self, view: CheckpointView, holdings: Mapping[str, Holdings]) -> None:
         """A peer answered that a checkpoint not durable here is durable: the drain

@@ -694,3 +694,32 @@ def test_a_manifest_its_restarting_coordinator_confirms_later_is_adopted_then(
     cluster.committer._declined[rec8.key] -= commit.DECLINE_FOR
     assert cluster.committer.gossip(fanout=2) == 1
     assert catalog.get("run", "s8").checkpoint_id == "s8"
+
+
+def test_a_heal_that_asked_before_a_holder_restarted_confirms_nothing(
+    catalog: Catalog, save: Save
+) -> None:
+    """Issue 28 (stop 34): a heal gathered its holdings, then a holder announced it had
+    restarted (maybe empty). Its finding predates the restart: the checkpoint stays
+    under-replicated (it was listed REPLICATED on the empty node's name, and the doubt the
+    announce raised was cleared), and the heal the announce queues decides."""
+    fake = FakePeers("node-a", PEERS)
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s9", {"__0_0.distcp": b"x" * 10})
+    cluster.heal("run", "s9")
+    assert catalog.get("run", "s9").state is State.REPLICATED
+    holder = catalog.get("run", "s9").files[0].replica_nodes[0]
+    asked = FakePeers.holdings
+
+    def then_restarted(self: FakePeers, node: str, namespace: str, checkpoint_id: str) -> Holdings:
+        answer = asked(self, node, namespace, checkpoint_id)
+        cluster.healer.restarted(holder)  # announced while this heal asks
+        return answer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FakePeers, "holdings", then_restarted)
+        cluster.heal("run", "s9")
+    view = catalog.get("run", "s9")
+    assert view.state is State.COMMITTED and "under-replicated" in view.tiers
+    cluster.heal("run", "s9")  # the announce's heal: the holder answers with its copy
+    assert catalog.get("run", "s9").state is State.REPLICATED
