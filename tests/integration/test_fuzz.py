@@ -218,7 +218,7 @@ def test_fuzz_every_rpc_of_both_services() -> None:
         )
         paths = {m.path for m in fuzzer.methods}
         if not ONLY:
-            assert len(paths) == 24, f"expected 14 DaemonService + 10 PeerService methods: {paths}"
+            assert len(paths) == 25, f"expected 14 DaemonService + 11 PeerService methods: {paths}"
         # Real state for the fuzz to hit, drained to the file:// tier before the baselines.
         Tiered("fz", daemon.address).save(plain_tensor_state(1, 256 << 10), "step-1")
         _wait_durable(
