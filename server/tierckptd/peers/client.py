@@ -618,16 +618,13 @@ class PeerClient:
         request = peer_pb2.FetchFileRequest(
             ref=ref(namespace, checkpoint_id), file_name=name, offset=offset, length=length
         )
-        try:
-            resp: peer_pb2.BulkGrant = stub.GrantFetch(
-                request, timeout=CONTROL_TIMEOUT, wait_for_ready=True
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                metrics.peer_answered(node)
-                return None
-            raise _error(node, "GrantFetch", e) from None
-        metrics.peer_answered(node)
+        resp: peer_pb2.BulkGrant | None = self._unless_unimplemented(
+            node,
+            "GrantFetch",
+            lambda: stub.GrantFetch(request, timeout=CONTROL_TIMEOUT, wait_for_ready=True),
+        )
+        if resp is None:
+            return None
         address = self.membership.address_of(node) or ""
         host = address.rpartition(":")[0].strip("[]")
         if not host or not 0 < resp.port < 65536 or len(resp.grant) > 64:
@@ -718,15 +715,24 @@ class PeerClient:
         take offers (UNIMPLEMENTED: an older node), so the caller pushes over PushFile."""
         stub = self._stub(node, "OfferFile")
         header = peer_pb2.FileHeader(ref=ref(namespace, checkpoint_id), file=file_entry(f))
+        answer = self._unless_unimplemented(
+            node, "OfferFile", lambda: stub.OfferFile(header, timeout=TRANSFER_TIMEOUT)
+        )
+        return answer is not None
+
+    @staticmethod
+    def _unless_unimplemented(node: str, method: str, call: Callable[[], T]) -> T | None:
+        """`call()`, a call of `method` on `node`; None when `node` does not implement it
+        (an older node: it answered, so it counts as up). Any other failure is a
+        `PeerCallError`."""
         try:
-            stub.OfferFile(header, timeout=TRANSFER_TIMEOUT)
+            answer = call()
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                metrics.peer_answered(node)
-                return False
-            raise _error(node, "OfferFile", e) from None
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _error(node, method, e) from None
+            answer = None
         metrics.peer_answered(node)
-        return True
+        return answer
 
     def push(
         self,

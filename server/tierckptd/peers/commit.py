@@ -334,12 +334,12 @@ class Committer:
         bound = self.catalog.writers.bound_namespaces()  # before any peer is heard
         pulled = self.client.each(self.client.list_manifests, on_error=unanswered, parallel=True)
         stated = self._bind_namespaces(pulled, bound)
-        unconfirmed: dict[Key, CheckpointRecord] = {}
+        unconfirmed: dict[Key, tuple[str, CheckpointRecord]] = {}
         for node, got in pulled.items():
             refused = list(got.refused)
             for rec in got.records:
                 if not self._confirmed(node, rec, pulled, stated.get(rec.namespace, {})):
-                    unconfirmed.setdefault(rec.key, rec)
+                    unconfirmed.setdefault(rec.key, (node, rec))
                     refused.append(
                         f"{rec.namespace}/{rec.checkpoint_id}: relayed by {node}, coordinated "
                         f"by {coordinator_of(rec.files) or 'no node'}, which did not confirm it"
@@ -362,11 +362,11 @@ class Committer:
             for rec in adopted:
                 self._heal(rec.namespace, rec.checkpoint_id)
         later = {
-            key: rec
-            for key, rec in unconfirmed.items()
+            key: relayed
+            for key, relayed in unconfirmed.items()
             if key not in known
-            and coordinator_of(rec.files) in self.client.peer_ids
-            and coordinator_of(rec.files) != self.node_id
+            and coordinator_of(relayed[1].files) in self.client.peer_ids
+            and coordinator_of(relayed[1].files) != self.node_id
         }
         if later:
             threading.Thread(
@@ -388,39 +388,29 @@ class Committer:
         return len(adopted)
 
     def _confirm_later(
-        self, pending: dict[Key, CheckpointRecord], pauses: Sequence[float] = CONFIRM_RETRIES
+        self,
+        pending: dict[Key, tuple[str, CheckpointRecord]],
+        pauses: Sequence[float] = CONFIRM_RETRIES,
     ) -> int:
-        """Manifests refused at start because their coordinator did not confirm them: the
-        coordinator is asked again after each pause (it may have been starting empty
-        too, re-adopting its checkpoints from its peers) and what it confirms, as its
-        own manifest says it, is adopted and healed. Returns how many were."""
+        """Manifests refused at start because their coordinator did not confirm them
+        (`pending`: by checkpoint, the node that relayed it and its manifest): after each
+        pause each is adopted as gossip adopts a relayed one (`_adopt_relayed`: as its
+        coordinator confirms it), since the coordinator may have been starting empty too,
+        re-adopting its checkpoints from its peers. Returns how many were adopted."""
         adopted = 0
         for pause in pauses:
             if not pending:
                 break
             time.sleep(pause)
             known = set(self.catalog.committed_keys())
-            for key, rec in list(pending.items()):
+            for key, (node, rec) in list(pending.items()):
                 if key in known:
                     del pending[key]
-                    continue
-                coordinator = coordinator_of(rec.files)
-                try:
-                    confirmed = self._manifest_or_none(coordinator, *key)
-                except PeerCallError:
-                    continue  # not answering yet
-                if confirmed is None or coordinator_of(confirmed.files) != coordinator:
-                    continue  # not (yet) known there
-                del pending[key]
-                try:
-                    if not self.catalog.publish(confirmed):
-                        continue
-                except TierckptError as e:
-                    logger.info("confirmed manifest of %s/%s not adopted: %s", *key, e)
-                    continue
-                adopted += 1
-                logger.info("adopted %s/%s as its coordinator %s confirmed it", *key, coordinator)
-                self._heal(*key)
+                elif self._adopt_relayed(node, rec):
+                    del pending[key]
+                    adopted += 1
+        if adopted:
+            logger.info("adopted %d checkpoints as their coordinators confirmed them", adopted)
         return adopted
 
     def _bind_namespaces(
@@ -636,7 +626,7 @@ class Committer:
                             self._merged(rec.namespace, rec.checkpoint_id, before)
                     continue
                 known.add(rec.key)
-                if self._adopt_gossiped(node, rec):
+                if self._adopt_relayed(node, rec):
                     adopted += 1
             for key in manifests.lost:
                 if key in known:
@@ -653,10 +643,12 @@ class Committer:
             return set()
         return {n for f in view.files for n in (f.owner_node, *f.replica_nodes)}
 
-    def _adopt_gossiped(self, node: str, rec: CheckpointRecord) -> bool:
-        """Adopt a manifest `node` gossiped: as it is when `node` coordinates it, else as
-        its coordinator confirms it (a peer cannot make up another's checkpoint). One
-        the coordinator does not know, or this node deleted, is not asked about again."""
+    def _adopt_relayed(self, node: str, rec: CheckpointRecord) -> bool:
+        """Adopt a manifest `node` gossiped or relayed: as it is when `node` coordinates
+        it, else as its coordinator confirms it (a peer cannot make up another's
+        checkpoint). Gossip does not ask again about one this node deleted, or whose
+        coordinator names another, and asks about one the coordinator does not know
+        (yet: it may be restarting empty) after DECLINE_FOR seconds."""
         coordinator = coordinator_of(rec.files)
         try:
             if coordinator != node:

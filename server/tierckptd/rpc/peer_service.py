@@ -328,9 +328,9 @@ class PeerService:
             f.replica_nodes = [n for n in f.replica_nodes if n in members]
 
     def _copy_to_take(
-        self, caller: str, header: peer_pb2.FileHeader, method: str
+        self, caller: str, header: peer_pb2.FileHeader, verb: str
     ) -> tuple[str, str, FileRecord]:
-        """A copy `caller` may hand this node (PushFile, OfferFile): of a checkpoint this
+        """A copy `caller` may `verb` to this node (PushFile, OfferFile): of a checkpoint this
         node knows (else "publish it first"), of a file whose owner or listed holder
         `caller` is. Returns (namespace, checkpoint id, the file as the header says)."""
         namespace, checkpoint_id = check_ref(header.ref)
@@ -344,9 +344,8 @@ class PeerService:
         f = self._file(namespace, checkpoint_id, entry.name)
         if caller != f.owner_node and caller not in f.replica_nodes:
             raise PermissionDenied(
-                f"node {caller} may not {'offer' if method == 'OfferFile' else 'push'} "
-                f"{what}: only its owner ({f.owner_node or 'none'}) or a node holding a "
-                "copy may"
+                f"node {caller} may not {verb} {what}: only its owner "
+                f"({f.owner_node or 'none'}) or a node holding a copy may"
             )
         return namespace, checkpoint_id, entry
 
@@ -358,7 +357,7 @@ class PeerService:
             first = next(request_iterator, None)
             if first is None or first.header is None:
                 raise InvalidArgument("PushFile: the first message must carry the header")
-            namespace, checkpoint_id, entry = self._copy_to_take(caller, first.header, "PushFile")
+            namespace, checkpoint_id, entry = self._copy_to_take(caller, first.header, "push")
             pieces = ((c.offset, c.data) for c in request_iterator if c.data)
             received = self.cluster.receive(
                 namespace, checkpoint_id, entry.name, pieces, entry.checksums
@@ -370,7 +369,7 @@ class PeerService:
     def OfferFile(self, request: peer_pb2.FileHeader, context: Any) -> peer_pb2.PushFileResponse:
         def offer() -> peer_pb2.PushFileResponse:
             caller = self.caller(context)
-            namespace, checkpoint_id, entry = self._copy_to_take(caller, request, "OfferFile")
+            namespace, checkpoint_id, entry = self._copy_to_take(caller, request, "offer")
             received = self.cluster.take_offer(
                 caller, namespace, checkpoint_id, entry.name, entry.checksums
             )

@@ -678,7 +678,7 @@ def test_a_manifest_its_restarting_coordinator_confirms_later_is_adopted_then(
     meta.held = False
     rec.files[meta.name] = meta
     fake.answers["c"] = [rec]  # c relays it; b, restarting empty, does not know it yet
-    pending = {rec.key: rec}
+    pending = {rec.key: ("c", rec)}
     assert cluster.committer._confirm_later(pending, pauses=(0.0,)) == 0
     assert rec.key in pending
     fake.answers["b"] = [rec]  # b re-adopted it
