@@ -148,6 +148,9 @@ class ChaosCluster:
         self.budget_violations: list[str] = []
         self.budget_peak = 0.0
         self._last_outcome = time.monotonic()
+        self._outcome_dir = ""  # the job dir `_outcomes` has read, its names, what they say
+        self._outcome_names: set[str] = set()
+        self._outcome_found: dict[int, dict[int, str]] = {}
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_budget, daemon=True)
         self._sampler.start()
@@ -308,13 +311,26 @@ class ChaosCluster:
         self._last_outcome = time.monotonic()
 
     def _outcomes(self) -> dict[int, dict[int, str]]:
+        """{save index: {rank: "ok" | "fail"}} of the job's outcome files, read once each.
+
+        Read-only for callers. The job writes two files per save and a long run keeps
+        thousands; this is polled every 50 ms, so only names not seen before are parsed
+        (re-reading all of them grew the runner's own CPU with every save and slowed the
+        run it measures)."""
         assert self.job is not None
-        found: dict[int, dict[int, str]] = {}
-        for p in Path(self.job.job_dir).glob("*.rank*"):
-            outcome, index, rank = p.name.split(".")
-            if outcome in ("ok", "fail"):
-                found.setdefault(int(index), {})[int(rank[4:])] = outcome
-        return found
+        if self._outcome_dir != self.job.job_dir:
+            self._outcome_dir = self.job.job_dir
+            self._outcome_names = set()
+            self._outcome_found = {}
+        fresh = [n for n in os.listdir(self._outcome_dir) if n not in self._outcome_names]
+        for name in fresh:
+            self._outcome_names.add(name)
+            outcome, _, rest = name.partition(".")
+            index, _, rank = rest.partition(".")
+            if outcome in ("ok", "fail") and index.isdigit() and rank.startswith("rank"):
+                self._outcome_found.setdefault(int(index), {})[int(rank[4:])] = outcome
+                self._last_outcome = time.monotonic()
+        return self._outcome_found
 
     def last_index(self) -> int:
         """The newest save index begun so far (later ones begin after this moment)."""
@@ -363,9 +379,7 @@ class ChaosCluster:
         if dead:
             self.restart_job(f"rank {dead[0]} died")
             return
-        newest = max((p.stat().st_mtime for p in Path(self.job.job_dir).glob("*.rank*")), default=0)
-        if newest:
-            self._last_outcome = max(self._last_outcome, newest - time.time() + time.monotonic())
+        self._outcomes()  # a new outcome file moves `_last_outcome`
         if time.monotonic() - self._last_outcome > JOB_STALL:
             self.restart_job(f"no save finished for {JOB_STALL:.0f} s")
 
