@@ -34,6 +34,7 @@ from tierckpt.daemon_client import DaemonClient
 from tierckpt.errors import ChecksumMismatch, TierUnavailable
 from tierckpt.v1 import common_pb2, peer_pb2
 from tierckptd.config import SecurityConfig
+from tierckptd.ops.priority import BACKGROUND_NICE
 from tierckptd.peers.bulk_grants import GRANT_TTL, SEND_SLOTS
 from tierckptd.peers.bulk_wire import STATUS_NAMES, encode_request
 from tierckptd.peers.chunk_wire import PeerStub
@@ -181,13 +182,19 @@ def stub(node: Node, claim: str | None = "b1") -> PeerStub:
 
 
 def grant(
-    node: Node, name: str, offset: int = 0, length: int = 0, claim: str | None = "b1"
+    node: Node,
+    name: str,
+    offset: int = 0,
+    length: int = 0,
+    claim: str | None = "b1",
+    background: bool = False,
 ) -> peer_pb2.BulkGrant:
     request = peer_pb2.FetchFileRequest(
         ref=common_pb2.CheckpointRef(namespace=NS, checkpoint_id="step-1"),
         file_name=name,
         offset=offset,
         length=length,
+        background=background,
     )
     answer: peer_pb2.BulkGrant = stub(node, claim).GrantFetch(request, timeout=10)
     return answer
@@ -292,6 +299,63 @@ def test_replication_moves_its_bytes_over_the_bulk_stream(cluster: list[Node]) -
             node = cluster[int(r[1:])]
             f = node.client.get_checkpoint(NS, "step-offered").file(name)
             assert f.local_path and Path(f.local_path).read_bytes() == data, (r, name)
+
+
+def niced_threads(node: Node) -> int:
+    """Threads of the node's daemon at nice BACKGROUND_NICE or above (/proc stat field 19)."""
+    count = 0
+    for task in Path(f"/proc/{node.daemon.pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        count += int(fields[16]) >= BACKGROUND_NICE
+    return count
+
+
+def test_a_replication_copy_is_sent_at_background_priority_a_restore_is_not(
+    cluster: list[Node],
+) -> None:
+    """A replication copy yields the holder's cores to its own saves (ops/priority.py):
+    the send of a grant asked as `background` runs on a thread at nice BACKGROUND_NICE; a
+    restore's send keeps normal priority. Read while the send is blocked on a receiver
+    that reads nothing more (within the stall window)."""
+    node = cluster[holder(cluster, LARGE)]
+    size = len(FILES[LARGE])
+    wait_until("no send running", lambda: _grants_free(node), 10)
+    idle = niced_threads(node)
+    seen = {}
+    for background in (False, True):
+        g = grant(node, LARGE, background=background)
+        with connect(g.port, rcvbuf=64 << 10) as sock:
+            sock.sendall(bulk_request(g.grant, LARGE, 0, size))
+            assert read_n(sock, 9)[:1] == b"\0"  # OK: the send runs, and blocks
+            seen[background] = niced_threads(node) - idle
+        wait_until("the send dropped", lambda: _grants_free(node), 3 * STALL + 5)
+    assert seen == {False: 0, True: 1}, seen
+
+
+def test_an_offer_is_received_on_a_background_thread_that_ends_with_it() -> None:
+    """The target takes an offered copy on a thread of its own at nice BACKGROUND_NICE
+    (its gRPC handler thread, which serves saves next, keeps normal priority). b1's
+    first offered piece waits 3 s there (a fault delay); meanwhile one thread of b1 is
+    niced, and none once the copy landed, bit-exact."""
+    data = payload(11, 200_000)  # fits the socket buffers: the send is not held up
+    with ExitStack() as stack:
+        b0, b1 = start_nodes(
+            stack, 2, copies=1, env={1: {"TIERCKPT_FAULT": "peer.receive.offered:delay=3@1"}}
+        )
+        assert niced_threads(b1) == 0
+        save_ranks({0: b0.client}, NS, "step-niced", {0: {"__0_0.distcp": data}})
+        wait_until("b1 taking the offer", lambda: niced_threads(b1) == 1, 10, interval=0.05)
+        wait_until(
+            "step-niced REPLICATED",
+            lambda: b0.client.get_checkpoint(NS, "step-niced").state == "REPLICATED",
+            30,
+        )
+        assert niced_threads(b1) == 0 and niced_threads(b0) == 0
+        f = b1.client.get_checkpoint(NS, "step-niced").file("__0_0.distcp")
+        assert f.local_path and Path(f.local_path).read_bytes() == data
 
 
 # ---- the data connection trusts nothing but a fresh grant -----------------------------

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tierckpt.v1 import common_pb2 as tierckpt_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"N\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x14\n\x0cknows_caller\x18\x03 \x01(\x08\"\xbf\x01\n\x0e\x43heckpointMark\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.tierckpt.v1.MarkKind\x12\x12\n\nstamp_unix\x18\x03 \x01(\x01\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x17\n\ncaller_uid\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\r\n\x0b_caller_uid\"\x13\n\x11\x41pplyMarkResponse\"f\n\x10HoldingsResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\"\x1b\n\x19PublishCheckpointResponse\"[\n\nFileHeader\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\"R\n\tFileChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.tierckpt.v1.FileHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\x10PushFileResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"n\n\x10\x46\x65tchFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"\x82\x01\n\tBulkGrant\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\x0c\n\x04port\x18\x02 \x01(\r\x12$\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x12\n\nexpires_in\x18\x06 \x01(\x01\"x\n\x0b\x42ulkRequest\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\'\n\x03ref\x18\x02 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"R\n\x14ReportCorruptRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\"+\n\x15ReportCorruptResponse\x12\x12\n\nrechecking\x18\x01 \x01(\x08\"j\n\x15UpdateReplicasRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x15\n\rreplica_nodes\x18\x03 \x03(\t\"\x18\n\x16UpdateReplicasResponse\";\n\x14ListManifestsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08starting\x18\x02 \x01(\x08\"\xfd\x01\n\x15ListManifestsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\x12*\n\x05marks\x18\x02 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointMark\x12 \n\x13namespace_owner_uid\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14namespace_owner_node\x18\x04 \x01(\t\x12.\n\x07writers\x18\x05 \x03(\x0b\x32\x1d.tierckpt.v1.NamespaceWritersB\x16\n\x14_namespace_owner_uid\"E\n\x10NamespaceWriters\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0f\n\x07vouched\x18\x03 \x01(\x08*|\n\x08MarkKind\x12\x19\n\x15MARK_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cMARK_DELETED\x10\x01\x12\x0f\n\x0bMARK_PINNED\x10\x02\x12\x11\n\rMARK_UNPINNED\x10\x03\x12\x11\n\rMARK_VERIFIED\x10\x04\x12\x0c\n\x08MARK_BAD\x10\x05\x32\xd8\x06\n\x0bPeerService\x12\x45\n\x08Holdings\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1d.tierckpt.v1.HoldingsResponse\x12X\n\x11PublishCheckpoint\x12\x1b.tierckpt.v1.CheckpointInfo\x1a&.tierckpt.v1.PublishCheckpointResponse\x12\x43\n\x08PushFile\x12\x16.tierckpt.v1.FileChunk\x1a\x1d.tierckpt.v1.PushFileResponse(\x01\x12\x43\n\tOfferFile\x12\x17.tierckpt.v1.FileHeader\x1a\x1d.tierckpt.v1.PushFileResponse\x12\x44\n\tFetchFile\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.FileChunk0\x01\x12\x43\n\nGrantFetch\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.BulkGrant\x12V\n\rReportCorrupt\x12!.tierckpt.v1.ReportCorruptRequest\x1a\".tierckpt.v1.ReportCorruptResponse\x12Y\n\x0eUpdateReplicas\x12\".tierckpt.v1.UpdateReplicasRequest\x1a#.tierckpt.v1.UpdateReplicasResponse\x12V\n\rListManifests\x12!.tierckpt.v1.ListManifestsRequest\x1a\".tierckpt.v1.ListManifestsResponse\x12H\n\tApplyMark\x12\x1b.tierckpt.v1.CheckpointMark\x1a\x1e.tierckpt.v1.ApplyMarkResponse\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tierckpt/v1/peer.proto\x12\x0btierckpt.v1\x1a\x18tierckpt/v1/common.proto\"\x1f\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"N\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66\x61ilure_domain\x18\x02 \x01(\t\x12\x14\n\x0cknows_caller\x18\x03 \x01(\x08\"\xbf\x01\n\x0e\x43heckpointMark\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.tierckpt.v1.MarkKind\x12\x12\n\nstamp_unix\x18\x03 \x01(\x01\x12\x13\n\x0borigin_node\x18\x04 \x01(\t\x12\x17\n\ncaller_uid\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06reason\x18\x06 \x01(\tB\r\n\x0b_caller_uid\"\x13\n\x11\x41pplyMarkResponse\"f\n\x10HoldingsResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.tierckpt.v1.CheckpointState\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.tierckpt.v1.FileEntry\"\x1b\n\x19PublishCheckpointResponse\"[\n\nFileHeader\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12$\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\"R\n\tFileChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.tierckpt.v1.FileHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\x10PushFileResponse\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"\x82\x01\n\x10\x46\x65tchFileRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x12\n\nbackground\x18\x05 \x01(\x08\"\x82\x01\n\tBulkGrant\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\x0c\n\x04port\x18\x02 \x01(\r\x12$\n\x04\x66ile\x18\x03 \x01(\x0b\x32\x16.tierckpt.v1.FileEntry\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x12\n\nexpires_in\x18\x06 \x01(\x01\"x\n\x0b\x42ulkRequest\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\'\n\x03ref\x18\x02 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\"R\n\x14ReportCorruptRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\"+\n\x15ReportCorruptResponse\x12\x12\n\nrechecking\x18\x01 \x01(\x08\"j\n\x15UpdateReplicasRequest\x12\'\n\x03ref\x18\x01 \x01(\x0b\x32\x1a.tierckpt.v1.CheckpointRef\x12\x11\n\tfile_name\x18\x02 \x01(\t\x12\x15\n\rreplica_nodes\x18\x03 \x03(\t\"\x18\n\x16UpdateReplicasResponse\";\n\x14ListManifestsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x08starting\x18\x02 \x01(\x08\"\xfd\x01\n\x15ListManifestsResponse\x12\x30\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointInfo\x12*\n\x05marks\x18\x02 \x03(\x0b\x32\x1b.tierckpt.v1.CheckpointMark\x12 \n\x13namespace_owner_uid\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14namespace_owner_node\x18\x04 \x01(\t\x12.\n\x07writers\x18\x05 \x03(\x0b\x32\x1d.tierckpt.v1.NamespaceWritersB\x16\n\x14_namespace_owner_uid\"E\n\x10NamespaceWriters\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x0f\n\x07vouched\x18\x03 \x01(\x08*|\n\x08MarkKind\x12\x19\n\x15MARK_KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cMARK_DELETED\x10\x01\x12\x0f\n\x0bMARK_PINNED\x10\x02\x12\x11\n\rMARK_UNPINNED\x10\x03\x12\x11\n\rMARK_VERIFIED\x10\x04\x12\x0c\n\x08MARK_BAD\x10\x05\x32\xd8\x06\n\x0bPeerService\x12\x45\n\x08Holdings\x12\x1a.tierckpt.v1.CheckpointRef\x1a\x1d.tierckpt.v1.HoldingsResponse\x12X\n\x11PublishCheckpoint\x12\x1b.tierckpt.v1.CheckpointInfo\x1a&.tierckpt.v1.PublishCheckpointResponse\x12\x43\n\x08PushFile\x12\x16.tierckpt.v1.FileChunk\x1a\x1d.tierckpt.v1.PushFileResponse(\x01\x12\x43\n\tOfferFile\x12\x17.tierckpt.v1.FileHeader\x1a\x1d.tierckpt.v1.PushFileResponse\x12\x44\n\tFetchFile\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.FileChunk0\x01\x12\x43\n\nGrantFetch\x12\x1d.tierckpt.v1.FetchFileRequest\x1a\x16.tierckpt.v1.BulkGrant\x12V\n\rReportCorrupt\x12!.tierckpt.v1.ReportCorruptRequest\x1a\".tierckpt.v1.ReportCorruptResponse\x12Y\n\x0eUpdateReplicas\x12\".tierckpt.v1.UpdateReplicasRequest\x1a#.tierckpt.v1.UpdateReplicasResponse\x12V\n\rListManifests\x12!.tierckpt.v1.ListManifestsRequest\x1a\".tierckpt.v1.ListManifestsResponse\x12H\n\tApplyMark\x12\x1b.tierckpt.v1.CheckpointMark\x1a\x1e.tierckpt.v1.ApplyMarkResponse\x12>\n\x05Hello\x12\x19.tierckpt.v1.HelloRequest\x1a\x1a.tierckpt.v1.HelloResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierckpt.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MARKKIND']._serialized_start=1765
-  _globals['_MARKKIND']._serialized_end=1889
+  _globals['_MARKKIND']._serialized_start=1786
+  _globals['_MARKKIND']._serialized_end=1910
   _globals['_HELLOREQUEST']._serialized_start=65
   _globals['_HELLOREQUEST']._serialized_end=96
   _globals['_HELLORESPONSE']._serialized_start=98
@@ -52,26 +52,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FILECHUNK']._serialized_end=701
   _globals['_PUSHFILERESPONSE']._serialized_start=703
   _globals['_PUSHFILERESPONSE']._serialized_end=745
-  _globals['_FETCHFILEREQUEST']._serialized_start=747
-  _globals['_FETCHFILEREQUEST']._serialized_end=857
-  _globals['_BULKGRANT']._serialized_start=860
-  _globals['_BULKGRANT']._serialized_end=990
-  _globals['_BULKREQUEST']._serialized_start=992
-  _globals['_BULKREQUEST']._serialized_end=1112
-  _globals['_REPORTCORRUPTREQUEST']._serialized_start=1114
-  _globals['_REPORTCORRUPTREQUEST']._serialized_end=1196
-  _globals['_REPORTCORRUPTRESPONSE']._serialized_start=1198
-  _globals['_REPORTCORRUPTRESPONSE']._serialized_end=1241
-  _globals['_UPDATEREPLICASREQUEST']._serialized_start=1243
-  _globals['_UPDATEREPLICASREQUEST']._serialized_end=1349
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=1351
-  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=1375
-  _globals['_LISTMANIFESTSREQUEST']._serialized_start=1377
-  _globals['_LISTMANIFESTSREQUEST']._serialized_end=1436
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=1439
-  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=1692
-  _globals['_NAMESPACEWRITERS']._serialized_start=1694
-  _globals['_NAMESPACEWRITERS']._serialized_end=1763
-  _globals['_PEERSERVICE']._serialized_start=1892
-  _globals['_PEERSERVICE']._serialized_end=2748
+  _globals['_FETCHFILEREQUEST']._serialized_start=748
+  _globals['_FETCHFILEREQUEST']._serialized_end=878
+  _globals['_BULKGRANT']._serialized_start=881
+  _globals['_BULKGRANT']._serialized_end=1011
+  _globals['_BULKREQUEST']._serialized_start=1013
+  _globals['_BULKREQUEST']._serialized_end=1133
+  _globals['_REPORTCORRUPTREQUEST']._serialized_start=1135
+  _globals['_REPORTCORRUPTREQUEST']._serialized_end=1217
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_start=1219
+  _globals['_REPORTCORRUPTRESPONSE']._serialized_end=1262
+  _globals['_UPDATEREPLICASREQUEST']._serialized_start=1264
+  _globals['_UPDATEREPLICASREQUEST']._serialized_end=1370
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_start=1372
+  _globals['_UPDATEREPLICASRESPONSE']._serialized_end=1396
+  _globals['_LISTMANIFESTSREQUEST']._serialized_start=1398
+  _globals['_LISTMANIFESTSREQUEST']._serialized_end=1457
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_start=1460
+  _globals['_LISTMANIFESTSRESPONSE']._serialized_end=1713
+  _globals['_NAMESPACEWRITERS']._serialized_start=1715
+  _globals['_NAMESPACEWRITERS']._serialized_end=1784
+  _globals['_PEERSERVICE']._serialized_start=1913
+  _globals['_PEERSERVICE']._serialized_end=2769
 # @@protoc_insertion_point(module_scope)

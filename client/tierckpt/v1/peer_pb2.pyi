@@ -283,10 +283,16 @@ class FetchFileRequest(_message.Message):
     FILE_NAME_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    BACKGROUND_FIELD_NUMBER: _builtins.int
     file_name: _builtins.str
     offset: _builtins.int
     length: _builtins.int
     """0 = to the end of the file"""
+    background: _builtins.bool
+    """A replication copy (an offer being taken), not a restore: the holder sends it at
+    background CPU priority, so it yields the cores to that node's own saves. GrantFetch
+    only; a restore leaves it false.
+    """
     @_builtins.property
     def ref(self) -> _common_pb2.CheckpointRef: ...
     def __init__(
@@ -296,10 +302,11 @@ class FetchFileRequest(_message.Message):
         file_name: _builtins.str = ...,
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
+        background: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["file_name", b"file_name", "length", b"length", "offset", b"offset", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["background", b"background", "file_name", b"file_name", "length", b"length", "offset", b"offset", "ref", b"ref"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

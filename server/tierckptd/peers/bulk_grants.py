@@ -51,7 +51,7 @@ class Grant:
     """What one grant allows: `peer` (the node id the control call authorized) fetching
     `length` bytes of `namespace/checkpoint_id/name` from `offset`; `address` is the IP
     the control call came from ("" when it is not bound to one: mutual TLS binds the
-    node id instead)."""
+    node id instead); `background`: a replication copy, sent at background priority."""
 
     peer: str
     address: str
@@ -61,6 +61,7 @@ class Grant:
     offset: int
     length: int
     expires: float
+    background: bool = False
 
 
 class SendersBusy(TierckptError):
@@ -105,6 +106,7 @@ class Grants:
         name: str,
         offset: int,
         length: int,
+        background: bool = False,
     ) -> bytes:
         """A new grant (SendersBusy when this node is at its send slots: busy)."""
         now = self._clock()
@@ -117,7 +119,15 @@ class Grants:
                 )
             token = secrets.token_bytes(GRANT_BYTES)
             self._grants[_key(token)] = Grant(
-                peer, address, namespace, checkpoint_id, name, offset, length, now + self.ttl
+                peer,
+                address,
+                namespace,
+                checkpoint_id,
+                name,
+                offset,
+                length,
+                now + self.ttl,
+                background,
             )
             return token
 

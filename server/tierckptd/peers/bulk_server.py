@@ -26,6 +26,9 @@ bounded, acting only on its own hash (`peers/recheck.py`), and the background sc
 (`[memory] scrub_rate`) re-hashes every held copy anyway. (Hashing every block here as
 well cost the sender 3.46x the CPU per GiB of a raw `sendfile` sender.)
 
+A replication copy's grant says it is one (`background`): its send runs at background CPU
+priority (`ops/priority.py`), a restore's at normal priority.
+
 A send that makes no progress for `stall` seconds is dropped (the socket's timeout), so
 a fetcher that stops reading frees its slot.
 """
@@ -53,6 +56,7 @@ from tierckpt.v1 import peer_pb2
 from tierckptd.model import FileRecord
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
+from tierckptd.ops.priority import background_priority_for_this_thread
 from tierckptd.peers.bulk_grants import Grant, Grants
 from tierckptd.peers.bulk_wire import cert_names, error_frame, ok_frame, read_request
 from tierckptd.peers.serve import OnCorrupt
@@ -195,6 +199,10 @@ class BulkServer:
             except TierckptError as e:
                 self._refuse(conn, address, e)
                 return
+            if grant.background:
+                # This thread ends with this send (one grant per connection), so it can
+                # be lowered for good: a replication copy yields to this node's saves.
+                background_priority_for_this_thread()
             self._send(conn, grant, path, f)
         finally:
             self.grants.done()

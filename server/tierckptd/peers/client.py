@@ -604,19 +604,31 @@ class PeerClient:
 
     # ---- transfers --------------------------------------------------------------------
     def grant(
-        self, node: str, namespace: str, checkpoint_id: str, name: str, offset: int, length: int
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        offset: int,
+        length: int,
+        background: bool = False,
     ) -> BulkTicket | None:
         """GrantFetch: a one-use grant to fetch `length` bytes of a file `node` holds
         from `offset` over its bulk stream; None when this node has no bulk fetcher or
         `node` offers no bulk stream (UNIMPLEMENTED: an older node, or one without a
         bulk listener), so the caller fetches over FetchFile. NOT_FOUND when it holds no
-        copy, RESOURCE_EXHAUSTED when it runs its limit of sends (busy)."""
+        copy, RESOURCE_EXHAUSTED when it runs its limit of sends (busy). `background`:
+        a replication copy, which `node` sends at background priority."""
         if self.bulk is None:
             return None
         fault("peer.grant", lambda: PeerCallError(node, "GrantFetch", "INJECTED"))
         stub = self._stub(node, "GrantFetch")
         request = peer_pb2.FetchFileRequest(
-            ref=ref(namespace, checkpoint_id), file_name=name, offset=offset, length=length
+            ref=ref(namespace, checkpoint_id),
+            file_name=name,
+            offset=offset,
+            length=length,
+            background=background,
         )
         resp: peer_pb2.BulkGrant | None = self._unless_unimplemented(
             node,

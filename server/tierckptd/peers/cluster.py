@@ -52,6 +52,7 @@ from tierckptd.memory.incoming import install_copy
 from tierckptd.model import CheckpointRecord, CheckpointView, FileRecord, State
 from tierckptd.ops import metrics
 from tierckptd.ops.faults import fault
+from tierckptd.ops.priority import at_background_priority
 from tierckptd.peers.client import PeerCallError, PeerClient
 from tierckptd.peers.cluster_marks import Mark
 from tierckptd.peers.commit import Committer
@@ -442,9 +443,25 @@ class Cluster:
         fetches (its bulk stream when it grants one, else FetchFile) into `receive`,
         verified block by block as it lands; returns bytes taken (0: already held).
         While `node` answers busy (its bulk sends all taken: restores, other offers),
-        asked again for up to BUSY_PATIENCE seconds, as a restore does."""
+        asked again for up to BUSY_PATIENCE seconds, as a restore does. A copy is
+        background work at both ends (`ops/priority.py`): received on a thread of its own
+        at background priority (this is a gRPC handler's thread), sent by `node` at
+        background priority (the grant says so)."""
+        return at_background_priority(
+            lambda: self._take_offer(node, namespace, checkpoint_id, name, checksums),
+            "tierckptd-offer-take",
+        )
+
+    def _take_offer(
+        self,
+        node: str,
+        namespace: str,
+        checkpoint_id: str,
+        name: str,
+        checksums: BlockChecksums | None,
+    ) -> int:
         f = self.catalog.file_view(namespace, checkpoint_id, name)[0]
-        source = PeerSource(self.client, node)
+        source = PeerSource(self.client, node, background=True)
 
         def pieces() -> Iterable[tuple[int, BytesLike]]:
             for piece in source.chunks(namespace, checkpoint_id, f):

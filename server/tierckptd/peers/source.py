@@ -42,6 +42,8 @@ class PeerSource:
     file's neighbourhood and the coordinator, with retries, in the background).
     `on_rejected`: what to do when bytes it sent over the bulk stream failed verification
     here (the daemon queues a `ReportCorrupt` to it).
+    `background`: a replication copy, not a restore; the holder sends it at background
+    CPU priority (`ops/priority.py`).
     """
 
     def __init__(
@@ -50,9 +52,12 @@ class PeerSource:
         node: str,
         on_landed: OnLanded | None = None,
         on_rejected: OnRejected | None = None,
+        *,
+        background: bool = False,
     ) -> None:
         self.client = client
         self.node = node
+        self.background = background
         self._on_landed = on_landed
         self._on_rejected = on_rejected
         # The last transfer's bytes came over the bulk stream (unverified by the sender),
@@ -81,7 +86,9 @@ class PeerSource:
         what = f"{namespace}/{checkpoint_id}/{f.name}"
         self._via_bulk = False
         try:
-            ticket = self.client.grant(self.node, namespace, checkpoint_id, f.name, offset, length)
+            ticket = self.client.grant(
+                self.node, namespace, checkpoint_id, f.name, offset, length, self.background
+            )
             if ticket is not None:
                 try:
                     self._via_bulk = True

@@ -416,7 +416,14 @@ class PeerService:
             )
             address = "" if self.mutual_tls else _peer_host(context.peer())
             token = bulk.grants.issue(
-                caller, address, namespace, checkpoint_id, name, request.offset, length
+                caller,
+                address,
+                namespace,
+                checkpoint_id,
+                name,
+                request.offset,
+                length,
+                request.background,
             )
             return peer_pb2.BulkGrant(
                 grant=token,

@@ -109,7 +109,9 @@ class _FirewalledPeer:
         self.data = data
         self.fetched: list[tuple[int, int]] = []
 
-    def grant(self, node: str, ns: str, cid: str, name: str, offset: int, length: int) -> object:
+    def grant(
+        self, node: str, ns: str, cid: str, name: str, offset: int, length: int, background: bool
+    ) -> object:
         return object()
 
     def fetch_bulk(self, node: str, ticket: object) -> Iterator[tuple[int, bytes]]:
