@@ -247,6 +247,7 @@ def _bulk_server(
         mutual_tls=mutual_tls,
         stall=cluster.client.fetch_stall,
         on_corrupt=cluster.corrupt,
+        saving=catalog.saving,
     )
 
 

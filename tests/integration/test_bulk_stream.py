@@ -44,7 +44,7 @@ from tests.support.certs import make_certs
 from tests.support.daemon_process import DaemonProcess
 from tests.support.peer_nodes import payload
 from tests.support.ports import free_ports
-from tests.support.raw_rpc import save_ranks
+from tests.support.raw_rpc import save_ranks, write_files
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -333,6 +333,51 @@ def test_a_replication_copy_is_sent_at_background_priority_a_restore_is_not(
             seen[background] = niced_threads(node) - idle
         wait_until("the send dropped", lambda: _grants_free(node), 3 * STALL + 5)
     assert seen == {False: 0, True: 1}, seen
+
+
+def _read_for(sock: socket.socket, size: int, seconds: float) -> bytes:
+    """What arrives on `sock` within `seconds` (at most `size` bytes)."""
+    out = bytearray()
+    until = time.monotonic() + seconds
+    while len(out) < size and (left := until - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(min(1 << 20, size - len(out)))
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    sock.settimeout(15)
+    return bytes(out)
+
+
+def test_a_replication_copy_steps_aside_for_a_save_a_restore_does_not(
+    cluster: list[Node],
+) -> None:
+    """While a save writes on the holder, a restore's send goes at once, whole; a
+    replication copy's (a `background` grant) goes a slice (BACKGROUND_SLICE) at a time,
+    at most half the stall window apart, so it lands complete and bit-exact, later."""
+    node = cluster[holder(cluster, LARGE)]
+    size = len(FILES[LARGE])
+    wait_until("no send running", lambda: _grants_free(node), 10)
+    got = {}
+    for background in (False, True):
+        cid = f"step-writing-{int(background)}"
+        write_files(node.client, NS, cid, {"__0_0.distcp": b"w" * 1000})  # stays WRITING
+        try:
+            g = grant(node, LARGE, background=background)
+            with connect(g.port) as sock:
+                sock.sendall(bulk_request(g.grant, LARGE, 0, size))
+                assert read_n(sock, 9)[:1] == b"\0"
+                early = _read_for(sock, size, 1.5)
+                data = early + _read_for(sock, size - len(early), 30)
+        finally:
+            node.client.abort_checkpoint(NS, cid)
+        assert data == FILES[LARGE], background
+        got[background] = len(early)
+    assert got[False] == size, got  # a restore is never held back
+    assert got[True] < size // 2, got  # at most 2 slices and the socket buffers
 
 
 def test_an_offer_is_received_on_a_background_thread_that_ends_with_it() -> None:

@@ -44,6 +44,7 @@ from tierckptd.jobs import (
     JobQueue,
     Repair,
     ReportCorrupt,
+    StepAside,
     Tell,
     TellLanded,
     backoff,
@@ -462,10 +463,15 @@ class Cluster:
     ) -> int:
         f = self.catalog.file_view(namespace, checkpoint_id, name)[0]
         source = PeerSource(self.client, node, background=True)
+        # A save that starts here mid-file goes first (as the holder's send does for its
+        # own saves): each pause at most half the stall window, so the sender's send
+        # does not time out, SAVE_YIELD_MAX seconds in all.
+        aside = StepAside(self.catalog.saving, stop=self._stop)
 
         def pieces() -> Iterable[tuple[int, BytesLike]]:
             for piece in source.chunks(namespace, checkpoint_id, f):
                 fault("peer.receive.offered")
+                aside.wait(self.client.fetch_stall / 2)
                 yield piece
 
         give_up = time.monotonic() + BUSY_PATIENCE
