@@ -455,8 +455,14 @@ class Healer:
             plan = plan_heal(view, holdings, members, k, me, waiting)
         trims = plan_trim(view, holdings, members, k, me)
 
-        def told(name: str, replicas: list[str]) -> list[str]:
+        def told(name: str, replicas: list[str]) -> list[str] | None:
+            """Who hears of the new list: the file's neighbourhood and the coordinator;
+            every peer when it drops a name (a trim, a holder found without its copy).
+            Gossip merges replica lists as unions, so it spreads a name added but never
+            a name removed: a node outside the neighbourhood would list it for good."""
             f = files_by_name[name]
+            if set(f.replica_nodes) - set(replicas):
+                return None
             return told_nodes(manifest, f, replicas, members, k, me, coordinator)
 
         for name, replicas in plan.replicas.items():
@@ -537,7 +543,7 @@ class Healer:
             )
 
     def _trim(
-        self, view: CheckpointView, name: str, kept: list[str], k: int, told: list[str]
+        self, view: CheckpointView, name: str, kept: list[str], k: int, told: list[str] | None
     ) -> None:
         """Drop this node's surplus copy of `name` (peers/trim.py) and tell the peers
         which nodes keep one."""

@@ -723,3 +723,27 @@ def test_a_heal_that_asked_before_a_holder_restarted_confirms_nothing(
     assert view.state is State.COMMITTED and "under-replicated" in view.tiers
     cluster.heal("run", "s9")  # the announce's heal: the holder answers with its copy
     assert catalog.get("run", "s9").state is State.REPLICATED
+
+
+def test_a_list_that_drops_a_name_is_told_to_every_peer(catalog: Catalog, save: Save) -> None:
+    """A copy added is told to the file's neighbourhood and coordinator (gossip spreads an
+    added name: replica lists merge as unions); a name dropped (a holder found without
+    its copy) is told to every peer, or a node outside the neighbourhood would list the
+    dropped holder for good (the network chaos run's `step-00100553`)."""
+    peers = {n: f"r{i}" for i, n in enumerate("bcdefgh", start=2)}
+    fake = FakePeers("node-a", peers)
+    fake.membership.configure([PeerConfig(n, "x:1", d) for n, d in peers.items()], 1)
+    cluster = _cluster(catalog, fake)
+    save(catalog, "run", "s1", {"__0_0.distcp": b"x" * 100})
+    cluster.heal("run", "s1")
+    (holder,) = catalog.get("run", "s1").files[0].replica_nodes
+    added = {n for n, name, _ in fake.replicas if name == "__0_0.distcp"}
+    assert holder in added and added < set(peers), added  # the neighbourhood only
+    fake.replicas.clear()
+    fake.held[holder] = {}  # answers without its copy, and takes none: replaced
+    fake.refuse[holder] = "RESOURCE_EXHAUSTED"
+    cluster.heal("run", "s1")
+    (now,) = catalog.get("run", "s1").files[0].replica_nodes
+    assert now != holder
+    told = {n for n, name, replicas in fake.replicas if replicas == [now]}
+    assert told == set(peers), told
