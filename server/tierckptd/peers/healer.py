@@ -162,6 +162,8 @@ def plan_heal(
     # The persistent tier holds every file (here, or a peer knows it: this node may not
     # have learnt it yet, and a peer that let its copies go there answers without them).
     durable = view.state is State.DURABLE or any(h.durable for h in holdings.values())
+    domain_of = {m.id: m.domain for m in members}
+    spread = min(k + 1, len(set(domain_of.values())))  # failure domains the copies span
     pushes: list[FilePush] = []
     replicas: dict[str, list[str]] = {}
     lost: list[str] = []
@@ -188,6 +190,13 @@ def plan_heal(
             need = k + 1 - len(holders) - len(pending)
             if need > 0 and targets:
                 pushes.append(FilePush(f.name, targets, need))
+            elif missing := _domains_missing(domain_of, [*holders, *pending], spread):
+                # Enough copies, too few failure domains: placed while the other domains
+                # were out of reach. One more copy in each missing domain (the trim then
+                # drops the copy that ranks last: the one in a domain already covered).
+                pushes.extend(
+                    _spread_push(f.name, targets, domain_of, [*holders, *pending], missing)
+                )
             rank = {n: i for i, n in enumerate(candidates)}
             recorded = sorted(
                 (n for n in [*holders, *pending] if n != f.owner_node),
@@ -198,7 +207,33 @@ def plan_heal(
         claimed = {f.owner_node, *recorded}
         if len(holders) < k + 1 and not claimed <= set(holders):
             under.append(f.name)
+        elif len(holders) >= k + 1 and _domains_missing(domain_of, holders, spread):
+            under.append(f.name)  # k + 1 copies, yet one failure domain's loss takes all
     return HealPlan(tuple(pushes), replicas, tuple(lost), tuple(under))
+
+
+def _domains_missing(domain_of: Mapping[str, str], holders: Sequence[str], spread: int) -> int:
+    """How many more failure domains the copies on `holders` must span (`spread`: k + 1,
+    or every domain of the cluster when it has fewer)."""
+    return max(0, spread - len({domain_of.get(n, n) for n in holders}))
+
+
+def _spread_push(
+    name: str,
+    targets: Sequence[str],
+    domain_of: Mapping[str, str],
+    holders: Sequence[str],
+    missing: int,
+) -> list[FilePush]:
+    """A push of `name` to a node in each of `missing` failure domains its holders lack
+    (the best target of each domain, best domain first), or none when no such target is
+    reachable."""
+    have = {domain_of.get(n, n) for n in holders}
+    spread: dict[str, str] = {}
+    for n in targets:
+        spread.setdefault(domain_of.get(n, n), n)
+    new = tuple(n for d, n in spread.items() if d not in have)
+    return [FilePush(name, new, min(missing, len(new)))] if new else []
 
 
 def involved(

@@ -21,6 +21,7 @@ from tierckptd.peers.cluster import Cluster
 from tierckptd.peers.commit import claims
 from tierckptd.peers.healer import FilePush, HealPlan, plan_heal, responsible
 from tierckptd.peers.placement import Member, file_key, neighbourhood, preference
+from tierckptd.peers.trim import plan_trim
 from tierckptd.restore import Restorer, no_sources
 
 from tests.support.daemon_parts import coordinator
@@ -747,3 +748,31 @@ def test_a_list_that_drops_a_name_is_told_to_every_peer(catalog: Catalog, save: 
     assert now != holder
     told = {n for n, name, replicas in fake.replicas if replicas == [now]}
     assert told == set(peers), told
+
+
+def test_copies_in_one_failure_domain_are_spread_to_another_then_the_extra_is_trimmed() -> None:
+    """A replica placed in the owner's failure domain while the others were out of reach
+    (the network chaos run's `step-00100044`: the owner's rack then lost both copies'
+    nodes at once, one cut, one replaced empty) is not enough: the file is listed
+    under-replicated, and once another domain answers its owner pushes a copy there;
+    the copy that then ranks last, in the domain already covered, is trimmed."""
+    f = _file("f", "a", ["d"])  # a and d: both in r1
+    view = _view(f)
+    # The other domains out of reach: nothing to push, but honest about it.
+    plan = plan_heal(view, {"a": _held("f"), "d": _held("f")}, MEMBERS, 1, "a")
+    assert plan.pushes == () and plan.under == ("f",)
+    # Back in reach: one copy to the best node of another domain.
+    holdings = {"a": _held("f"), "d": _held("f"), "b": _held(), "c": _held()}
+    plan = plan_heal(view, holdings, MEMBERS, 1, "a")
+    best = _targets("f", "a", {"a", "d"})
+    assert plan.pushes == (FilePush("f", best, 1),) and plan.under == ("f",)
+    # Pushed: two domains hold it, and d's copy is the surplus.
+    holdings[best[0]] = _held("f")
+    assert plan_heal(view, holdings, MEMBERS, 1, "a").under == ()
+    assert plan_heal(view, holdings, MEMBERS, 1, "a").pushes == ()
+    assert plan_trim(view, holdings, MEMBERS, 1, "d") == {"f": [best[0]]}
+    assert plan_trim(view, holdings, MEMBERS, 1, best[0]) == {}
+    # A cluster of one failure domain asks for nothing more.
+    one = [Member(m.id, "r1") for m in MEMBERS]
+    plan = plan_heal(view, {"a": _held("f"), "d": _held("f"), "b": _held()}, one, 1, "a")
+    assert plan.pushes == () and plan.under == ()
