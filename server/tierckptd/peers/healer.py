@@ -229,10 +229,10 @@ def _spread_push(
     (the best target of each domain, best domain first), or none when no such target is
     reachable."""
     have = {domain_of.get(n, n) for n in holders}
-    spread: dict[str, str] = {}
+    best: dict[str, str] = {}  # domain -> its best target (targets come best first)
     for n in targets:
-        spread.setdefault(domain_of.get(n, n), n)
-    new = tuple(n for d, n in spread.items() if d not in have)
+        best.setdefault(domain_of.get(n, n), n)
+    new = tuple(n for d, n in best.items() if d not in have)
     return [FilePush(name, new, min(missing, len(new)))] if new else []
 
 
